@@ -1,0 +1,388 @@
+"""The torch side of the shards: a zero-collation ``IterableDataset`` and its ``DataLoader``.
+
+A shard row is already a training row, so loading it is slicing memory-mapped Arrow buffers with
+numpy and handing them to torch; there is no per-example Python, no padding and no collate step. The
+batch one row becomes (DESIGN.md, "The batch the loader yields")::
+
+    input_ids, position_ids, labels   int64 [1, T]
+    cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]
+    max_length_q, max_length_k        int               Python ints: no host-device sync per layer
+    num_items_in_batch                int               loss tokens of the whole global step (below)
+
+``model(**batch)`` works for a transformers causal LM prepared with ``packer.attention.prepare``.
+
+Order, ranks and the remainder. The manifest's row order is the planner's: consecutive groups of
+``world_size`` rows form one global micro-step and rank ``r`` takes the ``r``-th row of each group
+(the planner can balance the ranks of a group). ``grad_accum`` consecutive groups form one optimizer
+step. Shuffling permutes whole groups, deterministically per ``(seed, epoch)``::
+
+    rows      0 1 2 3 | 4 5 6 7 | 8 9 F F      world_size = 4, 10 rows, F = filler
+    rank 1    1         5         9
+
+When the rows do not fill a whole optimizer step (``world_size * grad_accum`` rows), the policy is
+``remainder="pad"`` (default): the last group is completed, and the last optimizer step filled up with
+whole groups, by *filler* rows: copies of real rows whose labels are all -100, so they add zero loss
+and zero loss tokens. One epoch then yields every real row exactly once over all ranks, every rank
+makes the same number of steps, and every optimizer step has ``grad_accum`` micro-batches. With
+``remainder="drop"`` the rows of the incomplete optimizer step are left out of the epoch instead
+(they are in other epochs when shuffling). DataLoader workers take a rank's steps round-robin, which
+is the order in which the DataLoader hands them out, so the stream does not depend on the number of
+workers.
+
+Loss normalisation. Every micro-batch carries ``num_items_in_batch``: the loss tokens of its whole
+optimizer step, ``grad_accum`` micro-batches on ``world_size`` ranks, summed from the rows'
+``num_loss_tokens`` column (no communication: every rank knows the whole order). A transformers
+causal LM then returns ``sum of token losses / num_items_in_batch``, and the gradients summed over
+the micro-batches equal those of the one big batch. Under DDP, which *averages* gradients over ranks,
+multiply each loss by ``world_size`` (as transformers' Trainer does).
+
+Resume. ``PackedDataLoader.state_dict()`` records the epoch and the number of batches handed out in
+it, plus what the order depends on (manifest fingerprint, world size, rank, seed, grad_accum, ...);
+``load_state_dict`` continues exactly there, refusing a state from another shard directory, world
+size or order. The dataset has the same two methods (counting what it yielded itself, which is exact
+with ``num_workers=0``), following the torchdata ``StatefulDataLoader`` protocol.
+
+Cost: opening maps the shards (no read) and builds one int64 index per row batch; each step slices
+buffers and makes three int64 copies of T tokens (the int32 → int64 widening).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from . import schema
+from .errors import ConfigError, ShardFormatError
+
+STATE_VERSION = 1
+
+__all__ = ["PackedDataset", "PackedDataLoader", "make_dataloader", "manifest_fingerprint", "STATE_VERSION"]
+
+
+def manifest_fingerprint(directory: str | os.PathLike) -> str:
+    """sha256 of the manifest's bytes: names one build (its shards carry their own hashes in it)."""
+    return hashlib.sha256((Path(directory) / schema.MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def _dist_rank_world() -> tuple[int, int] | None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
+class _Shards:
+    """The memory-mapped row batches of a shard directory, addressed by global row index."""
+
+    def __init__(self, directory: Path, shard_entries: list[dict[str, Any]]) -> None:
+        self.tables = []  # keeps the memory maps alive
+        self.batches: list[dict[str, np.ndarray]] = []
+        self.starts: list[int] = []
+        n = 0
+        for entry in shard_entries:
+            table = schema.open_shard(directory / entry["file"])
+            if table.num_rows != entry["rows"]:
+                raise ShardFormatError(
+                    f"{directory / entry['file']}: {table.num_rows} rows, the manifest records {entry['rows']}; "
+                    "the folder mixes builds, rebuild it"
+                )
+            self.tables.append(table)
+            for batch in table.to_batches():
+                if batch.num_rows == 0:
+                    continue
+                cols: dict[str, np.ndarray] = {}
+                for name in ("input_ids", "position_ids", "labels", "seq_lens"):
+                    arr = batch.column(name)
+                    cols[name] = arr.values.to_numpy(zero_copy_only=True)
+                    cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
+                cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
+                cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
+                self.batches.append(cols)
+                self.starts.append(n)
+                n += batch.num_rows
+        self.num_rows = n
+        self.num_loss_tokens = (
+            np.concatenate([b["num_loss_tokens"] for b in self.batches]).astype(np.int64)
+            if self.batches
+            else np.zeros(0, np.int64)
+        )
+
+    def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
+        b = bisect.bisect_right(self.starts, index) - 1
+        cols, j = self.batches[b], index - self.starts[b]
+        o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
+        s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
+        cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
+        np.cumsum(cols["seq_lens"][s0:s1], out=cu[1:])
+        cu_t = torch.from_numpy(cu)
+        if filler:
+            labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
+        else:
+            labels = torch.from_numpy(cols["labels"][o0:o1].astype(np.int64)).view(1, -1)
+        max_len = int(cols["max_seqlen"][j])
+        return {
+            "input_ids": torch.from_numpy(cols["input_ids"][o0:o1].astype(np.int64)).view(1, -1),
+            "position_ids": torch.from_numpy(cols["position_ids"][o0:o1].astype(np.int64)).view(1, -1),
+            "labels": labels,
+            "cu_seq_lens_q": cu_t,
+            "cu_seq_lens_k": cu_t,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+            "num_items_in_batch": num_items,
+        }
+
+
+class PackedDataset(IterableDataset):
+    """Rows of a packer shard directory as model-ready batch dicts, one row per batch.
+
+    Args:
+        directory: a finished ``packer build`` output (``manifest.json`` present).
+        shuffle, seed: permute whole groups of ``world_size`` rows, deterministically per (seed, epoch).
+        rank, world_size: default to ``torch.distributed`` when initialised, else 0 and 1.
+        grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
+        remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
+        verify: also check every shard's sha256 against the manifest (reads every byte once).
+
+    Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
+    finished build of this format version, or a shard is missing or has another size than recorded.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        grad_accum: int = 1,
+        remainder: Literal["pad", "drop"] = "pad",
+        verify: bool = False,
+    ) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self.manifest = schema.read_manifest(self.directory)
+        self.fingerprint = manifest_fingerprint(self.directory)
+        dist = _dist_rank_world()
+        if world_size is None:
+            world_size = dist[1] if dist else 1
+        if rank is None:
+            rank = dist[0] if dist else 0
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
+        if grad_accum < 1:
+            raise ConfigError(f"grad_accum {grad_accum}: need at least 1 micro-batch per optimizer step")
+        if remainder not in ("pad", "drop"):
+            raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
+        self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
+        self.grad_accum, self.remainder = grad_accum, remainder
+        self.epoch = 0
+        self._resume_at = 0  # steps of self.epoch already consumed (set by load_state_dict)
+        self._yielded = 0  # steps this process yielded in the current iteration (num_workers=0)
+        self._check_files(verify)
+        self._shards: _Shards | None = None
+        shards = self._open()
+        self.num_rows = shards.num_rows
+        if self.num_rows != self.manifest.get("stats", {}).get("rows", self.num_rows):
+            raise ShardFormatError(
+                f"{self.directory}: shards hold {self.num_rows} rows, the manifest's stats say "
+                f"{self.manifest['stats']['rows']}; rebuild the folder"
+            )
+        if self.num_rows == 0:
+            raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
+
+    # -- opening ------------------------------------------------------------------------------
+    def _check_files(self, verify: bool) -> None:
+        shards = self.manifest.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise ShardFormatError(
+                f"{self.directory / schema.MANIFEST_NAME}: lists no shards; rebuild the folder"
+            )
+        for entry in shards:
+            path = self.directory / entry["file"]
+            if not path.is_file():
+                raise ShardFormatError(
+                    f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
+                )
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                raise ShardFormatError(
+                    f"{path}: {size} bytes, the manifest records {entry['bytes']}; the shard is truncated or "
+                    "from another build, rebuild the folder"
+                )
+            if verify and schema.file_sha256(path) != entry["sha256"]:
+                raise ShardFormatError(
+                    f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
+                )
+
+    def _open(self) -> _Shards:
+        if self._shards is None:
+            self._shards = _Shards(self.directory, self.manifest["shards"])
+        return self._shards
+
+    def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
+        state = self.__dict__.copy()
+        state["_shards"] = None
+        return state
+
+    # -- order --------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle of ``epoch``; a pending resume position is kept only for its own epoch."""
+        if epoch != self.epoch:
+            self._resume_at = 0
+        self.epoch = epoch
+
+    def _plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
+        n, w, g = self.num_rows, self.world_size, self.grad_accum
+        n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
+        slots = np.arange(n_groups * w, dtype=np.int64).reshape(n_groups, w)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            slots = slots[rng.permutation(n_groups)]
+        if self.remainder == "pad" and n_groups % g:
+            extra = g - n_groups % g  # whole filler groups so the last optimizer step has g micro-batches
+            slots = np.concatenate([slots, np.arange(n, n + extra * w, dtype=np.int64).reshape(extra, w)])
+        filler = slots >= n
+        rows = slots % n
+        loss = np.where(filler, 0, self._open().num_loss_tokens[rows])
+        step_items = loss.reshape(-1, g * w).sum(axis=1)
+        items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
+        return rows[:, self.rank], filler[:, self.rank], items
+
+    def __len__(self) -> int:
+        """Steps (batches) per epoch on this rank, the same on every rank."""
+        n, w, g = self.num_rows, self.world_size, self.grad_accum
+        if self.remainder == "drop":
+            return (n // (w * g)) * g
+        groups = -(-n // w)
+        return -(-groups // g) * g
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        rows, filler, items = self._plan()
+        start = self._resume_at
+        self._resume_at = 0
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        shards = self._open()
+        self._yielded = start
+        for k in range(start + wid, len(rows), nw):
+            batch = shards.row(int(rows[k]), bool(filler[k]), int(items[k]))
+            self._yielded = k + 1
+            yield batch
+
+    # -- resume -------------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "manifest_sha256": self.fingerprint,
+            "num_rows": self.num_rows,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "grad_accum": self.grad_accum,
+            "remainder": self.remainder,
+        }
+
+    def _make_state(self, steps_done: int) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "steps_done": steps_done, **self._identity()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after what this dataset's own iterator yielded (exact with ``num_workers=0``)."""
+        return self._make_state(self._yielded)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"loader state version {state.get('version') if isinstance(state, dict) else state!r}, "
+                f"this packer reads version {STATE_VERSION}"
+            )
+        if state["manifest_sha256"] != self.fingerprint:
+            raise ShardFormatError(
+                f"{self.directory}: the loader state was saved on another shard directory (manifest sha256 "
+                f"{state['manifest_sha256'][:12]}…, this one {self.fingerprint[:12]}…); resume on the same build"
+            )
+        mine = self._identity()
+        for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
+            if state[key] != mine[key]:
+                raise ConfigError(
+                    f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
+                    "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
+                )
+        steps = int(state["steps_done"])
+        if not 0 <= steps <= len(self):
+            raise ConfigError(f"loader state at step {steps}, but an epoch has {len(self)} steps")
+        self.epoch = int(state["epoch"])
+        self._resume_at = steps
+        self._yielded = steps
+
+
+class PackedDataLoader(DataLoader):
+    """A ``DataLoader`` over a ``PackedDataset`` (batch_size=None: a row is a batch) that can resume.
+
+    ``state_dict()`` counts the batches handed out in the current epoch, so prefetching workers do not
+    matter; ``load_state_dict()`` makes the next ``iter()`` continue right after them.
+    """
+
+    dataset: PackedDataset
+
+    def __init__(self, dataset: PackedDataset, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=None, **kwargs)
+        self._delivered = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._delivered = self.dataset._resume_at
+        for batch in super().__iter__():
+            self._delivered += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset._make_state(self._delivered)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+        self._delivered = self.dataset._resume_at
+
+
+def make_dataloader(
+    directory: str | os.PathLike,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    grad_accum: int = 1,
+    remainder: Literal["pad", "drop"] = "pad",
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    verify: bool = False,
+) -> PackedDataLoader:
+    """A resumable DataLoader yielding one packed row per batch; see ``PackedDataset`` for the options."""
+    dataset = PackedDataset(
+        directory,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        remainder=remainder,
+        verify=verify,
+    )
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = False
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
+    return PackedDataLoader(dataset, **kwargs)

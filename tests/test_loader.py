@@ -1,0 +1,312 @@
+"""The loader: the batch contract, open-time checks, ranks × workers coverage, shuffling, remainder,
+num_items_in_batch and exact resume. Shards are written by hand here with the schema module, so these
+tests depend on the on-disk contract only, not on `packer build`."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from packer import schema
+from packer.errors import ConfigError, ShardFormatError
+from packer.loader import PackedDataset, make_dataloader
+
+ROW_TAG = 1000  # each row's first token is ROW_TAG + row index, so a batch names its row
+
+
+def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: int = 0) -> list[dict]:
+    """A finished build by hand: random examples (1–4 per row), completion-only labels, manifest last."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    example_id = 0
+    for r in range(n_rows):
+        lens = rng.integers(3, 13, size=rng.integers(1, 5)).tolist()
+        ids, pos, labels = [], [], []
+        for n in lens:
+            toks = rng.integers(5, 100, size=n).tolist()
+            prompt = int(rng.integers(1, n))
+            ids += toks
+            pos += list(range(n))
+            labels += [-100] * prompt + toks[prompt:]
+        ids[0] = ROW_TAG + r
+        rows.append(
+            {
+                "input_ids": ids,
+                "position_ids": pos,
+                "labels": labels,
+                "seq_lens": lens,
+                "example_ids": list(range(example_id, example_id + len(lens))),
+                "num_loss_tokens": sum(lab != -100 for lab in labels),
+                "max_seqlen": max(lens),
+            }
+        )
+        example_id += len(lens)
+    shards = []
+    for i, start in enumerate(range(0, n_rows, rows_per_shard)):
+        chunk = rows[start : start + rows_per_shard]
+        table = pa.Table.from_pylist(chunk, schema=schema.ROW_SCHEMA)
+        path = directory / schema.shard_name(i)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
+            for batch in table.to_batches(max_chunksize=3):  # several record batches per shard
+                writer.write_batch(batch)
+        shards.append(
+            {
+                "file": path.name,
+                "rows": len(chunk),
+                "tokens": sum(len(r["input_ids"]) for r in chunk),
+                "bytes": path.stat().st_size,
+                "sha256": schema.file_sha256(path),
+            }
+        )
+    manifest = {
+        "format": schema.FORMAT_NAME,
+        "format_version": schema.FORMAT_VERSION,
+        "shards": shards,
+        "stats": {
+            "rows": n_rows,
+            "tokens": sum(len(r["input_ids"]) for r in rows),
+            "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
+        },
+        "tokenizer": {"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0},
+        "config": {"pack": "batch", "world_size": 1},
+    }
+    (directory / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest(manifest))
+    return rows
+
+
+def row_of(batch: dict) -> int:
+    return int(batch["input_ids"][0, 0]) - ROW_TAG
+
+
+def is_filler(batch: dict) -> bool:
+    return bool((batch["labels"] == -100).all())
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("build")
+    rows = write_build(directory, 23)
+    return directory, rows
+
+
+def test_batch_matches_row(build):
+    directory, rows = build
+    ds = PackedDataset(directory, shuffle=False)
+    batches = list(ds)
+    assert len(batches) == len(rows) == len(ds)
+    for batch, row in zip(batches, rows, strict=True):
+        assert set(batch) == {
+            "input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k",
+            "max_length_q", "max_length_k", "num_items_in_batch",
+        }  # fmt: skip
+        for key in ("input_ids", "position_ids", "labels"):
+            assert batch[key].dtype == torch.int64 and batch[key].shape == (1, len(row["input_ids"]))
+            assert batch[key][0].tolist() == row[key]
+        assert batch["cu_seq_lens_q"].dtype == torch.int32
+        assert batch["cu_seq_lens_q"].tolist() == [0, *np.cumsum(row["seq_lens"]).tolist()]
+        assert batch["cu_seq_lens_k"].tolist() == batch["cu_seq_lens_q"].tolist()
+        assert type(batch["max_length_q"]) is int and batch["max_length_q"] == max(row["seq_lens"])
+        assert type(batch["max_length_k"]) is int and batch["max_length_k"] == max(row["seq_lens"])
+        assert batch["num_items_in_batch"] == row["num_loss_tokens"]
+        # the contract's invariant: a segment starts where position == 0, and its label there is ignored
+        starts = batch["cu_seq_lens_q"][:-1].long()
+        assert (batch["position_ids"][0, starts] == 0).all()
+        assert (batch["labels"][0, starts] == -100).all()
+
+
+def test_open_refuses_bad_directories(tmp_path):
+    with pytest.raises(ShardFormatError, match="no such directory"):
+        PackedDataset(tmp_path / "nope")
+    with pytest.raises(ShardFormatError, match="no manifest.json"):
+        PackedDataset(tmp_path)
+    write_build(tmp_path / "v", 5)
+    m = json.loads((tmp_path / "v" / "manifest.json").read_text())
+    m["format_version"] = 99
+    (tmp_path / "v" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ShardFormatError, match="format version 99"):
+        PackedDataset(tmp_path / "v")
+    write_build(tmp_path / "missing", 12, rows_per_shard=5)
+    (tmp_path / "missing" / schema.shard_name(1)).unlink()
+    with pytest.raises(ShardFormatError, match="shard-00001.arrow: missing"):
+        PackedDataset(tmp_path / "missing")
+    write_build(tmp_path / "short", 12, rows_per_shard=5)
+    path = tmp_path / "short" / schema.shard_name(2)
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ShardFormatError, match="truncated"):
+        PackedDataset(tmp_path / "short")
+    write_build(tmp_path / "corrupt", 6)
+    path = tmp_path / "corrupt" / schema.shard_name(0)
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="sha256"):
+        PackedDataset(tmp_path / "corrupt", verify=True)
+
+
+def _rank_streams(directory, world_size, workers, **kw):
+    streams = []
+    for rank in range(world_size):
+        dl = make_dataloader(directory, rank=rank, world_size=world_size, num_workers=workers, **kw)
+        streams.append([(row_of(b), is_filler(b), b["num_items_in_batch"]) for b in dl])
+    return streams
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_row_once_per_epoch(build, world_size, workers):
+    directory, rows = build
+    streams = _rank_streams(directory, world_size, workers, seed=3)
+    assert len({len(s) for s in streams}) == 1, "every rank makes the same number of steps"
+    real = Counter(r for s in streams for r, filler, _ in s if not filler)
+    assert real == Counter(range(len(rows))), "every real row exactly once over all ranks"
+    fillers = sum(filler for s in streams for _, filler, _ in s)
+    assert fillers == -len(rows) % world_size
+    # the stream does not depend on the number of workers
+    assert streams == _rank_streams(directory, world_size, 0, seed=3)
+
+
+def test_shuffle_groups_and_epochs(build):
+    directory, rows = build
+    w = 3
+
+    def order(epoch, seed=0):
+        out = []
+        for rank in range(w):
+            ds = PackedDataset(directory, rank=rank, world_size=w, seed=seed)
+            ds.set_epoch(epoch)
+            out.append([row_of(b) for b in ds])
+        return np.array(out).T  # steps × ranks
+
+    e0 = order(0)
+    assert (order(0) == e0).all(), "deterministic per (seed, epoch)"
+    assert not (order(1) == e0).all() and not (order(0, seed=1) == e0).all()
+    # whole groups move: each step holds rows g*w .. g*w+w-1 (fillers are copies of rows mod n)
+    for step in e0:
+        g = [r for r in step]
+        starts = {x // w for x in g if x < len(rows) - len(rows) % w}
+        assert len(starts) <= 1
+    unshuffled = [row_of(b) for b in PackedDataset(directory, shuffle=False, rank=1, world_size=w)]
+    assert unshuffled[:7] == [1, 4, 7, 10, 13, 16, 19]
+
+
+def test_remainder_drop(build):
+    directory, rows = build
+    streams = _rank_streams(directory, 4, 0, remainder="drop", grad_accum=2, shuffle=False)
+    assert all(
+        len(s) == 4 for s in streams
+    )  # 23 rows // (4 ranks × 2) = 2 optimizer steps of 2 micro-batches
+    assert not any(f for s in streams for _, f, _ in s)
+    assert sorted(r for s in streams for r, _, _ in s) == list(range(16))
+
+
+@pytest.mark.parametrize("world_size,grad_accum", [(1, 1), (1, 4), (2, 3), (4, 2)])
+def test_num_items_in_batch_is_global_step_loss_tokens(build, world_size, grad_accum):
+    directory, rows = build
+    streams = _rank_streams(directory, world_size, 0, grad_accum=grad_accum, seed=5)
+    n_steps = len(streams[0])
+    assert n_steps % grad_accum == 0, "every optimizer step has grad_accum micro-batches"
+    for step in range(0, n_steps, grad_accum):
+        micro = [s[k] for s in streams for k in range(step, step + grad_accum)]
+        expected = sum(rows[r]["num_loss_tokens"] for r, filler, _ in micro if not filler)
+        assert {items for _, _, items in micro} == {max(expected, 1)}
+
+
+def test_filler_rows_have_no_loss(build):
+    directory, rows = build
+    ds = PackedDataset(directory, rank=3, world_size=4, shuffle=False)
+    last = list(ds)[-1]
+    assert is_filler(last) and last["input_ids"].shape[1] > 0
+    assert last["num_items_in_batch"] == sum(r["num_loss_tokens"] for r in rows[20:23])
+
+
+def _stream(dl):
+    return [(row_of(b), is_filler(b)) for b in dl]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_anywhere_equals_uninterrupted(build, workers):
+    directory, _ = build
+    rng = np.random.default_rng(workers)
+    kw = dict(rank=1, world_size=2, grad_accum=2, seed=11, num_workers=workers)
+    full = []
+    ref = make_dataloader(directory, **kw)
+    for epoch in range(2):
+        ref.set_epoch(epoch)
+        full += _stream(ref)
+    steps = len(ref.dataset)
+    points = rng.choice(2 * steps + 1, size=12 if workers == 0 else 3, replace=False)
+    for point in points:
+        dl = make_dataloader(directory, **kw)
+        got, state, done = [], dl.state_dict() if point == 0 else None, 0
+        for epoch in range(2):
+            if state is not None:
+                break
+            dl.set_epoch(epoch)
+            for batch in dl:  # a state taken after receiving a batch counts that batch as consumed
+                got.append((row_of(batch), is_filler(batch)))
+                done += 1
+                if done == point:
+                    state = dl.state_dict()
+                    break
+        state = json.loads(json.dumps(state))  # a checkpoint survives serialisation
+        resumed = make_dataloader(directory, **kw)
+        resumed.load_state_dict(state)
+        epoch = state["epoch"]
+        while epoch < 2:
+            got += _stream(resumed)
+            epoch += 1
+            resumed.set_epoch(epoch)
+        assert got == full, f"resume at step {point}"
+
+
+def test_dataset_state_dict_without_workers(build):
+    directory, _ = build
+    ds = PackedDataset(directory, seed=2)
+    full = [row_of(b) for b in ds]
+    it = iter(ds)
+    head = [row_of(next(it)) for _ in range(9)]
+    state = ds.state_dict()
+    ds2 = PackedDataset(directory, seed=2)
+    ds2.load_state_dict(state)
+    assert head + [row_of(b) for b in ds2] == full
+
+
+def test_resume_refuses_other_world_size_or_directory(build, tmp_path):
+    directory, _ = build
+    dl = make_dataloader(directory, rank=0, world_size=2)
+    next(iter(dl))
+    state = dl.state_dict()
+    with pytest.raises(ConfigError, match="world_size=2.*world_size=4"):
+        make_dataloader(directory, rank=0, world_size=4).load_state_dict(state)
+    with pytest.raises(ConfigError, match="rank=0.*rank=1"):
+        make_dataloader(directory, rank=1, world_size=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seed"):
+        make_dataloader(directory, rank=0, world_size=2, seed=9).load_state_dict(state)
+    write_build(tmp_path / "other", 23, seed=1)
+    with pytest.raises(ShardFormatError, match="another shard directory"):
+        make_dataloader(tmp_path / "other", rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="version"):
+        make_dataloader(directory, rank=0, world_size=2).load_state_dict({**state, "version": 7})
+
+
+def test_rank_and_world_size_validated(build):
+    directory, _ = build
+    with pytest.raises(ConfigError, match="rank 2 with world size 2"):
+        PackedDataset(directory, rank=2, world_size=2)
+    with pytest.raises(ConfigError, match="grad_accum 0"):
+        PackedDataset(directory, grad_accum=0)
+
+
+def test_importing_packer_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, packer, packer.schema, packer.errors; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
