@@ -1,0 +1,215 @@
+"""The pipeline, end to end: source → format → tokenize → plan → write → manifest.
+
+Tokens go to a flat spill file in the output's staging folder as they are made; only the lengths stay
+in memory for planning (a few bytes per example). The plan is global (all lengths at once), then rows
+are gathered from the memory-mapped spill and written shard by shard. The manifest is the commit point.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import __version__, schema, sources
+from .config import BuildConfig
+from .errors import OutputError, SourceError
+from .formatting import FormatSpec, make_spec
+from .plan import plan as make_plan
+from .recipes import BUNDLED_TOKENIZER
+from .tokenization import Encoded, Encoder, load_tokenizer, tokenizer_info
+from .writer import STAGING, TokenStore, clear_output, commit, write_shards
+
+CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    out: Path
+    manifest: dict[str, Any]
+    reused: bool  # the folder already held this exact build; nothing was done
+    seconds: float
+
+
+def tokenizer_path(name: str | None) -> str:
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
+
+
+def _source_info(source: sources.Source) -> dict[str, Any]:
+    if source.kind == "hub":
+        return {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
+    bundled = source.recipe is not None and source.recipe.local is not None and source.name == source.recipe.name
+    files = [
+        {"path": Path(f).name if bundled else f, "bytes": Path(f).stat().st_size, "sha256": schema.file_sha256(f)}
+        for f in source.files
+    ]
+    return {"kind": "local", "builder": source.builder, "files": files}
+
+
+def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict | None:
+    """Refuse a folder that holds something else; return the manifest if it holds this exact build."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
+    if not out.exists():
+        return None
+    manifest_path = out / schema.MANIFEST_NAME
+    ours = {p.name for p in out.iterdir()}
+    foreign = {
+        n
+        for n in ours
+        if not (n.startswith(schema.SHARD_PREFIX) and n.endswith(schema.SHARD_SUFFIX))
+        and n not in (schema.MANIFEST_NAME, schema.MANIFEST_NAME + ".tmp", STAGING)
+    }
+    if overwrite:
+        if foreign:
+            raise OutputError(
+                f"--out {out}: holds files packer did not write ({', '.join(sorted(foreign)[:3])}); "
+                "refusing to delete them even with --overwrite; choose an empty or new folder"
+            )
+        return None
+    if foreign:
+        raise OutputError(
+            f"--out {out}: is not empty and not a packer build ({', '.join(sorted(foreign)[:3])} ...); "
+            "choose an empty or new folder"
+        )
+    if manifest_path.is_file():
+        try:
+            previous = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            previous = None
+        same = isinstance(previous, dict) and all(previous.get(k) == v for k, v in identity.items())
+        if same and previous.get("format_version") == schema.FORMAT_VERSION:
+            return previous
+        raise OutputError(
+            f"--out {out}: holds another build (different config, source or tokenizer); pass --overwrite "
+            "to replace it or choose another --out"
+        )
+    return None  # an interrupted build of ours: it is redone below
+
+
+def _encode_worker_init(tokenizer_name: str, spec: FormatSpec, skip: bool) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = Encoder(load_tokenizer(tokenizer_name), spec, skip_errors=skip)
+
+
+def _encode_worker(task: tuple[dict, int, str]) -> Encoded:
+    records, first, where = task
+    return _WORKER_ENCODER.encode(records, first, where=where)
+
+
+def _tokenize(dataset, encoder: Encoder, config: BuildConfig, tokenizer_name: str, spill: Path, where: str, progress: bool):
+    """Encode all records, appending tokens to spill files; returns lengths, example ids, skip counts."""
+    chunks = ((batch, start, where) for start, batch in zip(range(0, len(dataset), CHUNK), dataset.iter(batch_size=CHUNK)))
+    lengths, example_ids, skipped = [], [], {}
+    bar = tqdm(total=len(dataset), desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
+    pool = None
+    if config.num_proc > 1:
+        ctx = mp.get_context("spawn")
+        pool = ctx.Pool(config.num_proc, initializer=_encode_worker_init, initargs=(tokenizer_name, encoder.formatter.spec, encoder.skip_errors))
+        results = pool.imap(_encode_worker, chunks)
+    else:
+        results = (encoder.encode(r, s, where=w) for r, s, w in chunks)
+    try:
+        with open(spill / "ids.bin", "wb") as ids_f, open(spill / "trained.bin", "wb") as mask_f:
+            for chunk in results:
+                ids_f.write(chunk.ids.tobytes())
+                mask_f.write(chunk.trained.tobytes())
+                lengths.append(chunk.lengths)
+                example_ids.append(chunk.example_ids)
+                for reason, n in chunk.skipped.items():
+                    skipped[reason] = skipped.get(reason, 0) + n
+                bar.update(len(chunk.lengths) + sum(chunk.skipped.values()))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    as_array = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+    return as_array(lengths), as_array(example_ids), skipped
+
+
+def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
+    started = time.perf_counter()
+    out = Path(config.out)
+    source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
+    tokenizer_name = tokenizer_path(config.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_name)
+    tok_info = tokenizer_info(tokenizer, config.tokenizer or BUNDLED)
+    identity = {"config": config.identity(), "tokenizer": tok_info, "source": _source_info(source)}
+    previous = _check_output(out, identity, config.overwrite)
+    if previous is not None:
+        return BuildResult(out, previous, True, time.perf_counter() - started)
+
+    dataset = sources.load(source)
+    if config.limit is not None and config.limit < len(dataset):
+        dataset = dataset.select(range(config.limit))
+    if len(dataset) == 0:
+        raise SourceError(f"{source.name}: holds no records; check the file or --split")
+    spec = make_spec(recipe=source.recipe, config=config, columns=list(dataset.column_names))
+    encoder = Encoder(tokenizer, spec, skip_errors=config.on_error == "skip")
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        clear_output(out)
+        spill = out / STAGING
+        spill.mkdir()
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot write there ({e.strerror}); choose a writable folder") from e
+    where = f"{source.files[0]} record" if len(source.files) == 1 else f"{source.name} record"
+    lengths, example_ids, skipped = _tokenize(dataset, encoder, config, tokenizer_name, spill, where, progress)
+    if len(lengths) == 0:
+        raise SourceError(f"{source.name}: every record was skipped ({skipped}); nothing to pack")
+
+    plan = make_plan(
+        lengths,
+        mode=config.pack,
+        max_len=config.max_len,
+        max_tokens=config.max_tokens,
+        batch_size=config.batch_size,
+        overlong=config.overlong,
+        seed=config.seed,
+        world_size=config.world_size,
+        balance=config.balance,
+    )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    store = TokenStore(
+        ids=np.memmap(spill / "ids.bin", dtype=np.int32, mode="r", shape=(int(offsets[-1]),)),
+        trained=np.memmap(spill / "trained.bin", dtype=np.uint8, mode="r", shape=(int(offsets[-1]),)),
+        offsets=offsets,
+        example_ids=example_ids,
+    )
+    with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
+        shards = list(write_shards(plan, store, out, shard_bytes=config.shard_size_mb << 20, on_rows=bar.update))
+
+    stats = dict(plan.stats)
+    stats["examples_read"] = len(dataset)
+    stats["records_skipped"] = sum(skipped.values())
+    dropped = {"overlong": stats.get("examples_dropped", 0), **skipped} if skipped or stats.get("examples_dropped") else {}
+    stats["dropped_by_reason"] = {k: v for k, v in sorted(dropped.items()) if v}
+    stats["loss_tokens"] = 0  # filled from the shards below, the numbers a reader will see
+    manifest = {
+        "format": schema.FORMAT_NAME,
+        "format_version": schema.FORMAT_VERSION,
+        "created_by": f"packer {__version__}",
+        "note": source.recipe.note if source.recipe and source.recipe.note and source.kind == "local" else None,
+        **identity,
+        "stats": stats,
+        "shards": shards,
+    }
+    manifest["stats"]["loss_tokens"] = _loss_tokens(out / STAGING, shards)
+    commit(out, manifest)
+    return BuildResult(out, manifest, False, time.perf_counter() - started)
+
+
+def _loss_tokens(folder: Path, shards: list[dict]) -> int:
+    import pyarrow.compute as pc
+
+    return sum(int(pc.sum(schema.open_shard(folder / s["file"]).column("num_loss_tokens")).as_py() or 0) for s in shards)

@@ -1,0 +1,106 @@
+"""Build configuration: one frozen, keyword-only dataclass, validated when it is made.
+
+Everything that changes the bytes of a build is a field here and is recorded in the manifest;
+what does not (the output path, ``--overwrite``, ``--num-proc``) is kept out of ``identity()`` so
+that the same input and config give the same manifest whatever the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+PACK_MODES = ("batch", "bfd", "wrap")
+OVERLONG_POLICIES = ("truncate", "split", "drop")
+BALANCE_BY = ("tokens", "attention")
+ON_ERROR = ("raise", "skip")
+DEFAULT_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildConfig:
+    source: str
+    out: str
+    recipe: str | None = None
+    split: str | None = None
+    from_hub: bool = False
+    tokenizer: str | None = None
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    messages_field: str | None = None
+    text_field: str | None = None
+    train_on_prompt: bool = False
+    max_len: int = 4096
+    pack: str = "batch"
+    batch_size: int | None = None
+    max_tokens: int | None = None
+    overlong: str = "truncate"
+    world_size: int = 1
+    balance: str | None = None
+    seed: int = 0
+    limit: int | None = None
+    shard_size_mb: int = 256
+    on_error: str = "raise"
+    num_proc: int = 1
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | None) -> None:
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+        if self.pack not in PACK_MODES:
+            raise ConfigError(f"--pack must be one of {', '.join(PACK_MODES)}, got {self.pack!r}")
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if self.balance is not None and self.balance not in BALANCE_BY:
+            raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "num_proc"):
+            positive(name, getattr(self, name))
+        if self.max_len < 2:
+            raise ConfigError(f"--max-len must be at least 2 tokens (BOS and EOS), got {self.max_len}")
+        if self.pack == "batch":
+            if self.max_tokens is not None:
+                raise ConfigError(
+                    "--max-tokens is a row budget for --pack bfd or wrap; --pack batch fixes the examples "
+                    "per row instead (--batch-size); drop one of the two"
+                )
+            if self.batch_size is None:
+                object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE)
+        else:
+            if self.batch_size is not None:
+                raise ConfigError(
+                    f"--batch-size applies to --pack batch only; --pack {self.pack} fills rows up to "
+                    "--max-tokens instead; drop one of the two"
+                )
+            if self.max_tokens is None:
+                object.__setattr__(self, "max_tokens", self.max_len)
+            if self.pack == "bfd" and self.max_len > self.max_tokens:
+                raise ConfigError(
+                    f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
+                    "example that long could never be placed; lower --max-len or raise --max-tokens"
+                )
+        if self.balance is not None and self.world_size == 1:
+            raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
+        if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
+            raise ConfigError(
+                "--pack wrap is for plain text (--text-field); prompt/completion and chat data train on "
+                "whole examples: use --pack batch or bfd"
+            )
+        if self.messages_field and (self.prompt_field or self.completion_field or self.text_field):
+            raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
+        if self.text_field and (self.prompt_field or self.completion_field):
+            raise ConfigError("--text-field (plain text) cannot be combined with --prompt-field/--completion-field")
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
+        skip = {"out", "overwrite", "num_proc"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+    def replace(self, **changes: Any) -> BuildConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,90 @@
+"""Named datasets: where each comes from and how one of its records becomes text.
+
+A recipe is data, not code paths: its Hub id, split and fields, and the templates that turn a record
+into a prompt (not trained on by default) and a completion (trained on). ``flan`` reads the bundled
+synthetic FLAN-style sample in ``data/`` unless ``--from-hub`` asks for the real collection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED_SAMPLE = DATA_DIR / "flan_sample.jsonl.gz"
+BUNDLED_TOKENIZER = DATA_DIR / "tokenizer"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    name: str
+    description: str
+    hub_id: str
+    hub_config: str | None = None
+    split: str = "train"
+    local: Path | None = None  # read this instead of the Hub unless --from-hub
+    # Prompt/completion data: templates are str.format templates over the record's fields. A field
+    # named in ``optional`` may be empty, and ``prompt_if_empty`` is used then (alpaca's `input`).
+    prompt_template: str | None = None
+    completion_template: str | None = None
+    optional: str | None = None
+    prompt_if_empty: str | None = None
+    messages_field: str | None = None  # chat data: a list of {"role", "content"} turns
+    text_field: str | None = None  # plain text, trained on whole
+    note: str | None = None  # said in the manifest and the build summary
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            name="flan",
+            description="FLAN-style instruction data (inputs → targets); offline from the bundled synthetic sample",
+            hub_id="Open-Orca/FLAN",
+            local=BUNDLED_SAMPLE,
+            prompt_template="{inputs}\n\n",
+            completion_template="{targets}",
+            note="synthetic FLAN-style sample bundled with packer (data/make_flan_sample.py), not FLAN data",
+        ),
+        Recipe(
+            name="orcamath",
+            description="Orca-Math word problems (question → answer)",
+            hub_id="microsoft/orca-math-word-problems-200k",
+            prompt_template="Question: {question}\nAnswer: ",
+            completion_template="{answer}",
+        ),
+        Recipe(
+            name="gsm8k",
+            description="GSM8K grade-school math (question → answer)",
+            hub_id="openai/gsm8k",
+            hub_config="main",
+            prompt_template="Question: {question}\nAnswer: ",
+            completion_template="{answer}",
+        ),
+        Recipe(
+            name="alpaca",
+            description="Alpaca instructions (instruction [+ input] → output)",
+            hub_id="tatsu-lab/alpaca",
+            prompt_template="### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+            prompt_if_empty="### Instruction:\n{instruction}\n\n### Response:\n",
+            optional="input",
+            completion_template="{output}",
+        ),
+        Recipe(
+            name="chat",
+            description="multi-turn chat (messages) through the tokenizer's chat template, assistant-only loss",
+            hub_id="HuggingFaceH4/ultrachat_200k",
+            split="train_sft",
+            messages_field="messages",
+        ),
+    )
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}") from None

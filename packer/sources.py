@@ -1,0 +1,187 @@
+"""Reading inputs through `datasets`: a recipe, a local file/folder/glob, or a Hub dataset id.
+
+``resolve`` decides what SOURCE names (cheap, no I/O beyond globbing); ``load`` opens it as a
+`datasets.Dataset` (Arrow-backed, memory-mapped from the datasets cache) and turns every failure into
+a one-line `SourceError` that names the file, the line where it can, and the fix.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .errors import ConfigError, SourceError
+from .recipes import RECIPES, Recipe, get_recipe
+
+# file suffix -> datasets packaged builder
+BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    kind: str  # "local" or "hub"
+    name: str  # what the user gave, for messages
+    recipe: Recipe | None
+    builder: str | None = None  # local: the datasets builder
+    files: tuple[str, ...] = ()  # local: the files, sorted
+    hub_id: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+
+
+def _builder_for(path: str) -> str | None:
+    lower = path.lower()
+    for suffix in sorted(BUILDERS, key=len, reverse=True):
+        if lower.endswith(suffix):
+            return BUILDERS[suffix]
+    return None
+
+
+def _local_files(source: str) -> list[str] | None:
+    """The files SOURCE names (file, folder or glob), or None if it names nothing local."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_for(p.name))
+        if not files:
+            raise SourceError(
+                f"{source}: folder holds no readable data files ({', '.join(sorted(BUILDERS))}); "
+                "point SOURCE at the files"
+            )
+        return files
+    if glob.has_magic(source):
+        files = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
+        if not files:
+            raise SourceError(f"{source}: the pattern matches no files; check the path and quote the glob")
+        return files
+    return None
+
+
+def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False) -> Source:
+    named = get_recipe(recipe) if recipe else None
+    if source in RECIPES:
+        if named is not None and named.name != source:
+            raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")
+        r = RECIPES[source]
+        if r.local is not None and not from_hub:
+            if not r.local.is_file():
+                raise SourceError(
+                    f"recipe {r.name!r}: bundled file {r.local} is missing; regenerate it with "
+                    "`python data/make_flan_sample.py` or pass --from-hub"
+                )
+            return Source(kind="local", name=r.name, recipe=r, builder=_builder_for(r.local.name), files=(str(r.local),))
+        return Source(kind="hub", name=r.name, recipe=r, hub_id=r.hub_id, hub_config=r.hub_config, split=split or r.split)
+    files = _local_files(source)
+    if files is not None:
+        builders = {_builder_for(f) for f in files}
+        if None in builders:
+            bad = next(f for f in files if _builder_for(f) is None)
+            raise SourceError(f"{bad}: unknown file type; packer reads {', '.join(sorted(BUILDERS))}")
+        if len(builders) > 1:
+            raise SourceError(f"{source}: mixes file types ({', '.join(sorted(builders))}); give files of one type")
+        if split not in (None, "train"):
+            raise ConfigError(f"--split {split!r} applies to Hub datasets; a local source is one split")
+        return Source(kind="local", name=source, recipe=named, builder=builders.pop(), files=tuple(files))
+    if _builder_for(source) or source.startswith((".", "/", "~")) or os.sep + os.sep in source:
+        raise SourceError(f"{source}: no such file or folder; check the path")
+    if HUB_ID.match(source):
+        return Source(kind="hub", name=source, recipe=named, hub_id=source, split=split or "train")
+    raise SourceError(
+        f"unknown recipe {source!r}; known recipes: {', '.join(RECIPES)}. For a local file give its path, "
+        "for a Hub dataset its full id (owner/name)"
+    )
+
+
+def _first_bad_json_line(path: str) -> tuple[int, str] | None:
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            if path.endswith((".json", ".json.gz")):
+                text = f.read()
+                try:
+                    json.loads(text)
+                    return None
+                except json.JSONDecodeError:
+                    f.seek(0)  # not one document: maybe JSON Lines after all
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return number, e.msg
+    except UnicodeDecodeError as e:
+        return 0, f"not UTF-8 text ({e.reason} at byte {e.start})"
+    return None
+
+
+def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
+    if source.builder == "json":
+        for path in source.files:
+            bad = _first_bad_json_line(path)
+            if bad is not None:
+                line, msg = bad
+                where = f"{path}:{line}" if line else path
+                return SourceError(f"{where}: malformed JSON ({msg}); fix or remove that line")
+    cause = error.__cause__ or error.__context__ or error
+    return SourceError(
+        f"{source.name}: cannot be read as {source.builder} ({type(cause).__name__}: {str(cause).splitlines()[0][:200]}); "
+        "check the file is complete and of that type"
+    )
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True  # offline mode reads the local cache; let datasets say whether it is there
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load(source: Source):
+    """Open SOURCE as a `datasets.Dataset`."""
+    import datasets
+    from datasets.exceptions import DatasetsError
+
+    datasets.logging.set_verbosity_error()
+    if source.kind == "local":
+        try:
+            return datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
+        except (DatasetsError, ValueError, OSError, UnicodeDecodeError) as e:
+            raise _explain_local_failure(source, e) from e
+    if not _hub_reachable():
+        raise SourceError(
+            f"cannot reach the Hugging Face Hub for {source.hub_id!r} (no network); download it on a connected "
+            "machine (`huggingface-cli download --repo-type dataset ...`) and pass the local files, or use the "
+            "bundled `flan` recipe"
+        )
+    try:
+        return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split)
+    except (DatasetsError, ConnectionError, OSError, ValueError) as e:
+        raise SourceError(
+            f"{source.hub_id}: cannot load split {source.split!r} from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check the id, --split and your network"
+        ) from e

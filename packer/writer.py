@@ -1,0 +1,161 @@
+"""Rows → Arrow IPC stream shards, then the manifest, atomically.
+
+Shards are written into a staging folder inside the output, moved into place when all are done, and
+the manifest is written last (to a temporary name, fsynced, renamed): a folder without manifest.json
+is never a finished build, whatever else it holds.
+
+Row assembly is vectorised over a block of rows: the token indices of every segment are built with
+``np.repeat`` and one gather from the memory-mapped token store; no Python runs per row or example.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from . import schema
+from .plan import Plan
+
+STAGING = ".packer-staging"
+ROWS_PER_BATCH = 1024  # Arrow record batch size: bounds the memory of one block and the offset range
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStore:
+    """All examples' tokens, flat: example k is ids[offsets[k]:offsets[k+1]]."""
+
+    ids: np.ndarray  # int32, usually a memmap
+    trained: np.ndarray  # uint8, 1 where the token is a target
+    offsets: np.ndarray  # int64[examples+1]
+    example_ids: np.ndarray  # int64[examples]: source record index of each example
+
+
+def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.RecordBatch:
+    """The Arrow record batch of rows [row_lo, row_hi) of the plan."""
+    s_lo, s_hi = int(plan.row_splits[row_lo]), int(plan.row_splits[row_hi])
+    seg_len = plan.length[s_lo:s_hi]
+    seg_src = store.offsets[plan.example[s_lo:s_hi]] + plan.start[s_lo:s_hi]
+    seg_out = np.zeros(len(seg_len) + 1, dtype=np.int64)
+    np.cumsum(seg_len, out=seg_out[1:])
+    total = int(seg_out[-1])
+    position = np.arange(total, dtype=np.int64) - np.repeat(seg_out[:-1], seg_len)
+    index = np.repeat(seg_src, seg_len) + position
+    input_ids = np.asarray(store.ids[index], dtype=np.int32)
+    # Unshifted labels; -100 at every segment start so no label crosses a boundary.
+    target = (np.asarray(store.trained[index]) != 0) & (position != 0)
+    labels = np.where(target, input_ids, np.int32(schema.IGNORE_INDEX)).astype(np.int32)
+
+    seg_splits = plan.row_splits[row_lo : row_hi + 1] - s_lo
+    token_splits = seg_out[seg_splits]
+    num_loss = np.add.reduceat(target, token_splits[:-1]).astype(np.int32) if total else np.zeros(0, np.int32)
+    max_seqlen = np.maximum.reduceat(seg_len, seg_splits[:-1]).astype(np.int32)
+
+    tok_off = pa.array(token_splits.astype(np.int32))
+    seg_off = pa.array(seg_splits.astype(np.int32))
+    columns = [
+        pa.ListArray.from_arrays(tok_off, pa.array(input_ids)),
+        pa.ListArray.from_arrays(tok_off, pa.array(position.astype(np.int32))),
+        pa.ListArray.from_arrays(tok_off, pa.array(labels)),
+        pa.ListArray.from_arrays(seg_off, pa.array(seg_len.astype(np.int32))),
+        pa.ListArray.from_arrays(seg_off, pa.array(store.example_ids[plan.example[s_lo:s_hi]].astype(np.int64))),
+        pa.array(num_loss, pa.int32()),
+        pa.array(max_seqlen, pa.int32()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+
+
+def shard_bounds(plan: Plan, shard_bytes: int) -> list[tuple[int, int]]:
+    """Cut the rows into shards of about ``shard_bytes`` (never an empty shard, always ≥ 1 row)."""
+    if plan.num_rows == 0:
+        return []
+    segments = np.diff(plan.row_splits)
+    row_bytes = plan.row_lengths() * 12 + segments * 12 + 16  # three int32 token columns, two seg columns
+    ends = np.cumsum(row_bytes)
+    bounds, lo, base = [], 0, 0
+    while lo < plan.num_rows:
+        hi = int(np.searchsorted(ends, base + shard_bytes, side="right"))
+        hi = max(hi, lo + 1)
+        bounds.append((lo, hi))
+        base = int(ends[hi - 1])
+        lo = hi
+    return bounds
+
+
+def write_shards(
+    plan: Plan,
+    store: TokenStore,
+    out: Path,
+    *,
+    shard_bytes: int,
+    on_rows: Callable[[int], None] = lambda n: None,
+) -> Iterator[dict]:
+    """Write every shard into the staging folder; yields each shard's manifest entry as it finishes."""
+    staging = out / STAGING
+    staging.mkdir(parents=True, exist_ok=True)
+    for index, (lo, hi) in enumerate(shard_bounds(plan, shard_bytes)):
+        name = schema.shard_name(index)
+        path = staging / name
+        rows = tokens = 0
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
+            for b_lo in range(lo, hi, ROWS_PER_BATCH):
+                b_hi = min(hi, b_lo + ROWS_PER_BATCH)
+                batch = assemble(plan, store, b_lo, b_hi)
+                writer.write_batch(batch)
+                rows += b_hi - b_lo
+                tokens += len(batch.column(0).values)
+                on_rows(b_hi - b_lo)
+        _fsync(path)
+        yield {
+            "file": name,
+            "rows": rows,
+            "tokens": tokens,
+            "bytes": path.stat().st_size,
+            "sha256": schema.file_sha256(path),
+        }
+
+
+def commit(out: Path, manifest: dict) -> None:
+    """Move the staged shards into place, then write the manifest last (the commit point)."""
+    staging = out / STAGING
+    for entry in manifest["shards"]:
+        os.replace(staging / entry["file"], out / entry["file"])
+    tmp = out / (schema.MANIFEST_NAME + ".tmp")
+    tmp.write_bytes(schema.dump_manifest(manifest))
+    _fsync(tmp)
+    os.replace(tmp, out / schema.MANIFEST_NAME)
+    _fsync_dir(out)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def clear_output(out: Path) -> None:
+    """Remove a previous build: the manifest first, so the folder stops looking complete at once."""
+    manifest = out / schema.MANIFEST_NAME
+    if manifest.exists():
+        manifest.unlink()
+        _fsync_dir(out)
+    for path in out.iterdir():
+        if path.name.startswith(schema.SHARD_PREFIX) and path.name.endswith(schema.SHARD_SUFFIX):
+            path.unlink()
+        elif path.name in (STAGING, schema.MANIFEST_NAME + ".tmp"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
