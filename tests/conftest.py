@@ -1,0 +1,47 @@
+"""Shared fixtures: real builds of the bundled sample, made once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from packer import BuildConfig, build
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+BUNDLED_TOKENIZER = ROOT / "data" / "tokenizer"
+
+
+def make_build(out: Path, source: str = "flan", **options) -> Path:
+    """Build into ``out`` through the library (the CLI tests go through click) and return ``out``."""
+    build(BuildConfig(source=source, out=str(out), **options))
+    return out
+
+
+@pytest.fixture(scope="session")
+def flan_batch(tmp_path_factory) -> Path:
+    """300 bundled records, batch mode of 4, max_len 512 (so some examples are truncated)."""
+    return make_build(tmp_path_factory.mktemp("flan_batch"), limit=300, batch_size=4, max_len=512)
+
+
+@pytest.fixture(scope="session")
+def flan_bfd(tmp_path_factory) -> Path:
+    """300 bundled records, bfd into 1,024-token rows, over-long examples split."""
+    return make_build(tmp_path_factory.mktemp("flan_bfd"), limit=300, pack="bfd", max_len=1024, overlong="split")
+
+
+@pytest.fixture(scope="session")
+def llama2_tokenizer() -> Path:
+    path = SHARED_DATA / "llama2-tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip("../shared/data/llama2-tokenizer is absent")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gsm8k_file() -> Path:
+    path = SHARED_DATA / "gsm8k_train.jsonl"
+    if not path.is_file():
+        pytest.skip("../shared/data/gsm8k_train.jsonl is absent")
+    return path
