@@ -1,0 +1,553 @@
+"""Planning: which examples go in which row, decided from the lengths alone (never the tokens).
+
+Pure numpy, no I/O, deterministic for a seed. The result is a :class:`Plan`: a flat list of
+*segments* (example index, start offset inside that example, length) in row order, cut into rows by
+``row_splits``. A row ``r`` is ``segments[row_splits[r]:row_splits[r + 1]]``::
+
+    lengths      [5, 3, 9, 2]        mode="bfd", max_len=8, overlong="split" (rows before the shuffle)
+    segments     (2,0,8) | (0,0,5) (1,0,3) | (3,0,2) (2,8,1)       (example, start, length)
+    row_splits   [0, 1, 3, 5]
+
+Steps and their cost (n examples, m segments, R rows, T = max_tokens):
+
+1. **Over-long examples** (``length > max_len``; not in ``wrap`` mode) follow ``overlong``:
+   ``truncate`` keeps one segment ``[0, max_len)``; ``split`` cuts consecutive pieces
+   ``[0, max_len), [max_len, 2*max_len), ...``, each its own segment; ``drop`` places the example
+   nowhere. Vectorised, O(n + m).
+2. **Modes**
+
+   - ``batch``: the segments are shuffled (``np.random.default_rng(seed).permutation``) and every
+     ``batch_size`` consecutive segments form a row; *the last row may hold fewer*. A split piece
+     counts as one segment. O(m).
+   - ``bfd``: best-fit-decreasing over the whole dataset into rows of at most ``max_tokens`` tokens
+     (default ``max_len``). Exact BFD semantics (each item, largest first, goes into the open row with
+     the least room that still fits it), but simulated in bulk: rows are kept in *capacity buckets*
+     (one stack of row ids per remaining capacity, plus a bitset of non-empty buckets held in one
+     Python int), and all items of one size are placed together. For size ``s`` the smallest
+     non-empty bucket ``c >= s`` is found with one shift and lowest-set-bit; each of its rows then
+     takes ``q = c // s`` items (after one item, the row's own room ``c - s`` is the best fit for the
+     next, so it keeps taking them until fewer than ``s`` tokens are left), so ``ceil(k / q)`` rows
+     move at once; when no bucket fits, ``ceil(k / (T // s))`` rows are opened at once. Rows of equal
+     room are interchangeable for every later decision, so the row count (indeed the multiset of row
+     loads) is that of per-item BFD. Items over ``T/2`` each open their own row in one step. Cost:
+     O(m) radix sort (sizes fit in 16 bits when ``T < 32768``) + one Python iteration per (size,
+     bucket emptied) pair, at most distinct_sizes * T but in practice a few per size, + O(m log m)
+     grouping of segments by row. 1M lengths take well under a second, 10M a few seconds.
+     Rows are numbered in opening order and segments inside a row keep placement order (largest
+     first); the order of the rows is then shuffled with the seed (contents unchanged).
+   - ``wrap``: all examples in *source order* (pretraining-style text keeps its order; ``seed`` is
+     not used unless ``balance`` is set) are concatenated and cut every ``max_tokens`` tokens; a
+     document cut at a row boundary continues in the next row as a new segment with ``start > 0``.
+     Every row but the last holds exactly ``max_tokens`` tokens. ``overlong`` does not apply and
+     ``max_len`` only sets the default of ``max_tokens``. O(n + m).
+
+3. **Balanced ranks** (``world_size`` W, ``balance`` in ``{"tokens", "attention"}``; the work of a
+   segment is its length or its length squared). The loader gives row ``i`` of a global step to rank
+   ``i % W``, a step being W consecutive rows.
+
+   - ``batch``: the shuffled segments are cut into steps of ``W * batch_size`` exactly as without
+     balancing (so each step's set of examples is unchanged), then each step is partitioned into
+     rows of exactly ``batch_size`` segments (the last, partial step keeps its row sizes
+     ``batch_size, ..., remainder``) by LPT with a cardinality cap: segments, largest work first, go
+     to the least-loaded row of their step that still has room. Vectorised over all steps:
+     ``W * batch_size`` numpy rounds over a (steps, W) array, O(m * W) in all.
+   - ``bfd`` / ``wrap``: rows are sorted by work, consecutive groups of W rows form steps, the full
+     steps are shuffled with the seed, and the ``R % W`` lightest rows go last (the partial step).
+     In ``wrap`` a short last row stays the last row, so only the last row can be short.
+
+   ``stats["rank_work_max_over_mean"]`` is :func:`rank_work_ratio` of the plan as produced, by
+   ``balance`` (``"tokens"`` when ``balance`` is None).
+
+Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
+Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from packer.errors import ConfigError
+
+__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "plan", "rank_work_ratio"]
+
+MODES = ("batch", "bfd", "wrap")
+OVERLONG = ("truncate", "split", "drop")
+BALANCE = ("tokens", "attention")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """Segments in row order, cut into rows by ``row_splits`` (arrays are read-only int64)."""
+
+    example: np.ndarray  # int64[m] index into `lengths` of the example each segment comes from
+    start: np.ndarray  # int64[m] offset of the segment inside that example's tokens
+    length: np.ndarray  # int64[m] segment length (> 0)
+    row_splits: np.ndarray  # int64[rows + 1] row r holds segments row_splits[r]:row_splits[r+1]
+    stats: dict  # plain ints / floats
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_splits.size - 1)
+
+    def row_lengths(self) -> np.ndarray:
+        """int64[rows]: tokens in each row."""
+        return _row_sums(self.length, self.row_splits)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+
+
+def _as_int(name: str, value: Any, minimum: int, fix: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}; {fix}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}; {fix}") from None
+    if v < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {v}; {fix}")
+    return v
+
+
+def _as_lengths(lengths: Any) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ConfigError(
+            f"lengths must be a 1-D array of token counts, got shape {arr.shape}; pass one count per example"
+        )
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ConfigError(
+            f"lengths must be integers, got dtype {arr.dtype}; pass token counts as an int array"
+        )
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise ConfigError(
+            f"every example needs at least 1 token, but example {i} has length {int(arr[i])} "
+            f"({bad.size} such); drop empty examples before planning"
+        )
+    return arr
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _row_sums(values: np.ndarray, row_splits: np.ndarray) -> np.ndarray:
+    cs = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, out=cs[1:])
+    return cs[row_splits[1:]] - cs[row_splits[:-1]]
+
+
+def _segment_work(length: np.ndarray, by: str) -> np.ndarray:
+    if by == "tokens":
+        return length
+    if by == "attention":
+        return length * length
+    raise ConfigError(f"balance must be one of {BALANCE}, got {by!r}; pick one (or None for no balancing)")
+
+
+def _row_gather(row_splits: np.ndarray, new_order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segment indices and row_splits that list rows in ``new_order`` (old row ids), contents kept."""
+    counts = np.diff(row_splits)[new_order]
+    new_splits = np.zeros(new_order.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_splits[1:])
+    idx = np.repeat(row_splits[:-1][new_order] - new_splits[:-1], counts) + np.arange(
+        new_splits[-1], dtype=np.int64
+    )
+    return idx, new_splits
+
+
+def rank_work_ratio(plan: Plan, world_size: int, by: str = "tokens") -> float:
+    """Mean over global steps of max/mean work across the ``world_size`` ranks.
+
+    Row ``i`` of a step of ``world_size`` consecutive rows goes to rank ``i % world_size``; work is a
+    row's tokens (``by="tokens"``) or the sum of its segments' squared lengths (``"attention"``).
+    Only full steps are measured; with fewer rows than ranks the result is 1.0. 1.0 = perfect.
+    """
+    w = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks")
+    work = _row_sums(_segment_work(plan.length, by), plan.row_splits).astype(np.float64)
+    steps = work.size // w
+    if steps == 0:
+        return 1.0
+    per = work[: steps * w].reshape(steps, w)
+    mean = per.mean(axis=1)
+    ratio = np.divide(per.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+    return float(ratio.mean())
+
+
+# --------------------------------------------------------------------------------------------------
+# over-long policy
+
+
+def _segments(lengths: np.ndarray, max_len: int, overlong: str):
+    """Segments (example, start, length) in example order, and the accounting counts."""
+    n = lengths.size
+    idx = np.arange(n, dtype=np.int64)
+    over = lengths > max_len
+    n_over = int(over.sum())
+    excess = int((lengths[over] - max_len).sum())
+    acct = dict(
+        examples_split=0, examples_truncated=0, examples_dropped=0, tokens_truncated=0, tokens_dropped=0
+    )
+    if overlong == "truncate" or n_over == 0:
+        example, start, length = idx, np.zeros(n, np.int64), np.minimum(lengths, max_len)
+        acct.update(examples_truncated=n_over, tokens_truncated=excess)
+    elif overlong == "drop":
+        keep = ~over
+        example = idx[keep]
+        start, length = np.zeros(example.size, np.int64), lengths[keep]
+        acct.update(examples_dropped=n_over, tokens_dropped=int(lengths[over].sum()))
+    else:  # split
+        pieces = (lengths + (max_len - 1)) // max_len
+        example = np.repeat(idx, pieces)
+        first = np.cumsum(pieces) - pieces
+        j = np.arange(example.size, dtype=np.int64) - np.repeat(first, pieces)
+        start = j * max_len
+        length = np.minimum(max_len, lengths[example] - start)
+        acct.update(examples_split=n_over)
+    return example, start, length, acct
+
+
+# --------------------------------------------------------------------------------------------------
+# bfd
+
+
+def _bfd_bins(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Best-fit-decreasing of ``sizes`` (all in [1, cap]) into bins of ``cap``.
+
+    Returns ``(order, bin_of_sorted, nbins)``: ``order`` lists item indices largest first (ties by
+    index), ``bin_of_sorted[i]`` is the bin of item ``order[i]``; bins are numbered in opening order.
+    """
+    n = sizes.size
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    key = cap - sizes  # ascending key = descending size; 16-bit keys get numpy's O(n) radix sort
+    if cap < 2**15:
+        key = key.astype(np.int16)
+    order = np.argsort(key, kind="stable")
+    count = np.bincount(sizes, minlength=cap + 1)
+    distinct = np.flatnonzero(count)[::-1]
+    smallest = int(distinct[-1])
+
+    buckets: dict[int, list[int]] = {}  # remaining room -> stack of bin ids
+    mask = 0  # bit c set <=> buckets[c] non-empty
+    flat_bins: list[int] = []  # bins, in the order they receive items (sorted item order)
+    chunk_len: list[int] = []  # per move: number of bins ...
+    chunk_q: list[int] = []  # ... each receiving q items
+    fix_pos: list[int] = []  # except the bin at this position of flat_bins ...
+    fix_r: list[int] = []  # ... which receives r < q
+    nbins = 0
+
+    for s, k in zip(distinct.tolist(), count[distinct].tolist(), strict=True):
+        while k:
+            m = mask >> s
+            if m:
+                c = s + (m & -m).bit_length() - 1  # least room that fits s
+                stack = buckets[c]
+                q = c // s
+                need = -(-k // q)
+                if need >= len(stack):
+                    take = stack
+                    del buckets[c]
+                    mask ^= 1 << c
+                else:
+                    take = stack[-need:]
+                    del stack[-need:]
+            else:  # nothing fits: open new bins, each taking cap // s items
+                c = cap
+                q = cap // s
+                need = -(-k // q)
+                take = list(range(nbins, nbins + need))
+                nbins += need
+            t = len(take)
+            if t == need:
+                r = k - (t - 1) * q  # the last bin's share, 1..q
+                k = 0
+            else:
+                r = q
+                k -= t * q
+            base = len(flat_bins)
+            flat_bins.extend(take)
+            chunk_len.append(t)
+            chunk_q.append(q)
+            if r != q:
+                fix_pos.append(base + t - 1)
+                fix_r.append(r)
+                dest = c - r * s
+                if dest >= smallest:
+                    buckets.setdefault(dest, []).append(take[-1])
+                    mask |= 1 << dest
+                take = take[:-1]
+            dest = c - q * s
+            if take and dest >= smallest:
+                have = buckets.get(dest)
+                if have is None:
+                    buckets[dest] = take
+                else:
+                    have.extend(take)
+                mask |= 1 << dest
+
+    reps = np.repeat(np.asarray(chunk_q, np.int64), np.asarray(chunk_len, np.int64))
+    reps[np.asarray(fix_pos, np.int64)] = np.asarray(fix_r, np.int64)
+    bin_of_sorted = np.repeat(np.asarray(flat_bins, np.int64), reps)
+    assert bin_of_sorted.size == n, (bin_of_sorted.size, n)
+    return order, bin_of_sorted, nbins
+
+
+def _pack_bfd(example, start, length, cap, rng, world_size, balance):
+    """BFD, then rows in shuffled order (or balanced steps); one grouping sort, one gather."""
+    order, bin_of_sorted, nbins = _bfd_bins(length, cap)
+    if balance is None:
+        row_order = rng.permutation(nbins)
+    else:
+        w = _segment_work(length, balance)[order]
+        # float sums are exact here: row work < 2**53 for any realistic row
+        work = np.bincount(bin_of_sorted, weights=w, minlength=nbins).astype(np.int64)
+        row_order = _balanced_row_order(work, world_size, rng)
+    dtype = np.int32 if nbins < 2**31 else np.int64
+    # group by bin (opening order; bin ids are nearly sorted already, so the stable sort is quick),
+    # keeping placement order (largest first) inside a bin; then list the bins in row_order
+    g = order[np.argsort(bin_of_sorted.astype(dtype, copy=False), kind="stable")]
+    splits = np.zeros(nbins + 1, dtype=np.int64)
+    np.cumsum(np.bincount(bin_of_sorted, minlength=nbins), out=splits[1:])
+    idx, row_splits = _row_gather(splits, row_order)
+    g = g[idx]
+    return example[g], start[g], length[g], row_splits
+
+
+# --------------------------------------------------------------------------------------------------
+# wrap
+
+
+def _pack_wrap(lengths: np.ndarray, cap: int):
+    n = lengths.size
+    end = np.cumsum(lengths)
+    begin = end - lengths
+    first_row = begin // cap
+    pieces = (end - 1) // cap - first_row + 1
+    example = np.repeat(np.arange(n, dtype=np.int64), pieces)
+    first = np.cumsum(pieces) - pieces
+    j = np.arange(example.size, dtype=np.int64) - np.repeat(first, pieces)
+    row = np.repeat(first_row, pieces) + j
+    b = np.repeat(begin, pieces)
+    gstart = np.maximum(b, row * cap)
+    gend = np.minimum(np.repeat(end, pieces), (row + 1) * cap)
+    rows = int(-(-int(end[-1]) // cap)) if n else 0
+    row_splits = np.searchsorted(row, np.arange(rows + 1), side="left").astype(np.int64)
+    examples_split = int((pieces > 1).sum())
+    return example, gstart - b, gend - gstart, row_splits, examples_split
+
+
+# --------------------------------------------------------------------------------------------------
+# balancing
+
+
+def _balanced_row_order(row_work: np.ndarray, w: int, rng: np.random.Generator) -> np.ndarray:
+    order = np.argsort(row_work, kind="stable")
+    rem = order.size % w
+    body = order[rem:].reshape(-1, w)
+    body = body[rng.permutation(body.shape[0])]
+    return np.concatenate([body.ravel(), order[:rem]])
+
+
+def _lpt_steps(wk: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """LPT with a cardinality cap, vectorised over steps.
+
+    ``wk`` is (steps, n) segment work, ``caps`` the segments each of the R rows must receive
+    (``caps.sum() == n``). Returns (steps, n) local row ids: segments, largest first, each go to the
+    least-loaded row of their step that still has room (ties: lowest row). n numpy rounds over a
+    (steps, R) array.
+    """
+    steps, n = wk.shape
+    srt = np.argsort(-wk, axis=1, kind="stable")
+    sw = np.take_along_axis(wk, srt, axis=1).astype(np.float64)  # exact: sums stay far below 2**53
+    load = np.zeros((steps, caps.size), np.float64)
+    left = np.broadcast_to(caps, load.shape).copy()
+    rows_sorted = np.empty((steps, n), np.int64)
+    ar = np.arange(steps)
+    for j in range(n):
+        r = np.where(left > 0, load, np.inf).argmin(axis=1)
+        rows_sorted[:, j] = r
+        load[ar, r] += sw[:, j]
+        left[ar, r] -= 1
+    assert not left.any()
+    local = np.empty_like(rows_sorted)
+    np.put_along_axis(local, srt, rows_sorted, axis=1)
+    return local
+
+
+def _balance_batch(length: np.ndarray, w: int, b: int, by: str):
+    """Permutation of the (shuffled) segments and row_splits: same steps, balanced rows."""
+    m = length.size
+    work = _segment_work(length, by)
+    step_size = w * b
+    full = m // step_size
+    row_of = np.empty(m, np.int64)  # global row of each segment
+    if full:
+        local = _lpt_steps(work[: full * step_size].reshape(full, step_size), np.full(w, b, np.int64))
+        row_of[: full * step_size] = (local + np.arange(full)[:, None] * w).ravel()
+    tail = m - full * step_size
+    if tail:  # the last, partial step keeps its row sizes: b, b, ..., remainder
+        nrows = -(-tail // b)
+        caps = np.full(nrows, b, np.int64)
+        caps[-1] = tail - (nrows - 1) * b
+        row_of[full * step_size :] = _lpt_steps(work[full * step_size :][None, :], caps)[0] + full * w
+    perm = np.argsort(row_of, kind="stable")  # inside a row: shuffled order
+    row_splits = np.zeros(int(row_of.max()) + 2 if m else 1, np.int64)
+    np.cumsum(np.bincount(row_of, minlength=row_splits.size - 1), out=row_splits[1:])
+    return perm, row_splits
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry point
+
+
+def plan(
+    lengths,
+    *,
+    mode: str,
+    max_len: int,
+    max_tokens: int | None = None,
+    batch_size: int | None = None,
+    overlong: str = "truncate",
+    seed: int = 0,
+    world_size: int = 1,
+    balance: str | None = None,
+) -> Plan:
+    """Plan rows from example lengths; see the module docstring for the algorithms."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd or wrap")
+    if overlong not in OVERLONG:
+        raise ConfigError(
+            f"overlong must be one of {OVERLONG}, got {overlong!r}; use truncate, split or drop"
+        )
+    if balance is not None and balance not in BALANCE:
+        raise ConfigError(f"balance must be one of {BALANCE} or None, got {balance!r}; pick one")
+    max_len = _as_int("max_len", max_len, 1, "set max_len to the longest example (in tokens) to keep")
+    seed = _as_int("seed", seed, 0, "use a non-negative integer seed")
+    world_size = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks (>= 1)")
+    if mode == "batch":
+        if batch_size is None:
+            raise ConfigError("mode 'batch' needs batch_size (examples per row); set batch_size >= 1")
+        batch_size = _as_int("batch_size", batch_size, 1, "set batch_size to the examples per row")
+        if max_tokens is not None:
+            raise ConfigError(
+                f"max_tokens={max_tokens!r} does not apply to mode 'batch' (rows hold batch_size examples); "
+                "leave it unset or use mode 'bfd'"
+            )
+        budget_cap = None
+    else:
+        if batch_size is not None:
+            raise ConfigError(
+                f"batch_size={batch_size!r} does not apply to mode {mode!r} (rows are cut by max_tokens); "
+                "leave it unset or use mode 'batch'"
+            )
+        if max_tokens is None:
+            max_tokens = max_len
+        max_tokens = _as_int("max_tokens", max_tokens, 1, "set max_tokens to the tokens per row")
+        if mode == "bfd" and max_len > max_tokens:
+            raise ConfigError(
+                f"max_len ({max_len}) exceeds max_tokens ({max_tokens}): an example could not fit a row; "
+                f"lower max_len to <= {max_tokens} or raise max_tokens"
+            )
+        budget_cap = max_tokens
+
+    lengths = _as_lengths(lengths)
+    n = lengths.size
+    rng = np.random.default_rng(seed)
+
+    if mode == "wrap":
+        if n:
+            example, start, length, row_splits, n_split = _pack_wrap(lengths, budget_cap)
+        else:
+            example = start = length = np.zeros(0, np.int64)
+            row_splits, n_split = np.zeros(1, np.int64), 0
+        acct = dict(
+            examples_split=n_split,
+            examples_truncated=0,
+            examples_dropped=0,
+            tokens_truncated=0,
+            tokens_dropped=0,
+        )
+        if balance is not None:
+            work = _row_sums(_segment_work(length, balance), row_splits)
+            rows = work.size
+            short = rows > 0 and int(_row_sums(length, row_splits)[-1]) < budget_cap
+            head = rows - 1 if short else rows  # a short last row stays last
+            order = _balanced_row_order(work[:head], world_size, rng)
+            if short:
+                order = np.append(order, rows - 1)
+            idx, row_splits = _row_gather(row_splits, order)
+            example, start, length = example[idx], start[idx], length[idx]
+    else:
+        example, start, length, acct = _segments(lengths, max_len, overlong)
+        if mode == "bfd":
+            example, start, length, row_splits = _pack_bfd(
+                example, start, length, budget_cap, rng, world_size, balance
+            )
+        else:  # batch
+            p = rng.permutation(example.size)
+            example, start, length = example[p], start[p], length[p]
+            if balance is None:
+                m = example.size
+                row_splits = (
+                    np.append(np.arange(0, m, batch_size, dtype=np.int64), m) if m else np.zeros(1, np.int64)
+                )
+            else:
+                p, row_splits = _balance_batch(length, world_size, batch_size, balance)
+                example, start, length = example[p], start[p], length[p]
+
+    stats = _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (example, start, length, row_splits)]
+    for a in arrays:
+        a.flags.writeable = False
+    result = Plan(*arrays, stats=stats)
+    stats["rank_work_max_over_mean"] = rank_work_ratio(result, world_size, balance or "tokens")
+    return result
+
+
+def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance) -> dict:
+    n = int(lengths.size)
+    rows = int(row_splits.size - 1)
+    row_tokens = _row_sums(length, row_splits)
+    max_row = int(row_tokens.max()) if rows else 0
+    tokens = int(length.sum())
+    budget = int(budget_cap) if budget_cap is not None else max_row
+    s: dict[str, Any] = {
+        "examples": n,
+        "examples_packed": n - acct["examples_split"] - acct["examples_truncated"] - acct["examples_dropped"],
+        "examples_split": int(acct["examples_split"]),
+        "examples_truncated": int(acct["examples_truncated"]),
+        "examples_dropped": int(acct["examples_dropped"]),
+        "segments": int(length.size),
+        "tokens_in": int(lengths.sum()),
+        "tokens": tokens,
+        "tokens_truncated": int(acct["tokens_truncated"]),
+        "tokens_dropped": int(acct["tokens_dropped"]),
+        "rows": rows,
+        "max_row_tokens": max_row,
+        "row_budget": budget,
+        "lower_bound": -(-tokens // budget) if budget else 0,
+        "fill": tokens / (rows * budget) if rows and budget else 0.0,
+        "world_size": int(world_size),
+    }
+    if mode == "batch":
+        counts = np.diff(row_splits)
+        if rows:
+            row_max = np.maximum.reduceat(length, row_splits[:-1]) if length.size else np.zeros(0, np.int64)
+            s["padded_tokens"] = int((counts * row_max).sum())
+        else:
+            s["padded_tokens"] = 0
+    assert s["tokens"] + s["tokens_truncated"] + s["tokens_dropped"] == s["tokens_in"], s
+    assert not math.isnan(s["fill"])
+    return s
