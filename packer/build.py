@@ -147,7 +147,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
-    dataset = sources.load(source)
+    dataset = sources.load(source, progress=progress)
     if config.limit is not None and config.limit < len(dataset):
         dataset = dataset.select(range(config.limit))
     if len(dataset) == 0:

@@ -161,12 +161,16 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def load(source: Source):
+def load(source: Source, *, progress: bool = False):
     """Open SOURCE as a `datasets.Dataset`."""
     import datasets
     from datasets.exceptions import DatasetsError
 
     datasets.logging.set_verbosity_error()
+    if progress:
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
     if source.kind == "local":
         try:
             return datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
