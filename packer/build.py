@@ -66,7 +66,7 @@ def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict 
         n
         for n in ours
         if not (n.startswith(schema.SHARD_PREFIX) and n.endswith(schema.SHARD_SUFFIX))
-        and n not in (schema.MANIFEST_NAME, schema.MANIFEST_NAME + ".tmp", STAGING)
+        and n not in (schema.MANIFEST_NAME, schema.MANIFEST_NAME + ".tmp", STAGING, *schema.DATASETS_FILES)
     }
     if overwrite:
         if foreign:

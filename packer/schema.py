@@ -10,6 +10,15 @@ written last: its presence means the build is complete. One Arrow row is one pac
 
 Labels are *unshifted* (a model shifts them left), so a label of -100 at every segment start is what
 keeps the last token of one example from being trained to predict the first token of the next.
+
+Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are what
+``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
+are written before the manifest and derived from it alone (no times), so builds stay byte-identical.
+
+Where a folder lives. Every reader here takes a local path or an fsspec URL (``s3://``, ``gs://``,
+``file://``, ``memory://``, ...; the remote protocols need their fsspec package, e.g. ``s3fs``). Local
+paths and ``file://`` URLs are memory-mapped (zero copy); other filesystems are read whole into memory,
+one shard at a time. Helpers: :func:`join`, :func:`read_bytes`, :func:`file_size`, :func:`file_sha256`.
 """
 
 from __future__ import annotations
@@ -28,6 +37,10 @@ MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".arrow"
 IGNORE_INDEX = -100
+# What `datasets.load_from_disk` reads beside the shards (names fixed by `datasets`); written before the manifest.
+DATASETS_INFO_NAME = "dataset_info.json"
+DATASETS_STATE_NAME = "state.json"
+DATASETS_FILES = (DATASETS_INFO_NAME, DATASETS_STATE_NAME)
 
 ROW_SCHEMA = pa.schema(
     [
@@ -47,12 +60,89 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+# -- where a folder lives: a local path or an fsspec URL -------------------------------------------
+
+PathLike = str | os.PathLike
+
+
+def is_url(path: PathLike) -> bool:
+    """True for an fsspec URL (``proto://...``); a local path otherwise."""
+    return isinstance(path, str) and "://" in path
+
+
+def local_path(path: PathLike) -> Path | None:
+    """The local path of a plain path or a ``file://`` URL; None for any other filesystem."""
+    if not is_url(path):
+        return Path(path)
+    if str(path).startswith(("file://", "local://")):
+        return Path(str(path).split("://", 1)[1])
+    return None
+
+
+def _fs(url: str):
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError as e:  # pragma: no cover - datasets depends on fsspec
+        raise _format_error(f"{url}: reading an fsspec URL needs fsspec (pip install fsspec)") from e
+    try:
+        return url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        raise _format_error(f"{url}: cannot open this filesystem ({e}); install its fsspec package (s3fs, gcsfs, ...)") from e
+
+
+def join(directory: PathLike, name: str) -> PathLike:
+    """``directory / name`` for a local path, ``directory + "/" + name`` for a URL."""
+    if is_url(directory):
+        return str(directory).rstrip("/") + "/" + name
+    return Path(directory) / name
+
+
+def file_size(path: PathLike) -> int | None:
+    """Size in bytes of a file, or None when there is no such file."""
+    local = local_path(path)
+    if local is not None:
+        return local.stat().st_size if local.is_file() else None
+    fs, p = _fs(str(path))
+    try:
+        return int(fs.size(p)) if fs.isfile(p) else None
+    except FileNotFoundError:
+        return None
+
+
+def is_dir(path: PathLike) -> bool:
+    local = local_path(path)
+    if local is not None:
+        return local.is_dir()
+    fs, p = _fs(str(path))
+    return bool(fs.isdir(p))
+
+
+def read_bytes(path: PathLike) -> bytes:
+    local = local_path(path)
+    if local is not None:
+        return local.read_bytes()
+    fs, p = _fs(str(path))
+    return fs.cat_file(p)
+
+
+def file_sha256(path: PathLike, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    local = local_path(path)
+    if local is not None:
+        opened = open(local, "rb")  # noqa: SIM115 - closed by the `with` below, whichever filesystem opened it
+    else:
+        fs, p = _fs(str(path))
+        opened = fs.open(p, "rb")
+    with opened as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _format_error(message: str):
+    from .errors import ShardFormatError
+
+    return ShardFormatError(message)
 
 
 def dump_manifest(manifest: dict[str, Any]) -> bytes:
@@ -60,20 +150,21 @@ def dump_manifest(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """Read and check the manifest of a finished build; raises ShardFormatError if it is not one."""
+def read_manifest(directory: PathLike) -> dict[str, Any]:
+    """Read and check the manifest of a finished build (a local path or an fsspec URL); raises
+    ShardFormatError if it is not one."""
     from .errors import ShardFormatError
 
-    path = Path(directory) / MANIFEST_NAME
-    if not Path(directory).is_dir():
+    path = join(directory, MANIFEST_NAME)
+    if not is_dir(directory):
         raise ShardFormatError(f"{directory}: no such directory; build one with `packer build SOURCE --out {directory}`")
-    if not path.is_file():
+    if file_size(path) is None:
         raise ShardFormatError(
             f"{directory}: no {MANIFEST_NAME}, so this is not a finished packer build "
             f"(an interrupted build or another tool's folder); rerun `packer build ... --out {directory}`"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_bytes(path).decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardFormatError(f"{path}: not valid JSON ({e}); the manifest is corrupted, rebuild the folder") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
@@ -87,15 +178,52 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def open_shard(path: str | os.PathLike) -> pa.Table:
-    """Memory-map one shard (zero copy) and check its schema against the contract."""
+def open_shard(path: PathLike) -> pa.Table:
+    """Open one shard and check its schema against the contract: memory-mapped (zero copy) when local
+    or ``file://``, read whole into memory from any other fsspec filesystem."""
     from .errors import ShardFormatError
 
+    local = local_path(path)
     try:
-        with pa.memory_map(str(path), "r") as source:
-            table = pa.ipc.open_stream(source).read_all()
+        if local is not None:
+            with pa.memory_map(str(local), "r") as source:
+                table = pa.ipc.open_stream(source).read_all()
+        else:
+            table = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(read_bytes(path)))).read_all()
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
     if not table.schema.remove_metadata().equals(ROW_SCHEMA):
         raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
     return table
+
+
+def _datasets_feature(t: pa.DataType) -> Any:
+    if pa.types.is_list(t):  # a JSON list is `datasets`' spelling of a list feature in every version >= 2
+        return [_datasets_feature(t.value_type)]
+    return {"dtype": str(t), "_type": "Value"}
+
+
+def datasets_files(manifest: dict[str, Any]) -> dict[str, bytes]:
+    """The files ``datasets.load_from_disk`` needs beside the shards, from the manifest alone.
+
+    ``dataset_info.json`` gives the features (the row schema); ``state.json`` lists the shards in order
+    and a fingerprint derived from their sha256s, so equal builds give equal bytes."""
+    shards = manifest["shards"]
+    fingerprint = hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()[:16]
+    info = {
+        "citation": "",
+        "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
+        "features": {f.name: _datasets_feature(f.type) for f in ROW_SCHEMA},
+        "homepage": "",
+        "license": "",
+    }
+    state = {
+        "_data_files": [{"filename": s["file"]} for s in shards],
+        "_fingerprint": fingerprint,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    return {DATASETS_INFO_NAME: dump_manifest(info), DATASETS_STATE_NAME: dump_manifest(state)}

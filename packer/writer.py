@@ -121,10 +121,15 @@ def write_shards(
 
 
 def commit(out: Path, manifest: dict) -> None:
-    """Move the staged shards into place, then write the manifest last (the commit point)."""
+    """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
+    (``schema.DATASETS_FILES``), then the manifest last (the commit point)."""
     staging = out / STAGING
     for entry in manifest["shards"]:
         os.replace(staging / entry["file"], out / entry["file"])
+    for name, data in schema.datasets_files(manifest).items():
+        (staging / name).write_bytes(data)
+        _fsync(staging / name)
+        os.replace(staging / name, out / name)
     tmp = out / (schema.MANIFEST_NAME + ".tmp")
     tmp.write_bytes(schema.dump_manifest(manifest))
     _fsync(tmp)
@@ -142,7 +147,7 @@ def clear_output(out: Path) -> None:
     for path in out.iterdir():
         if path.name.startswith(schema.SHARD_PREFIX) and path.name.endswith(schema.SHARD_SUFFIX):
             path.unlink()
-        elif path.name in (STAGING, schema.MANIFEST_NAME + ".tmp"):
+        elif path.name in (STAGING, schema.MANIFEST_NAME + ".tmp", *schema.DATASETS_FILES):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
