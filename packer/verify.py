@@ -1,0 +1,592 @@
+"""``packer verify``: prove a shard folder is intact and obeys the contract, reporting every problem.
+
+Checks, in order (each adds problems to one :class:`Report`; nothing stops at the first):
+
+1. **manifest** — present, valid JSON, ``format`` packer, a known ``format_version``, a config that
+   ``BuildConfig`` accepts, stats that add up (examples and tokens accounted for), shard entries
+   with file/rows/tokens/bytes/sha256; no file in the folder that the manifest does not list.
+2. **files** — every listed shard exists with the recorded size and sha256 (``quick`` stops here).
+3. **rows** — every shard is an Arrow IPC stream with ``schema.ROW_SCHEMA``; per row, vectorised over
+   whole columns (flat values + offsets, no Python per row): ``sum(seq_lens) == len(input_ids)``,
+   the token columns have equal lengths, ``position_ids`` are ``0..len-1`` inside each segment,
+   ``labels`` are −100 at every segment start and elsewhere −100 or the input id, ``num_loss_tokens``
+   and ``max_seqlen`` are right, lengths are within the recorded budget (batch: ≤ batch_size segments
+   of ≤ max_len; bfd: row ≤ max_tokens, segment ≤ max_len; wrap: row ≤ max_tokens), token ids are in
+   ``[0, vocab_size)``; then the shards' totals against the manifest's shard entries and stats.
+4. **tokenizer** (``tokenizer=``) — its fingerprint, vocab size, special ids and chat template match the
+   manifest's.
+5. **source** (``source=``) — the source is re-read and re-encoded with the build's config through the
+   build's own formatting/tokenizing code, records that fail are counted by reason against
+   ``dropped_by_reason``, the plan is recomputed from the lengths and checked to account for every
+   record (its pieces tile it, or it is truncated or dropped as the policy says), and every segment of
+   the shards is compared token for token (ids and trained mask) with the source.
+
+Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
+``source`` costs a re-tokenize and holds the source's tokens in memory.
+
+Problems are values (a ``Problem`` per finding); only errors that stop verify from running at all
+(no such folder, a tokenizer or source that cannot be loaded) raise a ``PackerError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import schema
+from .errors import ShardFormatError
+
+LOCK_NAME = ".packer-lock"  # build.py's lock file: harmless in a finished folder
+MAX_ROWS_SHOWN = 5
+CHUNK = 1000  # records per tokenizer call when re-reading a source
+_SHARD_KEYS = {"file": str, "rows": int, "tokens": int, "bytes": int, "sha256": str}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    check: str  # manifest, files, rows, stats, tokenizer, source
+    where: str  # a file, "file row N", or the manifest key
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass(slots=True)
+class Report:
+    directory: str
+    quick: bool
+    problems: list[Problem] = field(default_factory=list)
+    checked: dict[str, Any] = field(default_factory=dict)  # what was looked at: shards, rows, tokens, ...
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, check: str, where: str, message: str) -> None:
+        self.problems.append(Problem(check, where, message))
+
+    def verdict(self) -> str:
+        what = ", ".join(f"{v:,} {k}" for k, v in self.checked.items() if isinstance(v, int))
+        scope = "quick check (manifest and hashes)" if self.quick else "full check"
+        if self.ok:
+            return f"{self.directory}: OK, {scope}: {what or 'nothing to check'}"
+        n = len(self.problems)
+        return f"{self.directory}: {n} problem{'s' * (n != 1)} found ({scope}); rebuild the folder or fix its source"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "ok": self.ok,
+            "quick": self.quick,
+            "checked": self.checked,
+            "problems": [asdict(p) for p in self.problems],
+        }
+
+
+def _rows_text(rows: np.ndarray) -> str:
+    shown = ", ".join(str(int(r)) for r in rows[:MAX_ROWS_SHOWN])
+    more = f" … ({len(rows):,} rows)" if len(rows) > MAX_ROWS_SHOWN else ""
+    return f"row{'s' * (len(rows) != 1)} {shown}{more}"
+
+
+# -- manifest ---------------------------------------------------------------------------------------
+
+
+def _load_manifest(directory: Path, report: Report) -> dict[str, Any] | None:
+    path = directory / schema.MANIFEST_NAME
+    if not path.is_file():
+        report.add("manifest", str(path), "missing, so the folder is not a finished build (interrupted, or not "
+                   "packer's); rerun the build")
+        return None
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        report.add("manifest", str(path), f"not valid JSON ({e}); the manifest is corrupted")
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != schema.FORMAT_NAME:
+        report.add("manifest", str(path), f"not a packer manifest (no \"format\": \"{schema.FORMAT_NAME}\")")
+        return None
+    if manifest.get("format_version") != schema.FORMAT_VERSION:
+        report.add("manifest", str(path), f"format version {manifest.get('format_version')!r}; this packer knows "
+                   f"version {schema.FORMAT_VERSION}")
+        return None
+    ok = True
+    for key, kind in (("config", dict), ("tokenizer", dict), ("stats", dict), ("shards", list)):
+        if not isinstance(manifest.get(key), kind):
+            report.add("manifest", f"{path} {key}", f"missing or not a {kind.__name__}")
+            ok = False
+    if not ok:
+        return None
+    for i, entry in enumerate(manifest["shards"]):
+        bad = [k for k, t in _SHARD_KEYS.items() if not isinstance(entry, dict) or not isinstance(entry.get(k), t)]
+        if bad:
+            report.add("manifest", f"{path} shards[{i}]", f"entry lacks or mistypes {', '.join(bad)}")
+            ok = False
+        elif Path(entry["file"]).name != entry["file"] or not entry["file"].startswith(schema.SHARD_PREFIX):
+            report.add("manifest", f"{path} shards[{i}]", f"file {entry['file']!r} is not a shard name in this folder")
+            ok = False
+    names = [e.get("file") for e in manifest["shards"] if isinstance(e, dict)]
+    if len(set(names)) != len(names):
+        report.add("manifest", f"{path} shards", "lists a shard twice")
+        ok = False
+    from .config import BuildConfig
+    from .errors import ConfigError
+
+    try:
+        BuildConfig(**{**manifest["config"], "out": str(directory)})
+    except (ConfigError, TypeError) as e:
+        report.add("manifest", f"{path} config", f"not a valid build config ({e})")
+        ok = False
+    return manifest if ok else None
+
+
+def _check_stats_arithmetic(manifest: dict[str, Any], report: Report) -> None:
+    s = manifest["stats"]
+    where = f"{schema.MANIFEST_NAME} stats"
+
+    def get(key: str) -> int:
+        value = s.get(key)
+        if not isinstance(value, int):
+            raise KeyError(key)
+        return value
+
+    try:
+        examples, read = get("examples"), get("examples_read")
+        parts = get("examples_packed") + get("examples_split") + get("examples_truncated") + get("examples_dropped")
+        if parts != examples:
+            report.add("stats", where, f"packed + split + truncated + dropped = {parts:,}, but examples = {examples:,}")
+        if get("tokens") + get("tokens_truncated") + get("tokens_dropped") != get("tokens_in"):
+            report.add("stats", where, "tokens + tokens_truncated + tokens_dropped differs from tokens_in")
+        skipped = get("records_skipped")
+        if examples + skipped != read:
+            report.add("stats", where, f"examples {examples:,} + records_skipped {skipped:,} differs from "
+                       f"examples_read {read:,}: records are unaccounted for")
+        by_reason = s.get("dropped_by_reason")
+        if not isinstance(by_reason, dict):
+            report.add("stats", where, "dropped_by_reason is missing")
+        else:
+            dropped = get("examples_dropped") + skipped
+            if sum(v for v in by_reason.values() if isinstance(v, int)) != dropped:
+                report.add("stats", where, f"dropped_by_reason sums to {sum(by_reason.values()):,}, but "
+                           f"examples_dropped + records_skipped = {dropped:,}")
+            if by_reason.get("overlong", 0) != get("examples_dropped"):
+                report.add("stats", where, "dropped_by_reason.overlong differs from examples_dropped")
+        limit = manifest["config"].get("limit")
+        if isinstance(limit, int) and read > limit:
+            report.add("stats", where, f"examples_read {read:,} exceeds the config's limit {limit:,}")
+    except KeyError as e:
+        report.add("stats", where, f"{e.args[0]} is missing or not an integer")
+
+
+def _check_folder_contents(directory: Path, manifest: dict[str, Any] | None, report: Report) -> None:
+    listed = {e["file"] for e in manifest["shards"]} if manifest else set()
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        if name in listed or name in (schema.MANIFEST_NAME, LOCK_NAME, *getattr(schema, "DATASETS_FILES", ())):
+            continue
+        if manifest is None and name.startswith(schema.SHARD_PREFIX) and name.endswith(schema.SHARD_SUFFIX):
+            continue  # no manifest: already reported; the shards are not "extra"
+        report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
+                   "file); remove it or rebuild the folder")
+
+
+# -- files --------------------------------------------------------------------------------------------
+
+
+def _check_files(directory: Path, manifest: dict[str, Any], report: Report) -> list[dict]:
+    """Existence, size and sha256 of every shard; returns the entries whose file exists."""
+    present = []
+    for entry in manifest["shards"]:
+        path = directory / entry["file"]
+        if not path.is_file():
+            report.add("files", str(path), "missing, the manifest lists it; copy the whole folder or rebuild")
+            continue
+        present.append(entry)
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            report.add("files", str(path), f"{size:,} bytes, the manifest records {entry['bytes']:,} (truncated or "
+                       "from another build)")
+        if schema.file_sha256(path) != entry["sha256"]:
+            report.add("files", str(path), "sha256 differs from the manifest's: the bytes changed")
+    return present
+
+
+# -- rows -----------------------------------------------------------------------------------------------
+
+
+def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Values and offsets (starting at 0) of a list column, zero copy where Arrow allows."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+@dataclass(slots=True)
+class _Totals:
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    segments: int = 0
+    max_row_tokens: int = 0
+    example_ids: list = field(default_factory=list)
+    seq_lens: list = field(default_factory=list)
+    input_ids: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+
+
+def _check_batch(batch: pa.RecordBatch, first_row: int, where: str, budget: dict, vocab: int | None,
+                 report: Report, totals: _Totals, keep_tokens: bool) -> None:
+    n = batch.num_rows
+    cols = {name: batch.column(name) for name in schema.COLUMNS}
+    nulls = [name for name, c in cols.items() if c.null_count]
+    if nulls:
+        report.add("rows", where, f"null values in {', '.join(nulls)}")
+        return
+    ids, tok_off = _flat(cols["input_ids"])
+    pos, pos_off = _flat(cols["position_ids"])
+    labels, lab_off = _flat(cols["labels"])
+    seq, seg_off = _flat(cols["seq_lens"])
+    exid, ex_off = _flat(cols["example_ids"])
+    num_loss = cols["num_loss_tokens"].to_numpy()
+    max_seqlen = cols["max_seqlen"].to_numpy()
+    rows = np.arange(n, dtype=np.int64)
+
+    def flag(mask: np.ndarray, message: str) -> None:
+        if mask.any():
+            report.add("rows", f"{where} {_rows_text(first_row + rows[mask])}", message)
+
+    row_len = np.diff(tok_off)
+    for name, off in (("position_ids", pos_off), ("labels", lab_off)):
+        mask = np.diff(off) != row_len
+        if mask.any():  # the flat token columns no longer line up: report and skip this batch's token checks
+            flag(mask, f"{name} has another length than input_ids")
+            return
+    mask = np.diff(ex_off) != np.diff(seg_off)
+    if mask.any():
+        flag(mask, "example_ids has another length than seq_lens")
+        return
+    bad = np.zeros(n, bool)  # rows whose layout is broken: skip the token-level checks on them
+    nseg = np.diff(seg_off)
+    cs = np.zeros(seq.size + 1, np.int64)
+    np.cumsum(seq, out=cs[1:])
+    seg_sum = cs[seg_off[1:]] - cs[seg_off[:-1]]
+    m = nseg == 0
+    flag(m, "no segments (an empty row)")
+    bad |= m
+    seg_row = np.repeat(rows, nseg)
+    m = np.zeros(n, bool)
+    m[seg_row[seq <= 0]] = True
+    flag(m, "a segment length ≤ 0 in seq_lens")
+    bad |= m
+    m = seg_sum != row_len
+    flag(m, "sum(seq_lens) differs from len(input_ids): the segment boundaries are wrong")
+    bad |= m
+
+    # Token-level checks on the rows whose layout holds.
+    good_tok = np.repeat(~bad, row_len)
+    good_seg = ~bad[seg_row]
+    seg_start = tok_off[seg_row] + (cs[:-1] - cs[seg_off[seg_row]])  # token index of each segment's start
+    is_start = np.zeros(ids.size, bool)
+    is_start[seg_start[good_seg]] = True
+    token_row = np.repeat(rows, row_len)
+    idx = np.arange(ids.size, dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(is_start, idx, 0)) if ids.size else idx
+    expected_pos = idx - last_start
+
+    def flag_tokens(mask: np.ndarray, message: str) -> None:
+        mask &= good_tok
+        if mask.any():
+            r = np.zeros(n, bool)
+            r[token_row[mask]] = True
+            flag(r, message)
+
+    flag_tokens(pos != expected_pos, "position_ids do not run 0..len-1 inside each segment (they must restart "
+                "exactly at the seq_lens boundaries)")
+    trained = labels != schema.IGNORE_INDEX
+    flag_tokens(is_start & trained, "a label is not -100 at a segment start: a label crosses an example boundary")
+    flag_tokens(trained & (labels != ids), "a label is neither -100 nor the input id at its position")
+    if vocab is not None:
+        flag_tokens((ids < 0) | (ids >= vocab), f"token ids outside [0, {vocab:,}) (the tokenizer's vocab size)")
+    ct = np.zeros(ids.size + 1, np.int64)
+    np.cumsum(trained, out=ct[1:])
+    loss = ct[tok_off[1:]] - ct[tok_off[:-1]]
+    flag(~bad & (loss != num_loss), "num_loss_tokens differs from the count of labels ≠ -100")
+    nonempty = nseg > 0
+    true_max = np.zeros(n, np.int64)
+    if seq.size:
+        true_max[nonempty] = np.maximum.reduceat(seq, seg_off[:-1][nonempty])
+    flag(~bad & (true_max != max_seqlen), "max_seqlen differs from max(seq_lens)")
+    m = np.zeros(n, bool)
+    m[seg_row[exid < 0]] = True
+    flag(m, "a negative example id")
+
+    if budget["pack"] == "batch":
+        flag(nseg > budget["batch_size"], f"more than batch_size={budget['batch_size']} segments")
+    else:
+        flag(row_len > budget["max_tokens"], f"more than max_tokens={budget['max_tokens']:,} tokens")
+    if budget["pack"] != "wrap":
+        m = np.zeros(n, bool)
+        m[seg_row[seq > budget["max_len"]]] = True
+        flag(m, f"a segment longer than max_len={budget['max_len']:,}")
+
+    totals.rows += n
+    totals.tokens += int(ids.size)
+    totals.loss_tokens += int(trained.sum())
+    totals.segments += int(seq.size)
+    totals.max_row_tokens = max(totals.max_row_tokens, int(row_len.max()) if n else 0)
+    totals.example_ids.append(exid.astype(np.int64))
+    totals.seq_lens.append(seq.astype(np.int64))
+    if keep_tokens:
+        totals.input_ids.append(ids)
+        totals.labels.append(labels)
+
+
+def _check_rows(directory: Path, manifest: dict[str, Any], entries: list[dict], vocab: int | None,
+                report: Report, keep_tokens: bool) -> _Totals | None:
+    cfg = manifest["config"]
+    budget = {
+        "pack": cfg.get("pack"),
+        "batch_size": cfg.get("batch_size") or 0,
+        "max_len": cfg.get("max_len") or 0,
+        "max_tokens": cfg.get("max_tokens") or cfg.get("max_len") or 0,
+    }
+    totals = _Totals()
+    complete = len(entries) == len(manifest["shards"])
+    for entry in entries:
+        path = directory / entry["file"]
+        try:
+            with pa.memory_map(str(path), "r") as source:
+                table = pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowException) as e:
+            report.add("rows", str(path), f"cannot be read as an Arrow stream ({str(e).splitlines()[0][:160]})")
+            complete = False
+            continue
+        if not table.schema.remove_metadata().equals(schema.ROW_SCHEMA):
+            report.add("rows", str(path), f"schema is not packer's row schema (got {', '.join(f'{f.name}: {f.type}' for f in table.schema)})")
+            complete = False
+            continue
+        if table.num_rows != entry["rows"]:
+            report.add("rows", str(path), f"{table.num_rows:,} rows, the manifest records {entry['rows']:,}")
+        tokens_before = totals.tokens
+        first = totals.rows
+        for batch in table.to_batches():
+            _check_batch(batch, first, entry["file"], budget, vocab, report, totals, keep_tokens)
+            first += batch.num_rows
+        totals.rows = first
+        if totals.tokens - tokens_before != entry["tokens"]:
+            report.add("rows", str(path), f"{totals.tokens - tokens_before:,} tokens, the manifest records "
+                       f"{entry['tokens']:,}")
+    return totals if complete else None
+
+
+def _check_totals(manifest: dict[str, Any], totals: _Totals, report: Report) -> None:
+    s = manifest["stats"]
+    where = f"{schema.MANIFEST_NAME} stats"
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens), ("loss_tokens", totals.loss_tokens),
+                        ("segments", totals.segments), ("max_row_tokens", totals.max_row_tokens)):
+        if key in s and s[key] != actual:
+            report.add("stats", where, f"{key} = {s[key]!r}, the shards hold {actual:,}")
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens)):
+        listed = sum(e[key] for e in manifest["shards"])
+        if listed != actual:
+            report.add("stats", f"{schema.MANIFEST_NAME} shards", f"{key} of the shard entries sum to {listed:,}, "
+                       f"the shards hold {actual:,}")
+    if not totals.example_ids:
+        return
+    exid = np.concatenate(totals.example_ids)
+    seq = np.concatenate(totals.seq_lens)
+    read = s.get("examples_read")
+    if isinstance(read, int) and exid.size and int(exid.max()) >= read:
+        report.add("stats", where, f"example id {int(exid.max()):,} is beyond examples_read {read:,}")
+    unique, counts = np.unique(exid, return_counts=True)
+    expected = s.get("examples", 0) - s.get("examples_dropped", 0)
+    if unique.size != expected:
+        report.add("stats", where, f"the rows hold {unique.size:,} distinct examples, the stats account for "
+                   f"{expected:,} (examples − examples_dropped)")
+    if manifest["config"].get("pack") != "wrap":
+        split = int((counts > 1).sum())
+        if split != s.get("examples_split"):
+            report.add("stats", where, f"{split:,} examples appear in pieces, examples_split says "
+                       f"{s.get('examples_split')!r}")
+    del seq
+
+
+# -- tokenizer and source -------------------------------------------------------------------------------
+
+
+def _load_tok(name: str):
+    from .build import tokenizer_path
+    from .tokenization import load_tokenizer
+
+    return load_tokenizer(tokenizer_path(name))
+
+
+def _check_tokenizer(manifest: dict[str, Any], tokenizer, name: str, report: Report) -> None:
+    from .tokenization import tokenizer_info
+
+    info = tokenizer_info(tokenizer, name)
+    recorded = manifest["tokenizer"]
+    for key in ("fingerprint", "vocab_size", "bos_token_id", "eos_token_id", "chat_template_sha256"):
+        if recorded.get(key) != info[key]:
+            what = "fingerprint" if key == "fingerprint" else key
+            report.add("tokenizer", f"--tokenizer {name}", f"{what} differs from the build's "
+                       f"({recorded.get('name_or_path')!r}): {info[key]!r} here, {recorded.get(key)!r} recorded; these "
+                       "shards were made with another tokenizer")
+
+
+def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals: _Totals | None,
+                  report: Report) -> None:
+    from . import sources
+    from .build import _source_info
+    from .config import BuildConfig
+    from .errors import RecordError
+    from .formatting import make_spec
+    from .plan import plan as make_plan
+    from .tokenization import Encoder
+
+    cfg = manifest["config"]
+    config = BuildConfig(**{**cfg, "source": source_name, "out": os.devnull})
+    src = sources.resolve(source_name, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
+    where = f"--source {source_name}"
+    recorded = manifest.get("source", {})
+    info = _source_info(src)
+    local = recorded.get("kind") == "local" and info.get("kind") == "local"
+    if local and [f["sha256"] for f in recorded.get("files", [])] != [f["sha256"] for f in info["files"]]:
+        report.add("source", where, "its files' sha256 differ from the ones the build recorded: another or a "
+                   "changed source")
+    dataset = sources.load(src)
+    if config.limit is not None and config.limit < len(dataset):
+        dataset = dataset.select(range(config.limit))
+    s = manifest["stats"]
+    if len(dataset) != s.get("examples_read"):
+        report.add("source", where, f"{len(dataset):,} records, the build read {s.get('examples_read')!r}")
+    spec = make_spec(recipe=src.recipe, config=config, columns=list(dataset.column_names))
+    encoder = Encoder(tokenizer, spec, skip_errors=True)
+    ids, trained, lengths, example_ids, skipped = [], [], [], [], {}
+    for start, batch in zip(range(0, len(dataset), CHUNK), dataset.iter(batch_size=CHUNK), strict=False):
+        try:
+            chunk = encoder.encode(batch, start)
+        except RecordError as e:  # pragma: no cover - skip_errors=True records them instead
+            report.add("source", where, str(e))
+            return
+        ids.append(chunk.ids)
+        trained.append(chunk.trained)
+        lengths.append(chunk.lengths)
+        example_ids.append(chunk.example_ids)
+        for reason, k in chunk.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + k
+    cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt)  # noqa: E731
+    ids, trained = cat(ids, np.int32), cat(trained, np.uint8)
+    lengths, example_ids = cat(lengths, np.int64), cat(example_ids, np.int64)
+    if skipped and cfg.get("on_error") != "skip":
+        report.add("source", where, f"{sum(skipped.values()):,} records fail to format ({skipped}), yet the build "
+                   "ran with --on-error raise")
+    recorded_reasons = {k: v for k, v in (s.get("dropped_by_reason") or {}).items() if k != "overlong"}
+    if recorded_reasons != skipped:
+        report.add("source", where, f"skipped records by reason {skipped} here, the manifest records {recorded_reasons}")
+
+    p = make_plan(lengths, mode=config.pack, max_len=config.max_len, max_tokens=config.max_tokens,
+                  batch_size=config.batch_size, overlong=config.overlong, seed=config.seed,
+                  world_size=config.world_size, balance=config.balance)
+    # Every kept record is accounted for: its pieces tile it, or it is truncated / dropped as the policy says.
+    ex, st, ln = np.asarray(p.example), np.asarray(p.start), np.asarray(p.length)
+    order = np.lexsort((st, ex))
+    ex_s, st_s, ln_s = ex[order], st[order], ln[order]
+    first = np.ones(ex_s.size, bool)
+    first[1:] = ex_s[1:] != ex_s[:-1]
+    contiguous = np.where(first, st_s == 0, np.r_[True, st_s[1:] == (st_s + ln_s)[:-1]])
+    covered = np.zeros(lengths.size, np.int64)
+    np.add.at(covered, ex_s, ln_s)
+    placed = np.zeros(lengths.size, bool)
+    placed[ex_s] = True
+    whole = covered == lengths
+    trunc = placed & ~whole
+    if not contiguous.all():
+        report.add("source", where, f"{int((~contiguous).sum()):,} pieces do not tile their example")
+    if config.overlong == "truncate" and config.pack != "wrap":
+        bad = trunc & (covered != config.max_len)
+        if bad.any():
+            report.add("source", where, f"{int(bad.sum()):,} examples cut at another length than max_len")
+    elif trunc.any():
+        report.add("source", where, f"{int(trunc.sum()):,} examples only partly placed under --overlong {config.overlong}")
+    dropped = int((~placed).sum())
+    if dropped != s.get("examples_dropped") or (dropped and config.overlong != "drop"):
+        report.add("source", where, f"{dropped:,} examples placed nowhere, the manifest says examples_dropped "
+                   f"{s.get('examples_dropped')!r} under --overlong {config.overlong}")
+    if int(trunc.sum()) != s.get("examples_truncated", 0) and config.overlong == "truncate":
+        report.add("source", where, f"{int(trunc.sum()):,} examples truncated, the manifest says "
+                   f"{s.get('examples_truncated')!r}")
+
+    if totals is None or not totals.input_ids:
+        return
+    # The shards against the source, segment by segment, in row order.
+    got_ex, got_len = np.concatenate(totals.example_ids), np.concatenate(totals.seq_lens)
+    want_ex, want_len = example_ids[ex], ln
+    if got_ex.size != want_ex.size or not np.array_equal(got_ex, want_ex) or not np.array_equal(got_len, want_len):
+        report.add("source", where, "the shards' segments (example_ids, seq_lens) differ from the plan of this "
+                   "source with the build's config")
+        return
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    seg_out = np.zeros(ln.size + 1, np.int64)
+    np.cumsum(ln, out=seg_out[1:])
+    position = np.arange(int(seg_out[-1]), dtype=np.int64) - np.repeat(seg_out[:-1], ln)
+    index = np.repeat(offsets[ex] + st, ln) + position
+    got_ids, got_labels = np.concatenate(totals.input_ids), np.concatenate(totals.labels)
+    differ = int((got_ids != ids[index]).sum())
+    if differ:
+        report.add("source", where, f"{differ:,} tokens differ from the source's tokens at the same place")
+    want_trained = (trained[index] != 0) & (position != 0)
+    differ = int((want_trained != (got_labels != schema.IGNORE_INDEX)).sum())
+    if differ:
+        report.add("source", where, f"{differ:,} tokens are trained where the source's loss mask says otherwise (or "
+                   "the reverse)")
+
+
+# -- entry point -----------------------------------------------------------------------------------------
+
+
+def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source: str | None = None,
+           quick: bool = False) -> Report:
+    """Check a shard folder; returns a Report listing every problem (empty when the folder is sound).
+
+    Raises ``ShardFormatError`` when ``directory`` is not a folder, and the loaders' ``PackerError``s
+    when ``tokenizer`` or ``source`` cannot be loaded: those stop verify from running at all.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ShardFormatError(f"{directory}: no such folder; give the --out folder of a packer build")
+    report = Report(str(directory), quick)
+    manifest = _load_manifest(directory, report)
+    _check_folder_contents(directory, manifest, report)
+    if manifest is None:
+        return report
+    _check_stats_arithmetic(manifest, report)
+    tok = None
+    if tokenizer is not None or source is not None:
+        name = tokenizer or manifest["tokenizer"].get("name_or_path") or "bundled"
+        tok = _load_tok(name)
+        if tokenizer is not None:
+            _check_tokenizer(manifest, tok, tokenizer, report)
+    entries = _check_files(directory, manifest, report)
+    report.checked["shards"] = len(entries)
+    if quick:
+        return report
+    vocab = manifest["tokenizer"].get("vocab_size")
+    if tok is not None:
+        vocab = min(vocab, len(tok)) if isinstance(vocab, int) else len(tok)
+    totals = _check_rows(directory, manifest, entries, vocab if isinstance(vocab, int) else None, report,
+                         keep_tokens=source is not None)
+    if totals is not None:
+        report.checked.update(rows=totals.rows, tokens=totals.tokens, segments=totals.segments)
+        _check_totals(manifest, totals, report)
+    if source is not None:
+        _check_source(manifest, source, tok, totals, report)
+    return report
