@@ -8,25 +8,23 @@ are gathered from the memory-mapped spill and written shard by shard. The manife
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from . import __version__, schema, sources
+from . import __version__, schema, sources, tokenize_stage
 from .config import BuildConfig
 from .errors import OutputError, SourceError
-from .formatting import FormatSpec, make_spec
+from .formatting import make_spec
 from .plan import plan as make_plan
 from .recipes import BUNDLED_TOKENIZER
-from .tokenization import Encoded, Encoder, load_tokenizer, tokenizer_info
-from .writer import STAGING, TokenStore, clear_output, commit, write_shards
+from .tokenization import Encoder, load_tokenizer, tokenizer_info
+from .tokenize_stage import TOKENS_DIR
+from .writer import STAGING, clear_output, commit, write_shards
 
-CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
 BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
 
 
@@ -95,46 +93,6 @@ def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict 
     return None  # an interrupted build of ours: it is redone below
 
 
-def _encode_worker_init(tokenizer_name: str, spec: FormatSpec, skip: bool) -> None:
-    global _WORKER_ENCODER
-    _WORKER_ENCODER = Encoder(load_tokenizer(tokenizer_name), spec, skip_errors=skip)
-
-
-def _encode_worker(task: tuple[dict, int, str]) -> Encoded:
-    records, first, where = task
-    return _WORKER_ENCODER.encode(records, first, where=where)
-
-
-def _tokenize(dataset, encoder: Encoder, config: BuildConfig, tokenizer_name: str, spill: Path, where: str, progress: bool):
-    """Encode all records, appending tokens to spill files; returns lengths, example ids, skip counts."""
-    chunks = ((batch, start, where) for start, batch in zip(range(0, len(dataset), CHUNK), dataset.iter(batch_size=CHUNK)))
-    lengths, example_ids, skipped = [], [], {}
-    bar = tqdm(total=len(dataset), desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
-    pool = None
-    if config.num_proc > 1:
-        ctx = mp.get_context("spawn")
-        pool = ctx.Pool(config.num_proc, initializer=_encode_worker_init, initargs=(tokenizer_name, encoder.formatter.spec, encoder.skip_errors))
-        results = pool.imap(_encode_worker, chunks)
-    else:
-        results = (encoder.encode(r, s, where=w) for r, s, w in chunks)
-    try:
-        with open(spill / "ids.bin", "wb") as ids_f, open(spill / "trained.bin", "wb") as mask_f:
-            for chunk in results:
-                ids_f.write(chunk.ids.tobytes())
-                mask_f.write(chunk.trained.tobytes())
-                lengths.append(chunk.lengths)
-                example_ids.append(chunk.example_ids)
-                for reason, n in chunk.skipped.items():
-                    skipped[reason] = skipped.get(reason, 0) + n
-                bar.update(len(chunk.lengths) + sum(chunk.skipped.values()))
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-    as_array = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
-    return as_array(lengths), as_array(example_ids), skipped
-
-
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
@@ -157,13 +115,16 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
 
     try:
         out.mkdir(parents=True, exist_ok=True)
-        clear_output(out)
-        spill = out / STAGING
-        spill.mkdir()
+        clear_output(out, keep=(TOKENS_DIR,))  # a matching interrupted tokenize stage is resumed below
+        (out / STAGING).mkdir(exist_ok=True)
     except OSError as e:
         raise OutputError(f"--out {out}: cannot write there ({e.strerror}); choose a writable folder") from e
     where = f"{source.files[0]} record" if len(source.files) == 1 else f"{source.name} record"
-    lengths, example_ids, skipped = _tokenize(dataset, encoder, config, tokenizer_name, spill, where, progress)
+    spill = tokenize_stage.tokenize(
+        dataset, encoder, out / STAGING / TOKENS_DIR, identity,
+        num_proc=config.num_proc, engine=getattr(config, "engine", "local"), where=where, progress=progress,
+    )
+    lengths, skipped = spill.lengths, spill.skipped
     if len(lengths) == 0:
         raise SourceError(f"{source.name}: every record was skipped ({skipped}); nothing to pack")
 
@@ -178,14 +139,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
         world_size=config.world_size,
         balance=config.balance,
     )
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    store = TokenStore(
-        ids=np.memmap(spill / "ids.bin", dtype=np.int32, mode="r", shape=(int(offsets[-1]),)),
-        trained=np.memmap(spill / "trained.bin", dtype=np.uint8, mode="r", shape=(int(offsets[-1]),)),
-        offsets=offsets,
-        example_ids=example_ids,
-    )
+    store = spill.store()
     with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
         shards = list(write_shards(plan, store, out, shard_bytes=config.shard_size_mb << 20, on_rows=bar.update))
 

@@ -138,8 +138,11 @@ def commit(out: Path, manifest: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def clear_output(out: Path) -> None:
-    """Remove a previous build: the manifest first, so the folder stops looking complete at once."""
+def clear_output(out: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove a previous build: the manifest first, so the folder stops looking complete at once.
+
+    ``keep`` names entries of the staging folder to leave there (a resumable stage's folder, which
+    checks its own identity)."""
     manifest = out / schema.MANIFEST_NAME
     if manifest.exists():
         manifest.unlink()
@@ -147,6 +150,10 @@ def clear_output(out: Path) -> None:
     for path in out.iterdir():
         if path.name.startswith(schema.SHARD_PREFIX) and path.name.endswith(schema.SHARD_SUFFIX):
             path.unlink()
+        elif path.name == STAGING and path.is_dir() and keep:
+            for inner in path.iterdir():
+                if inner.name not in keep:
+                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
         elif path.name in (STAGING, schema.MANIFEST_NAME + ".tmp", *schema.DATASETS_FILES):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 

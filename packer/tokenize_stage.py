@@ -1,0 +1,245 @@
+"""The tokenize stage: records → flat token spill files in the staging folder, parallel and resumable.
+
+Records are read in chunks of ``CHUNK`` (``Dataset.__getitem__`` on a slice of the Arrow table that
+`datasets` memory-maps from its cache, so the input is never all in memory), formatted and tokenized by
+:class:`packer.tokenization.Encoder`, and appended *in source order* to four flat files::
+
+    <out>/.packer-staging/tokens/
+        identity.json     what the tokens were made from (source, tokenizer, config); else discarded
+        ids.bin           int32[tokens]     every kept example's tokens, concatenated
+        trained.bin       uint8[tokens]     1 where the token is a target
+        lengths.bin       int32[examples]   tokens per example
+        example_ids.bin   int64[examples]   index of the example's record in the source
+        progress.json     the commit marker: records, examples and tokens done, skip counts
+
+Every ``GROUP`` chunks the files are flushed and fsynced, then ``progress.json`` is replaced
+atomically: it is the completion marker of every chunk before it. A rerun after a crash with the same
+identity truncates the files to the marker (dropping a torn tail) and starts at the first record not
+done, so a resumed build is byte-identical to an uninterrupted one; another identity wipes the folder.
+Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the tokens are read
+later through memory maps.
+
+Parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
+``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
+(fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
+``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. Workers read their own record ranges
+from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays;
+``imap`` keeps source order, so the bytes do not depend on ``num_proc``. ``engine="ray"`` takes the
+chunks from Ray Data tasks instead (:mod:`packer.ray_engine`), in the same order.
+
+Cost: one ``encode_batch`` per chunk; the writes are sequential appends; memory O(chunk + 12 B/example).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .tokenization import Encoded, Encoder
+from .writer import TokenStore
+
+CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
+GROUP = 8  # chunks per commit marker (one fsync per GROUP * CHUNK records)
+TOKENS_DIR = "tokens"  # inside the staging folder
+STAGE_VERSION = 1  # bump when the spill layout or the chunking changes
+_FILES = {"ids": ("ids.bin", np.int32), "trained": ("trained.bin", np.uint8),
+          "lengths": ("lengths.bin", np.int32), "example_ids": ("example_ids.bin", np.int64)}
+IDENTITY, PROGRESS = "identity.json", "progress.json"
+
+
+@dataclass(slots=True)
+class Spill:
+    """The finished tokenize stage: where the tokens are, and the per-example arrays planning needs."""
+
+    folder: Path
+    lengths: np.ndarray  # int32[examples]
+    example_ids: np.ndarray  # int64[examples], memory-mapped
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped
+    records: int = 0  # records read (kept + skipped)
+    reused_records: int = 0  # of those, how many a previous, interrupted run had already done
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def store(self) -> TokenStore:
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        return TokenStore(
+            ids=_memmap(self.folder / "ids.bin", np.int32, total),
+            trained=_memmap(self.folder / "trained.bin", np.uint8, total),
+            offsets=offsets,
+            example_ids=self.example_ids,
+        )
+
+
+def _memmap(path: Path, dtype, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# ---- resumable spill -------------------------------------------------------------------------------
+
+
+def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start)."""
+    stamp = json.dumps({"stage_version": STAGE_VERSION, "chunk": CHUNK, **identity}, sort_keys=True, default=str)
+    fresh = {"records": 0, "examples": 0, "tokens": 0, "skipped": {}}
+    progress = None
+    if (folder / IDENTITY).is_file() and (folder / IDENTITY).read_text() == stamp:
+        try:
+            progress = json.loads((folder / PROGRESS).read_text())
+        except (OSError, json.JSONDecodeError):
+            progress = None
+        if progress is not None:
+            for key, (name, dtype) in _FILES.items():
+                count = progress["tokens"] if key in ("ids", "trained") else progress["examples"]
+                path = folder / name
+                need = count * np.dtype(dtype).itemsize
+                if not path.is_file() or path.stat().st_size < need:
+                    progress = None  # a marker without its data: start over
+                    break
+    if progress is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        (folder / IDENTITY).write_text(stamp)
+        progress = fresh
+    for key, (name, dtype) in _FILES.items():  # drop whatever was written after the last marker
+        count = progress["tokens"] if key in ("ids", "trained") else progress["examples"]
+        with open(folder / name, "ab") as f:
+            f.truncate(count * np.dtype(dtype).itemsize)
+    return progress
+
+
+def _commit(folder: Path, files: dict[str, Any], progress: dict[str, Any]) -> None:
+    for f in files.values():
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = folder / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(progress, sort_keys=True))
+    os.replace(tmp, folder / PROGRESS)
+
+
+def tokenize(
+    dataset,
+    encoder: Encoder,
+    folder: Path,
+    identity: dict[str, Any],
+    *,
+    num_proc: int = 1,
+    engine: str = "local",
+    where: str = "record",
+    progress: bool = False,
+) -> Spill:
+    """Tokenize every record of ``dataset`` into ``folder`` (resuming a matching earlier run)."""
+    folder = Path(folder)
+    done = _open_spill(folder, identity)
+    start, total = int(done["records"]), len(dataset)
+    chunks = _chunks(dataset, encoder, start, num_proc=num_proc, engine=engine, where=where)
+    bar = tqdm(total=total, initial=start, desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
+    files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
+    pending = 0
+    try:
+        for chunk in chunks:
+            files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
+            files["trained"].write(chunk.trained.astype(np.uint8, copy=False).tobytes())
+            files["lengths"].write(chunk.lengths.astype(np.int32).tobytes())
+            files["example_ids"].write(chunk.example_ids.astype(np.int64, copy=False).tobytes())
+            consumed = len(chunk.lengths) + sum(chunk.skipped.values())
+            done["records"] += consumed
+            done["examples"] += len(chunk.lengths)
+            done["tokens"] += len(chunk.ids)
+            for reason, n in chunk.skipped.items():
+                done["skipped"][reason] = done["skipped"].get(reason, 0) + n
+            bar.update(consumed)
+            pending += 1
+            if pending >= GROUP:
+                _commit(folder, files, done)
+                pending = 0
+        _commit(folder, files, done)
+    finally:
+        bar.close()
+        for f in files.values():
+            f.close()
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # stops a worker pool at once when a chunk failed
+    assert done["records"] == total, (done["records"], total)  # every record is kept or counted as skipped
+    examples = int(done["examples"])
+    lengths = np.fromfile(folder / "lengths.bin", dtype=np.int32, count=examples)
+    return Spill(
+        folder=folder,
+        lengths=lengths,
+        example_ids=_memmap(folder / "example_ids.bin", np.int64, examples),
+        skipped=dict(sorted(done["skipped"].items())),
+        records=total,
+        reused_records=start,
+    )
+
+
+# ---- chunk producers ---------------------------------------------------------------------------------
+
+
+def _ranges(start: int, stop: int) -> Iterator[tuple[int, int]]:
+    # Chunk boundaries are multiples of CHUNK from record 0, whatever the resume point.
+    lo = start
+    while lo < stop:
+        hi = min(stop, (lo // CHUNK + 1) * CHUNK)
+        yield lo, hi
+        lo = hi
+
+
+def _chunks(dataset, encoder: Encoder, start: int, *, num_proc: int, engine: str, where: str) -> Iterator[Encoded]:
+    if start >= len(dataset):
+        return iter(())
+    if engine == "ray":
+        from .ray_engine import encode_chunks
+
+        return encode_chunks(dataset, encoder, start, chunk=CHUNK, where=where)
+    if num_proc <= 1:
+        return (encoder.encode(dataset[lo:hi], lo, where=where) for lo, hi in _ranges(start, len(dataset)))
+    return _pool_chunks(dataset, encoder, start, num_proc, where)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(encoder: Encoder, dataset, where: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    _WORKER.update(encoder=encoder, dataset=dataset, where=where)
+
+
+def _worker_encode(bounds: tuple[int, int]) -> Encoded:
+    lo, hi = bounds
+    return _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
+
+
+def _pool_chunks(dataset, encoder: Encoder, start: int, num_proc: int, where: str) -> Iterator[Encoded]:
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, dataset, where))
+    try:
+        # tasks are two integers each; results come back in order and are written at once
+        yield from pool.imap(_worker_encode, _ranges(start, len(dataset)), chunksize=1)
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+
+
+def encode_all(dataset, encoder: Encoder, *, num_proc: int = 1, where: str = "record",
+               sink: Callable[[Encoded], None]) -> None:
+    """Feed every chunk to ``sink`` without touching disk (benchmarks time the stage alone with it)."""
+    for chunk in _chunks(dataset, encoder, 0, num_proc=num_proc, engine="local", where=where):
+        sink(chunk)
