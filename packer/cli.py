@@ -137,61 +137,235 @@ def _render_build(result) -> None:
 
 
 @main.command()
-@click.argument("directory", type=click.Path())
-@click.option("--row", "row_index", type=int, help="Show this row segment by segment.")
+@click.argument("directory")
+@click.option("--row", "row_index", type=int, help="Draw this row: segments in colour, boundaries, masked tokens dimmed.")
+@click.option("--example", "example_id", type=int, help="Find where source example ID went: row(s), offset, split/truncated.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a figure (PNG/SVG/PDF) of lengths, fill and padding; needs matplotlib.")
+@click.option("--full", is_flag=True, help="With --row: show long segments whole instead of eliding their middle.")
+@click.option("--ids", "show_ids", is_flag=True, help="With --row: show token ids instead of text.")
 @click.option("--tokenizer", "-t", help="Tokenizer to decode with (default: the one the manifest names).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(directory: str, row_index: int | None, tokenizer: str | None, as_json: bool) -> None:
-    """Summarise a shard folder, or take one row apart (--row N)."""
+def inspect(directory: str, row_index: int | None, example_id: int | None, plot_path: str | None, full: bool,
+            show_ids: bool, tokenizer: str | None, as_json: bool) -> None:
+    """Summarise a shard folder and compare the pack modes on it, draw one row (--row N), find an
+    example (--example ID) or plot the build (--plot FILE.png). DIRECTORY may be an fsspec URL
+    (s3://, gs://, file://, memory://).
+
+    \b
+    packer inspect shards/                       summary, and batch vs bfd vs padding on this data
+    packer inspect shards/ --row 0               the row drawn in the terminal
+    packer inspect shards/ --example 1234        where source example 1234 went
+    packer inspect shards/ --plot build.png      lengths, fill, examples per row, padding removed
+    """
     from . import inspect_
 
-    if row_index is None:
-        view = inspect_.summary(directory)
-        if as_json:
-            click.echo(json.dumps(view, indent=2))
-        else:
-            _render_summary(view)
-        return
-    from . import schema
-    from .build import tokenizer_path
-    from .tokenization import load_tokenizer
+    if row_index is not None and example_id is not None:
+        raise click.UsageError("give --row or --example, not both")
+    if (full or show_ids) and row_index is None:
+        raise click.UsageError("--full and --ids apply to --row")
+    out: dict = {}
+    if plot_path is not None:
+        from .plot import plot_build
 
-    name = tokenizer or schema.read_manifest(directory)["tokenizer"]["name_or_path"]
-    view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)))
+        out["plot"] = str(plot_build(inspect_.plot_data(directory), plot_path))
+        if not as_json:
+            click.echo(f"wrote {out['plot']}")
+    if example_id is not None:
+        view = inspect_.find_example(directory, example_id)
+        rc = 0 if view["found"] else 1
+        if as_json:
+            click.echo(json.dumps({**view, **out}, indent=2))
+        else:
+            _render_example(view, directory)
+        return rc
+    if row_index is not None:
+        from . import schema
+        from .build import tokenizer_path
+        from .tokenization import load_tokenizer
+
+        name = tokenizer or schema.read_manifest(directory)["tokenizer"]["name_or_path"]
+        view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)),
+                            elide=None if full else inspect_.ELIDE_KEEP)
+        if as_json:
+            click.echo(json.dumps({**view, **out}, indent=2, ensure_ascii=False))
+        else:
+            _render_row(view, show_ids=show_ids)
+        return 0
+    if plot_path is not None and not as_json:
+        return 0
+    view = inspect_.summary(directory)
     if as_json:
-        click.echo(json.dumps(view, indent=2, ensure_ascii=False))
+        click.echo(json.dumps({**view, **out}, indent=2))
     else:
-        _render_row(view)
+        _render_summary(view)
+    return 0
+
+
+# Colour: click.echo strips ANSI when stdout is not a terminal; NO_COLOR (https://no-color.org) turns it off too.
+_PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
+
+
+def _use_color() -> bool:
+    import os
+
+    if os.environ.get("NO_COLOR"):
+        return False
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.color is not None:
+        return bool(ctx.color)
+    return not click.utils.should_strip_ansi(sys.stdout)
+
+
+def _echo(text: str = "", color: bool = True) -> None:
+    click.echo(text, color=color)
 
 
 def _render_summary(view: dict) -> None:
+    color = _use_color()
     s = view["stats"]
     if view.get("note"):
-        click.echo(f"note: {view['note']}")
-    budget = f"{view['pack']}" + (f" of {view['batch_size']}" if view["pack"] == "batch" else f", ≤ {view['max_tokens']:,} tokens")
-    click.echo(f"{view['directory']}: {s['rows']:,} rows ({budget}), tokenizer {view['tokenizer']}")
-    click.echo(f"  examples     {s['examples_read']:,} read, {s['segments']:,} segments in rows")
-    click.echo(f"  tokens       {s['tokens']:,} ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})")
-    click.echo(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
-               f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})")
-    if "padded_tokens" in s:
-        click.echo(f"  padding      a padded batch would hold {s['padded_tokens']:,} tokens: packing removes "
-                   f"{1 - s['tokens'] / max(1, s['padded_tokens']):.1%} of them")
+        _echo(f"note: {view['note']}", color)
+    budget = f"{view['pack']}" + (f" of {view['batch_size']}" if view["pack"] == "batch" else f", ≤ {view['max_tokens'] or view['max_len']:,} tokens")
+    _echo(click.style(f"{view['directory']}: {s['rows']:,} rows ({budget}), tokenizer {view['tokenizer']}", bold=True), color)
+    _echo(f"  examples     {s['examples_read']:,} read · {s['examples_packed']:,} whole · {s['examples_split']:,} split · "
+          f"{s['examples_truncated']:,} truncated · {sum((s.get('dropped_by_reason') or {}).values()):,} dropped "
+          f"· {s['segments']:,} segments in rows", color)
+    _echo(f"  tokens       {s['tokens']:,} in rows ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})"
+          f" · {s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped", color)
+    _echo(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
+          f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})", color)
     for sh in view["shards"]:
-        click.echo(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}")
+        _echo(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}", color)
+    modes = view.get("modes")
+    if not modes:
+        return
+    world = s.get("world_size", 1)
+    _echo("", color)
+    _echo(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens), "
+                      f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True), color)
+    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
+    _echo(click.style(head, dim=True), color)
+    for m in modes:
+        mark = "▸" if m["built"] else " "
+        line = (f"  {mark} {m['mode']:<8}{m['rows']:>7,}{m['optimizer_steps']:>12,}{m['examples_per_step']:>15.1f}"
+                f"{m['computed_tokens']:>11,}{m['padding']:>9.1%}{m['peak_row_tokens']:>10,}{m['fill']:>7.1%}"
+                f"   {m['note']}")
+        _echo(click.style(line, bold=True) if m["built"] else line, color)
+    by = {m["mode"]: m for m in modes}
+    pad, batch, bfd = by["padded"], by["batch"], by["bfd"]
+    _echo(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad['padding']:.0%} fewer "
+          f"tokens computed. bfd: {1 - bfd['rows'] / max(1, batch['rows']):.0%} fewer rows, but "
+          f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
+          "(retune the learning rate; the loss curve changes).", color)
 
 
-def _render_row(view: dict) -> None:
-    click.echo(f"row {view['row']} ({view['shard']}): {view['tokens']:,} tokens, {len(view['segments'])} segments, "
-               f"{view['num_loss_tokens']:,} trained, longest {view['max_seqlen']:,}")
-    for seg in view["segments"]:
-        click.echo(click.style(f"── segment {seg['segment']}: example {seg['example_id']}, tokens "
-                               f"{seg['offset']}..{seg['offset'] + seg['length']} ({seg['length']}), "
-                               f"{seg['trained_tokens']} trained ──", bold=True))
+def _render_example(view: dict, directory: str) -> None:
+    color = _use_color()
+    ex = view["example_id"]
+    if not view["found"]:
+        _echo(f"example {ex}: in no row; {view['why_missing']}", color)
+        return
+    pieces = view["pieces"]
+    what = []
+    if view["split"]:
+        what.append(f"split into {len(pieces)} pieces (--overlong {view['overlong']}, --max-len {view['max_len']})"
+                    if view["pack"] != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
+    if view["truncated"]:
+        what.append(f"truncated to --max-len {view['max_len']} (its last token is not EOS)")
+    _echo(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(pieces)} segment{'s' if len(pieces) > 1 else ''}"
+                      + (f", {'; '.join(what)}" if what else ", whole"), bold=True), color)
+    for p in pieces:
+        _echo(f"  row {p['row']:>6,}  segment {p['segment']:>3}  tokens {p['offset']:,}..{p['offset'] + p['length']:,} "
+              f"({p['length']:,})  {p['shard']}", color)
+    _echo(click.style(f"  see it: packer inspect {directory} --row {pieces[0]['row']}", dim=True), color)
+
+
+def _flow(text: str) -> str:
+    """One line per source line: newlines become ↵ followed by a break, tabs become spaces."""
+    return text.replace("\r", "").replace("\t", "    ").replace("\n", "↵\n")
+
+
+def _render_row(view: dict, show_ids: bool = False) -> None:
+    import shutil
+
+    color = _use_color()
+    width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
+    segs = view["segments"]
+    _echo(click.style(f"row {view['row']} · {view['shard']} · {view['tokens']:,} tokens in {len(segs)} segments · "
+                      f"{view['num_loss_tokens']:,} trained · longest {view['max_seqlen']:,}", bold=True), color)
+    if color:
+        legend = (click.style("dim", dim=True) + " = masked (no loss) · " + click.style("bright", bold=True)
+                  + " = trained · ⋯ = elided · one colour per segment")
+    else:
+        legend = "«…» = trained tokens, the rest is masked (no loss) · ⋯ = elided"
+    _echo("  " + legend, color)
+    for k, seg in enumerate(segs):
+        hue = _PALETTE[k % len(_PALETTE)]
+        bar = click.style("▌", fg=hue) if color else "│"
+        if k:
+            _echo(click.style(f"  ╞═ boundary at token {seg['offset']:,}: position_ids restart at 0, label -100 " + "═" * 8,
+                              dim=True), color)
+        head = (f"segment {seg['segment']} · example {seg['example_id']} · tokens {seg['offset']:,}.."
+                f"{seg['offset'] + seg['length']:,} ({seg['length']:,}) · {seg['trained_tokens']:,} trained")
+        _echo(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head), color)
+        pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
         for run in seg.get("runs", []):
-            label = "train" if run["trained"] else "mask "
-            text = run["text"]
-            click.echo(f"[{label}] " + (click.style(text) if run["trained"] else click.style(text, dim=True)))
+            if "elided" in run:
+                if pieces:
+                    pieces[-1] = (pieces[-1][0].rstrip(), pieces[-1][1])
+                pieces.append((f" ⋯ {run['elided']:,} tokens ({run['trained']:,} trained) ⋯ ", "elided"))
+                continue
+            if show_ids:
+                text = (" " if pieces and pieces[-1][1] != "elided" else "") + " ".join(map(str, run["ids"]))
+            else:
+                text = _flow(run["text"])
+            if pieces and pieces[-1][1] == "elided":
+                text = text.lstrip()
+            if not color and run["trained"]:
+                text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
+            pieces.append((text, "trained" if run["trained"] else "masked"))
+        for line in _wrap(pieces, width):
+            merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
+            for t, kind in line:
+                if merged and merged[-1][1] == kind:
+                    merged[-1][0] += t
+                else:
+                    merged.append([t, kind])
+            styled = "".join(
+                t if not color else click.style(t, fg=hue, bold=kind == "trained" or None,
+                                                dim=kind == "masked" or None, italic=kind == "elided" or None)
+                for t, kind in merged
+            )
+            _echo(f"{bar} {styled}", color)
+
+
+def _wrap(pieces: list[tuple[str, str]], width: int) -> list[list[tuple[str, str]]]:
+    """Lay styled pieces out in lines of at most ``width`` characters, breaking at spaces (or inside a
+    word longer than a line) and at the newlines the pieces hold."""
+    import re
+
+    lines: list[list[tuple[str, str]]] = [[]]
+    used = 0
+    for text, kind in pieces:
+        for part in re.findall(r"\n|[^\S\n]*\S+|[^\S\n]+", text):
+            if part == "\n":
+                lines.append([])
+                used = 0
+                continue
+            while used + len(part) > width and part:
+                if used and part.strip():
+                    lines.append([])
+                    used = 0
+                    part = part.lstrip()
+                    continue
+                lines[-1].append((part[:width - used], kind))
+                part = part[width - used:]
+                lines.append([])
+                used = 0
+            if part:
+                lines[-1].append((part, kind))
+                used += len(part)
+    return [line for line in lines if line] or [[]]
 
 
 @main.command()

@@ -1,33 +1,150 @@
-"""Read-side views of a shard folder: the summary of a build and one row taken apart.
+"""Read-side views of a shard folder: the summary of a build, one row taken apart, where a source
+example went, and the numbers behind ``packer inspect --plot``.
 
-Both return plain dicts (the CLI renders them as text or JSON). Reading a row opens one shard,
-memory-mapped; nothing else is loaded.
+Every view returns a plain dict (the CLI renders it as text or JSON) and takes a local folder or an
+fsspec URL. Costs: ``row`` opens one shard and decodes one row; ``summary``, ``find_example`` and
+``plot_data`` read only the small list columns (``seq_lens``, ``example_ids``) of every shard and work
+on them with pyarrow.compute / numpy, never per row in Python. ``summary`` re-plans the segment lengths
+under each mode (``packer.plan.plan``: lengths only, milliseconds for a million examples) so the modes
+can be compared on this very dataset.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
+import os
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from . import schema
 from .errors import ConfigError
 
+ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
+DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not in batch mode
 
-def summary(directory: str | Path) -> dict[str, Any]:
+PathLike = str | os.PathLike
+
+
+# -- columns of every shard, vectorised ---------------------------------------------------------
+
+
+def _list_column(directory: PathLike, manifest: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, row_splits) of a list column over all shards in row order; row_splits is int64[rows+1]."""
+    values, counts = [], []
+    for entry in manifest["shards"]:
+        column = schema.open_shard(schema.join(directory, entry["file"])).column(name)
+        for chunk in column.chunks:
+            values.append(pc.list_flatten(chunk).to_numpy())
+            counts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
+    flat = np.concatenate(values).astype(np.int64) if values else np.zeros(0, np.int64)
+    count = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
+    splits = np.zeros(count.size + 1, np.int64)
+    np.cumsum(count, out=splits[1:])
+    return flat, splits
+
+
+def _segments(directory: PathLike, manifest: dict) -> dict[str, np.ndarray]:
+    seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
+    example_ids, _ = _list_column(directory, manifest, "example_ids")
+    return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
+
+
+# -- summary ------------------------------------------------------------------------------------
+
+
+def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
+    """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    stats = manifest["stats"]
-    return {
+    config = manifest["config"]
+    view = {
         "directory": str(directory),
         "note": manifest.get("note"),
-        "pack": manifest["config"]["pack"],
-        "batch_size": manifest["config"].get("batch_size"),
-        "max_tokens": manifest["config"].get("max_tokens"),
+        "pack": config["pack"],
+        "batch_size": config.get("batch_size"),
+        "max_tokens": config.get("max_tokens"),
+        "max_len": config.get("max_len"),
         "tokenizer": manifest["tokenizer"]["name_or_path"],
-        "stats": stats,
+        "stats": manifest["stats"],
         "shards": manifest["shards"],
     }
+    if compare and manifest["shards"]:
+        seg = _segments(directory, manifest)
+        view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
+    return view
+
+
+def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, int, int]:
+    """(rows, largest row's tokens, padded tokens, largest padded batch): padding pads each row's
+    examples to its longest."""
+    counts = np.diff(row_splits)
+    starts = row_splits[:-1][counts > 0]
+    if lengths.size == 0:
+        return int(counts.size), 0, 0, 0
+    row_tokens = np.add.reduceat(lengths, starts)
+    row_padded = counts[counts > 0] * np.maximum.reduceat(lengths, starts)
+    return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
+
+
+def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) -> list[dict[str, Any]]:
+    """Rows, fill and optimizer steps of padding, ``batch`` and ``bfd`` for these segment lengths.
+
+    The lengths are the build's segments (after its over-long policy), so every mode holds the same
+    tokens. The mode the build used is measured on its actual rows; the others are planned from the
+    lengths with ``packer.plan.plan``. ``batch`` and padding group the build's batch size
+    (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` packs into the build's ``max_tokens``, or for a
+    batch build into its largest row: the same peak memory per row as the batch rows. Steps assume one
+    row per rank per micro-batch and no gradient accumulation: ``ceil(rows / world_size)``.
+    """
+    from .plan import plan
+
+    lengths = np.asarray(seq_lens, np.int64)
+    if lengths.size == 0:
+        return []
+    world = int(config.get("world_size") or 1)
+    seed = int(config.get("seed") or 0)
+    longest = int(lengths.max())
+    tokens = int(lengths.sum())
+    if config["pack"] == "batch":
+        b = int(config["batch_size"])
+        batch_rows, row_max, padded, padded_max = _row_stats(lengths, np.asarray(row_splits, np.int64))
+    else:
+        b = DEFAULT_BATCH
+        batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
+        batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
+    if config["pack"] == "bfd":
+        budget = int(config.get("max_tokens") or config.get("max_len") or longest)
+        bfd_rows = int(np.asarray(row_splits).size - 1)
+    else:
+        budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
+        budget = max(budget, longest)
+        bfd_rows = plan(lengths, mode="bfd", max_len=longest, max_tokens=budget, seed=seed).num_rows
+
+    def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> dict[str, Any]:
+        steps = math.ceil(rows / world)
+        return {
+            "mode": mode,
+            "rows": rows,
+            "tokens": tokens,
+            "computed_tokens": computed,  # what the model runs on: tokens plus padding
+            "padding": 1 - tokens / computed if computed else 0.0,
+            "peak_row_tokens": peak,  # what memory is sized for: the largest row (or padded batch, or budget)
+            "fill": tokens / (rows * peak) if rows and peak else 0.0,
+            "optimizer_steps": steps,
+            "examples_per_step": len(lengths) / max(1, steps),
+            "built": mode == config["pack"],
+            "note": note,
+        }
+
+    return [
+        entry("padded", batch_rows, padded, padded_max, f"{b} examples per batch, padded to the longest in it"),
+        entry("batch", batch_rows, tokens, row_max, f"{b} examples per row, concatenated: no padding"),
+        entry("bfd", bfd_rows, tokens, budget, f"rows filled up to {budget:,} tokens"),
+    ]
+
+
+# -- one row ------------------------------------------------------------------------------------
 
 
 def _locate(manifest: dict, row: int) -> tuple[str, int]:
@@ -41,17 +158,20 @@ def _locate(manifest: dict, row: int) -> tuple[str, int]:
     raise AssertionError("unreachable: row counted in total")
 
 
-def row(directory: str | Path, index: int, tokenizer=None) -> dict[str, Any]:
-    """Row ``index`` segment by segment: example id, length, trained/masked tokens and decoded text."""
+def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = ELIDE_KEEP) -> dict[str, Any]:
+    """Row ``index`` segment by segment: example id, offset, length, trained tokens, ids, and (with a
+    tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens. With ``elide``, a
+    segment longer than ``3 * elide`` tokens keeps ``elide`` tokens at each end and the runs hold
+    an ``{"elided": n}`` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
-    table = schema.open_shard(Path(directory) / name)
+    table = schema.open_shard(schema.join(directory, name))
     record = table.slice(local, 1).to_pylist()[0]
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
-    bounds = np.concatenate([[0], np.cumsum(record["seq_lens"])])
+    bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
     segments = []
-    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
         entry = {
             "segment": k,
@@ -63,7 +183,7 @@ def row(directory: str | Path, index: int, tokenizer=None) -> dict[str, Any]:
             "trained": trained.tolist(),
         }
         if tokenizer is not None:
-            entry["runs"] = _runs(tokenizer, seg_ids, trained)
+            entry["runs"] = _elided_runs(tokenizer, seg_ids, trained, elide)
         segments.append(entry)
     return {
         "row": index,
@@ -75,11 +195,133 @@ def row(directory: str | Path, index: int, tokenizer=None) -> dict[str, Any]:
     }
 
 
+def _elided_runs(tokenizer, ids: np.ndarray, trained: np.ndarray, keep: int | None) -> list[dict[str, Any]]:
+    n = len(ids)
+    if keep is None or n <= 3 * keep:
+        return _runs(tokenizer, ids, trained)
+    head = _runs(tokenizer, ids[:keep], trained[:keep])
+    tail = _runs(tokenizer, ids[n - keep :], trained[n - keep :])
+    middle = trained[keep : n - keep]
+    return [*head, {"elided": int(n - 2 * keep), "trained": int(middle.sum())}, *tail]
+
+
 def _runs(tokenizer, ids: np.ndarray, trained: np.ndarray) -> list[dict[str, Any]]:
-    """The segment as runs of masked and trained tokens, each decoded: [{"trained", "text"}, ...]."""
+    """Runs of masked and trained tokens, each decoded: [{"trained", "tokens", "ids", "text"}, ...]."""
+    if len(ids) == 0:
+        return []
     cuts = np.flatnonzero(np.diff(trained.astype(np.int8))) + 1
     runs = []
-    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]])):
-        text = tokenizer.decode(ids[lo:hi].tolist(), skip_special_tokens=False)
-        runs.append({"trained": bool(trained[lo]), "tokens": int(hi - lo), "text": text})
+    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]]), strict=True):
+        part = ids[lo:hi].tolist()
+        text = tokenizer.decode(part, skip_special_tokens=False)
+        runs.append({"trained": bool(trained[lo]), "tokens": int(hi - lo), "ids": part, "text": text})
     return runs
+
+
+# -- where did example ID go ----------------------------------------------------------------------
+
+
+def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
+    """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
+    it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
+    manifest = schema.read_manifest(directory)
+    stats, config = manifest["stats"], manifest["config"]
+    read = int(stats.get("examples_read", stats.get("examples", 0)))
+    if not 0 <= example_id < read:
+        raise ConfigError(
+            f"--example {example_id} is out of range: the build read {read:,} source examples (0..{read - 1})"
+        )
+    pieces = []
+    first_row = 0
+    for entry in manifest["shards"]:
+        table = schema.open_shard(schema.join(directory, entry["file"]))
+        for chunk_ids, chunk_lens in zip(table.column("example_ids").chunks, table.column("seq_lens").chunks, strict=True):
+            flat_ids = pc.list_flatten(chunk_ids).to_numpy()
+            hits = np.flatnonzero(flat_ids == example_id)
+            if hits.size:
+                parents = pc.list_parent_indices(chunk_ids).to_numpy()
+                lens = pc.list_flatten(chunk_lens).to_numpy().astype(np.int64)
+                cum = np.concatenate([[0], np.cumsum(lens)])
+                first_seg = np.searchsorted(parents, parents[hits], side="left")  # first segment of the row
+                for h, r, s0 in zip(hits.tolist(), parents[hits].tolist(), first_seg.tolist(), strict=True):
+                    pieces.append({
+                        "row": first_row + int(r),
+                        "shard": entry["file"],
+                        "segment": int(h - s0),
+                        "offset": int(cum[h] - cum[s0]),
+                        "length": int(lens[h]),
+                    })
+            first_row += len(chunk_ids)
+    tokens = sum(p["length"] for p in pieces)
+    eos = manifest.get("tokenizer", {}).get("eos_token_id")
+    truncated = False
+    if len(pieces) == 1 and config.get("overlong") == "truncate" and config.get("pack") != "wrap":
+        p = pieces[0]
+        truncated = p["length"] == config.get("max_len") and not _ends_with(directory, manifest, p, eos)
+    if not pieces:
+        dropped = stats.get("dropped_by_reason") or {}
+        why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
+               if dropped else "no segment carries this id")
+    else:
+        why = None
+    return {
+        "example_id": example_id,
+        "found": bool(pieces),
+        "pieces": pieces,
+        "tokens": tokens,
+        "split": len(pieces) > 1,
+        "truncated": truncated,
+        "why_missing": why,
+        "pack": config.get("pack"),
+        "max_len": config.get("max_len"),
+        "overlong": config.get("overlong"),
+    }
+
+
+def _ends_with(directory: PathLike, manifest: dict, piece: dict, token: int | None) -> bool:
+    """Whether a piece's last token is ``token`` (a whole example ends in EOS; a truncated one rarely)."""
+    if token is None:
+        return False
+    shard_start = 0  # the piece's row is global; find it inside its shard
+    for entry in manifest["shards"]:
+        if entry["file"] == piece["shard"]:
+            break
+        shard_start += entry["rows"]
+    table = schema.open_shard(schema.join(directory, piece["shard"]))
+    ids = table.column("input_ids")[piece["row"] - shard_start].values
+    return ids[piece["offset"] + piece["length"] - 1].as_py() == token
+
+
+# -- the numbers behind --plot ----------------------------------------------------------------------
+
+
+def plot_data(directory: PathLike) -> dict[str, Any]:
+    """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
+    manifest = schema.read_manifest(directory)
+    seg = _segments(directory, manifest)
+    lens, splits, ex = seg["seq_lens"], seg["row_splits"], seg["example_ids"]
+    counts = np.diff(splits)
+    nonempty = counts > 0
+    row_tokens = np.add.reduceat(lens, splits[:-1][nonempty]) if lens.size else np.zeros(0, np.int64)
+    row_tokens_all = np.zeros(counts.size, np.int64)
+    row_tokens_all[nonempty] = row_tokens
+    row_max = np.zeros(counts.size, np.int64)
+    if lens.size:
+        row_max[nonempty] = np.maximum.reduceat(lens, splits[:-1][nonempty])
+    # example lengths: pieces of a split example summed back (tokens kept in the rows)
+    _, inverse = np.unique(ex, return_inverse=True)
+    example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
+    stats = manifest["stats"]
+    config = manifest["config"]
+    return {
+        "directory": str(directory),
+        "pack": config["pack"],
+        "batch_size": config.get("batch_size"),
+        "max_len": config.get("max_len"),
+        "row_budget": int(stats.get("row_budget") or (row_tokens_all.max() if row_tokens_all.size else 0)),
+        "example_tokens": example_tokens,
+        "row_tokens": row_tokens_all,
+        "row_examples": counts,
+        "row_padded": counts * row_max,  # what a padded batch of the same examples would hold
+        "stats": stats,
+    }
