@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,29 +24,132 @@ from .errors import RecordError, TokenizerError
 from .formatting import Formatter, FormatSpec
 
 
-def load_tokenizer(name_or_path: str):
-    """A fast Hugging Face tokenizer that has an EOS token, or a one-line TokenizerError."""
-    from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-    if os.path.sep in name_or_path or name_or_path.startswith("."):
-        if not os.path.exists(name_or_path):
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer read straight from its files, without `transformers`.
+
+    transformers imports torch when it is installed, and `packer build` must not; the build needs only
+    the Rust tokenizer (tokenizer.json), the special tokens and the chat template (tokenizer_config.json,
+    chat_template.jinja), rendered the way transformers renders it (a sandboxed jinja2 environment with
+    trim_blocks, lstrip_blocks and ``raise_exception``). The attribute names follow transformers'.
+    """
+
+    def __init__(self, folder: Path, name_or_path: str):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.name_or_path = name_or_path
+        self.backend_tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        config.update({k: v for k, v in _read_json(folder / "special_tokens_map.json").items() if k not in config})
+        for role in ("bos", "eos", "pad", "unk"):
+            token = config.get(f"{role}_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            setattr(self, f"{role}_token", token)
+            setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers uses "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        self.chat_template = template
+        self._compiled = None
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": self.backend_tokenizer.encode(text).ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation, *, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+        if tokenize:
+            raise ValueError("packer's Tokenizer renders chat templates to text only (tokenize=False)")
+        if self._compiled is None:
+            self._compiled = _jinja_env().from_string(self.chat_template)
+        specials = {f"{r}_token": getattr(self, f"{r}_token") for r in ("bos", "eos", "pad", "unk")}
+        return self._compiled.render(messages=conversation, add_generation_prompt=add_generation_prompt, **specials)
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _jinja_env():
+    import json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """A fast tokenizer (tokenizer.json) that has an EOS token, or a one-line TokenizerError.
+
+    A folder is read as it is; anything else is taken for a Hub id and looked up in the local Hub
+    cache first, then on the Hub.
+    """
+    folder = Path(name_or_path).expanduser()
+    if not folder.is_dir():
+        if os.path.sep in name_or_path or name_or_path.startswith((".", "~")) or folder.exists():
             raise TokenizerError(f"--tokenizer {name_or_path}: no such folder; give a tokenizer folder or a Hub id")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        folder = _from_hub(name_or_path)
+    if not (folder / "tokenizer.json").is_file():
         raise TokenizerError(
-            f"--tokenizer {name_or_path}: cannot be loaded ({first}); give a folder with tokenizer.json "
-            "or a Hub id that is in the local cache"
-        ) from e
-    if not getattr(tokenizer, "is_fast", False):
-        raise TokenizerError(f"--tokenizer {name_or_path}: not a fast (Rust) tokenizer; packer needs tokenizer.json")
+            f"--tokenizer {name_or_path}: has no tokenizer.json, so it is not a fast (Rust) tokenizer; save it "
+            "with a recent transformers (`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
+        )
+    try:
+        tokenizer = Tokenizer(folder, name_or_path)
+    except Exception as e:  # tokenizers raises bare Exception on a malformed tokenizer.json
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise TokenizerError(f"--tokenizer {name_or_path}: cannot be loaded ({first}); check its files") from e
     if tokenizer.eos_token_id is None:
         raise TokenizerError(
             f"--tokenizer {name_or_path}: has no EOS token, so examples cannot be ended; set eos_token in its "
             "tokenizer_config.json"
         )
     return tokenizer
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    folder = None
+    for filename in TOKENIZER_FILES:
+        try:
+            folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5)).parent
+        except EntryNotFoundError:
+            continue
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+            if filename == "tokenizer.json":
+                raise TokenizerError(
+                    f"--tokenizer {repo_id}: not a local folder, and the Hugging Face Hub cannot give it "
+                    f"({type(e).__name__}); download it where there is network and pass the folder"
+                ) from e
+    if folder is None:
+        raise TokenizerError(f"--tokenizer {repo_id}: the Hub repository has no tokenizer.json")
+    return folder
 
 
 def tokenizer_info(tokenizer, name_or_path: str) -> dict[str, Any]:

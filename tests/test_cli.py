@@ -1,0 +1,64 @@
+"""The CLI as a person and a program use it: summary, --json, --help, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from packer import schema
+from packer.cli import main
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_build_prints_a_summary_a_person_can_read(tmp_path):
+    out = tmp_path / "shards"
+    result = run("build", "flan", "--out", str(out), "--limit", "80", "--max-len", "600", "-q")
+    assert result.exit_code == 0, result.output
+    assert "synthetic FLAN-style" in result.output
+    assert "80 read" in result.output and "truncated" in result.output
+    assert "padded batches would hold" in result.output
+    assert (out / schema.MANIFEST_NAME).is_file()
+    again = run("build", "flan", "--out", str(out), "--limit", "80", "--max-len", "600", "-q")
+    assert again.exit_code == 0 and "already holds this build" in again.output
+
+
+def test_build_json_is_machine_readable(tmp_path):
+    result = run("build", "flan", "--out", str(tmp_path / "o"), "--limit", "40", "--pack", "bfd",
+                 "--max-tokens", "2048", "--max-len", "1024", "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["stats"]["examples_read"] == 40
+    assert report["stats"]["rows"] == sum(s["rows"] for s in report["shards"])
+
+
+def test_inspect_summary_and_row_json(flan_batch):
+    summary = run("inspect", str(flan_batch), "--json")
+    assert summary.exit_code == 0
+    assert json.loads(summary.stdout)["stats"]["rows"] == schema.read_manifest(flan_batch)["stats"]["rows"]
+    row = run("inspect", str(flan_batch), "--row", "0", "--json")
+    assert row.exit_code == 0
+    view = json.loads(row.stdout)
+    assert len(view["segments"]) == 4
+    assert sum(seg["length"] for seg in view["segments"]) == view["tokens"]
+
+
+def test_bad_option_is_one_line_exit_2(tmp_path):
+    result = CliRunner().invoke(main, ["build", "flan", "--out", str(tmp_path), "--pack", "zigzag"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--pack" in lines[0] and "--help" in lines[0]
+
+
+def test_console_script_runs_without_torch(tmp_path):
+    code = (
+        "import sys; from packer.cli import main; sys.argv=['packer','build','flan','--out',sys.argv[1],"
+        "'--limit','20','-q']\ntry:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'packer build imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], check=True)
