@@ -7,8 +7,14 @@ are gathered from the memory-mapped spill and written shard by shard. The manife
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,7 @@ from .tokenization import Encoder, load_tokenizer, tokenizer_info
 from .tokenize_stage import TOKENS_DIR
 from .writer import STAGING, clear_output, commit, write_shards
 
+LOCK = ".packer-lock"  # flock'd by a running build (see _output_lock); removed when it ends
 BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
 
 
@@ -52,6 +59,86 @@ def _source_info(source: sources.Source) -> dict[str, Any]:
     return {"kind": "local", "builder": source.builder, "files": files}
 
 
+@contextmanager
+def _output_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``out/.packer-lock`` (creating ``out`` if needed); refuse if held.
+
+    The lock file is removed on release (and ``out`` too if this call created it and it is empty);
+    one left by a killed build is harmless: the kernel released its lock, and the next build takes it.
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
+    created = not out.exists()
+    path = out / LOCK
+    for _ in range(10):  # retry if the holder removed the file between our open and our flock
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(
+                f"--out {out}: another packer build is writing there now ({LOCK} is locked); wait for it to "
+                "finish or choose another --out"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:  # pragma: no cover - only under a storm of concurrent builds
+        raise OutputError(f"--out {out}: could not take {LOCK}; another build keeps replacing it, retry")
+    try:
+        yield
+    finally:
+        with suppress(OSError):
+            path.unlink()
+        os.close(fd)
+        if created:
+            with suppress(OSError):
+                out.rmdir()  # only if empty: a failed first build leaves no folder behind
+
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT}
+
+
+def _is_output_failure(e: OSError, out: Path) -> bool:
+    """Whether an OSError escaping the pipeline is a failure to write the output folder."""
+    for name in (e.filename, e.filename2):
+        if name is not None:
+            try:
+                return Path(name).resolve().is_relative_to(out.resolve())
+            except (OSError, ValueError):
+                return False
+    # pyarrow's write errors carry neither filename nor errno; the text says what failed
+    text = str(e).lower()
+    return e.errno in _DISK_ERRNOS or any(w in text for w in ("no space", "file too large", "quota", "read-only"))
+
+
+def _reason(e: OSError) -> str:
+    if e.errno == errno.EFBIG or "file too large" in str(e).lower():
+        return "file too large: a file size limit (ulimit -f) was reached"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space" in str(e).lower():
+        return "no space left on the device"
+    return e.strerror or str(e).splitlines()[0][:200]
+
+
+def _discard_partial(out: Path) -> None:
+    """After a failed write: remove whatever of an unfinished build is there (never a finished one)."""
+    if not out.is_dir() or (out / schema.MANIFEST_NAME).exists():
+        return
+    with suppress(OSError):
+        clear_output(out)
+    for name in (STAGING, schema.MANIFEST_NAME + ".tmp"):
+        with suppress(OSError):
+            (out / name).unlink() if (out / name).is_file() else shutil.rmtree(out / name)
+
+
 def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict | None:
     """Refuse a folder that holds something else; return the manifest if it holds this exact build."""
     if out.exists() and not out.is_dir():
@@ -64,7 +151,7 @@ def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict 
         n
         for n in ours
         if not (n.startswith(schema.SHARD_PREFIX) and n.endswith(schema.SHARD_SUFFIX))
-        and n not in (schema.MANIFEST_NAME, schema.MANIFEST_NAME + ".tmp", STAGING, *schema.DATASETS_FILES)
+        and n not in (schema.MANIFEST_NAME, schema.MANIFEST_NAME + ".tmp", STAGING, LOCK, *schema.DATASETS_FILES)
     }
     if overwrite:
         if foreign:
@@ -94,6 +181,27 @@ def _check_output(out: Path, identity: dict[str, Any], overwrite: bool) -> dict 
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
+    """Build ``config.out`` from ``config.source``, holding the output folder's lock throughout.
+
+    A second build into the same folder meanwhile is refused. A write that fails (disk full, a file
+    size limit, a read-only or vanished folder) becomes an ``OutputError`` and the partial build is
+    removed: the folder holds no manifest, no shards and no staging files afterwards.
+    """
+    out = Path(config.out)
+    with _output_lock(out):
+        try:
+            return _build(config, progress=progress)
+        except OSError as e:
+            if not _is_output_failure(e, out):
+                raise
+            _discard_partial(out)
+            raise OutputError(
+                f"--out {out}: writing failed ({_reason(e)}); the partial build was removed; free space or "
+                "fix the folder's permissions and rerun, or choose another --out"
+            ) from e
+
+
+def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
@@ -122,7 +230,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     where = f"{source.files[0]} record" if len(source.files) == 1 else f"{source.name} record"
     spill = tokenize_stage.tokenize(
         dataset, encoder, out / STAGING / TOKENS_DIR, identity,
-        num_proc=config.num_proc, engine=getattr(config, "engine", "local"), where=where, progress=progress,
+        num_proc=config.num_proc, engine=config.engine, where=where, progress=progress,
     )
     lengths, skipped = spill.lengths, spill.skipped
     if len(lengths) == 0:
@@ -140,8 +248,13 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
         balance=config.balance,
     )
     store = spill.store()
-    with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
-        shards = list(write_shards(plan, store, out, shard_bytes=config.shard_size_mb << 20, on_rows=bar.update))
+    if config.engine == "ray":
+        from .ray_engine import write_shards as ray_write_shards
+
+        shards = ray_write_shards(plan, spill, out, shard_bytes=config.shard_size_mb << 20)
+    else:
+        with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
+            shards = list(write_shards(plan, store, out, shard_bytes=config.shard_size_mb << 20, on_rows=bar.update))
 
     stats = dict(plan.stats)
     stats["examples_read"] = len(dataset)
