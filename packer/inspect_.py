@@ -323,5 +323,6 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
         "row_tokens": row_tokens_all,
         "row_examples": counts,
         "row_padded": counts * row_max,  # what a padded batch of the same examples would hold
+        "modes": compare_modes(lens, splits, config),
         "stats": stats,
     }

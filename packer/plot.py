@@ -1,0 +1,137 @@
+"""``packer inspect --plot FILE.png``: one figure of a build, from :func:`packer.inspect_.plot_data`.
+
+Four panels: the example lengths (tokens kept in the rows) against ``--max-len``; the fill of every
+row, sorted; the examples per row (``bfd``/``wrap``); for ``batch`` mode each row's tokens against what
+a padded batch of the same examples would hold (the padding packer removed); and the same examples
+under padded / batch / bfd: tokens computed, rows, optimizer steps (``inspect_.compare_modes``). matplotlib is imported here only (the ``plot`` extra), with the Agg
+backend, so it never needs a display.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+
+TOKENS = "#1f77b4"
+PAD = "#d62728"
+EMPTY = "#c7c7c7"
+
+
+def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Draw the figure of ``data`` (``inspect_.plot_data``) into ``path`` (format from its suffix)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError("--plot needs matplotlib: pip install 'packer[plot]'") from e
+
+    path = Path(path)
+    s = data["stats"]
+    ex_len, row_tok = data["example_tokens"], data["row_tokens"]
+    row_ex, row_pad = data["row_examples"], data["row_padded"]
+    budget = max(1, int(data["row_budget"]))
+    mode = data["pack"] + (f" of {data['batch_size']}" if data["pack"] == "batch" else f", rows ≤ {budget:,} tokens")
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig.suptitle(f"{data['directory']} — {s['rows']:,} rows ({mode}) · {s['tokens']:,} tokens · "
+                 f"{s['examples_read']:,} examples", fontsize=13, fontweight="bold")
+
+    # (a) example lengths
+    ax = axes[0, 0]
+    if ex_len.size:
+        ax.hist(ex_len, bins=min(60, max(10, int(np.sqrt(ex_len.size)))), color=TOKENS, alpha=0.85)
+    if data.get("max_len") and data["pack"] != "wrap":
+        ax.axvline(data["max_len"], color=PAD, ls="--", lw=1.5)
+        ax.text(data["max_len"], ax.get_ylim()[1] * 0.95, f" --max-len {data['max_len']:,}\n"
+                f" {s['examples_truncated']:,} truncated, {s['examples_split']:,} split",
+                color=PAD, va="top", ha="right" if ex_len.size and np.median(ex_len) < data["max_len"] * 0.5 else "left",
+                fontsize=9)
+    ax.set_title("example lengths (tokens kept in the rows)")
+    ax.set_xlabel("tokens per example")
+    ax.set_ylabel("examples")
+
+    # (b) fill of every row, sorted
+    ax = axes[0, 1]
+    fill = np.sort(row_tok / budget)[::-1]
+    x = np.arange(fill.size)
+    ax.fill_between(x, fill, step="mid", color=TOKENS, alpha=0.85, label="tokens")
+    ax.fill_between(x, fill, 1.0, step="mid", color=EMPTY, alpha=0.6, label="unused row budget")
+    mean = float(row_tok.sum()) / (budget * max(1, row_tok.size))
+    ax.axhline(mean, color="black", lw=1, ls=":")
+    ax.text(fill.size * 0.98, mean, f" mean fill {mean:.1%} ", ha="right", va="top" if mean > 0.85 else "bottom",
+            fontsize=9, bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(-0.5, max(0.5, fill.size - 0.5))
+    ax.set_title(f"fill of each row, sorted ({budget:,}-token budget"
+                 + (" = the largest row)" if data["pack"] == "batch" else ")"))
+    ax.set_xlabel("rows, fullest first")
+    ax.set_ylabel("tokens / row budget")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.legend(loc="lower left", fontsize=9)
+
+    # (c) examples per row; in batch mode that is the batch size, so the panel compares the modes instead
+    ax = axes[1, 0]
+    if data["pack"] == "batch":
+        _modes_panel(ax, data["modes"])
+        ax.set_title(f"the same examples under each mode (examples per row: {data['batch_size']}, the last may hold fewer)",
+                     fontsize=10)
+    else:
+        values, counts = np.unique(row_ex, return_counts=True)
+        ax.bar(values, counts, color=TOKENS, alpha=0.85, width=0.8)
+        ax.set_title(f"examples per row (mean {row_ex.mean() if row_ex.size else 0:.1f})")
+        ax.set_xlabel("segments in the row")
+        ax.set_ylabel("rows")
+        ax.set_xlim(max(0, values.min() - 1.5) if values.size else 0, (values.max() + 1.5) if values.size else 2)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+
+    # (d) padding removed (batch) / row tokens against the budget (bfd, wrap)
+    ax = axes[1, 1]
+    if data["pack"] == "batch":
+        order = np.argsort(-row_pad, kind="stable")
+        x = np.arange(order.size)
+        ax.bar(x, row_tok[order], width=1.0, color=TOKENS, label="tokens (what packer computes)")
+        ax.bar(x, (row_pad - row_tok)[order], bottom=row_tok[order], width=1.0, color=PAD, alpha=0.55,
+               label="padding a padded batch would add")
+        padded = int(row_pad.sum())
+        removed = 1 - row_tok.sum() / max(1, padded)
+        ax.set_title(f"padding removed: {padded - int(row_tok.sum()):,} of {padded:,} tokens ({removed:.1%})")
+        ax.set_xlabel("rows (= batches), largest padded batch first")
+        ax.set_ylabel("tokens")
+        ax.set_xlim(-0.5, max(0.5, len(x) - 0.5))
+        ax.legend(loc="upper right", fontsize=9)
+    else:
+        _modes_panel(ax, data["modes"])
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _modes_panel(ax, modes: list[dict[str, Any]]) -> None:
+    """Tokens computed (padding included) under each mode, labelled with rows and optimizer steps."""
+    import matplotlib.ticker
+
+    names = [f"{m['mode']}{' (this build)' if m['built'] else ''}\n{m['rows']:,} rows = {m['optimizer_steps']:,} steps\n"
+             f"{m['examples_per_step']:.1f} examples/step" for m in modes]
+    y = np.arange(len(modes))[::-1]
+    tokens = np.array([m["tokens"] for m in modes])
+    computed = np.array([m["computed_tokens"] for m in modes])
+    ax.barh(y, tokens, color=TOKENS, label="tokens")
+    ax.barh(y, computed - tokens, left=tokens, color=PAD, alpha=0.55, label="padding")
+    for yi, m in zip(y, modes, strict=True):
+        ax.text(m["computed_tokens"], yi, f"  {m['computed_tokens']:,}\n  fill {m['fill']:.0%}", va="center", fontsize=9)
+    ax.set_xlim(0, computed.max() * 1.3)
+    ax.set_yticks(y, names, fontsize=9)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.set_xlabel("tokens computed per epoch")
+    ax.set_title("the same examples under each mode")
+    ax.legend(loc="lower right", fontsize=9)
