@@ -83,7 +83,10 @@ def _fmt(n: float) -> str:
 @click.option("--shard-size", "shard_size_mb", type=int, default=256, show_default=True, help="Approximate shard size, MB.")
 @click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
               help="A bad record stops the build, or is skipped and counted in the manifest by reason.")
-@click.option("--num-proc", "-j", type=int, default=1, show_default=True, help="Processes for formatting and tokenizing.")
+@click.option("--num-proc", "-j", type=int, default=1, show_default=True,
+              help="Processes for formatting and tokenizing (1: one process, the tokenizer's own threads use every core).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")

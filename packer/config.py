@@ -1,7 +1,7 @@
 """Build configuration: one frozen, keyword-only dataclass, validated when it is made.
 
 Everything that changes the bytes of a build is a field here and is recorded in the manifest;
-what does not (the output path, ``--overwrite``, ``--num-proc``) is kept out of ``identity()`` so
+what does not (the output path, ``--overwrite``, ``--num-proc``, ``--engine``) is kept out of ``identity()`` so
 that the same input and config give the same manifest whatever the machine.
 """
 
@@ -17,6 +17,7 @@ PACK_MODES = ("batch", "bfd", "wrap")
 OVERLONG_POLICIES = ("truncate", "split", "drop")
 BALANCE_BY = ("tokens", "attention")
 ON_ERROR = ("raise", "skip")
+ENGINES = ("local", "ray")
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -45,6 +46,7 @@ class BuildConfig:
     shard_size_mb: int = 256
     on_error: str = "raise"
     num_proc: int = 1
+    engine: str = "local"
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -58,6 +60,8 @@ class BuildConfig:
             raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
         for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "num_proc"):
@@ -99,7 +103,7 @@ class BuildConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
-        skip = {"out", "overwrite", "num_proc"}
+        skip = {"out", "overwrite", "num_proc", "engine"}
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     def replace(self, **changes: Any) -> BuildConfig:

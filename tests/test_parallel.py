@@ -1,0 +1,121 @@
+"""The tokenize stage: --num-proc gives the same bytes, and an interrupted stage resumes chunk by chunk."""
+
+from __future__ import annotations
+
+import filecmp
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from packer import BuildConfig, build, sources, tokenize_stage
+from packer.build import tokenizer_path
+from packer.formatting import make_spec
+from packer.tokenization import Encoder, load_tokenizer
+
+SPILL_FILES = ("ids.bin", "trained.bin", "lengths.bin", "example_ids.bin")
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        assert filecmp.cmp(a / name, b / name, shallow=False), name
+
+
+def test_num_proc_is_byte_identical(tmp_path):
+    common = dict(source="flan", limit=2500, pack="bfd", max_len=1024, overlong="split", shard_size_mb=1)
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    build(BuildConfig(out=str(one), num_proc=1, **common))
+    build(BuildConfig(out=str(two), num_proc=2, **common))
+    assert len(list(one.glob("shard-*.arrow"))) > 1
+    _same_tree(one, two)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class _CountingEncoder(Encoder):
+    """Counts encode calls; raises _Crash on call number ``crash_at`` (1-based)."""
+
+    def __init__(self, *args, crash_at: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.crash_at = 0, crash_at
+
+    def encode(self, records, first_index, *, where="record"):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise _Crash(f"crash at chunk {self.calls}")
+        return super().encode(records, first_index, where=where)
+
+
+@pytest.fixture(scope="module")
+def flan_700():
+    source = sources.resolve("flan")
+    dataset = sources.load(source).select(range(700))
+    tokenizer = load_tokenizer(tokenizer_path(None))
+    spec = make_spec(recipe=source.recipe, config=BuildConfig(source="flan", out="-"), columns=list(dataset.column_names))
+    return dataset, tokenizer, spec
+
+
+def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_700):
+    monkeypatch.setattr(tokenize_stage, "CHUNK", 100)
+    monkeypatch.setattr(tokenize_stage, "GROUP", 2)  # a commit marker every 200 records
+    dataset, tokenizer, spec = flan_700
+    identity = {"test": 1}
+
+    fresh = tokenize_stage.tokenize(dataset, Encoder(tokenizer, spec), tmp_path / "fresh", identity)
+    assert fresh.records == 700 and fresh.reused_records == 0
+
+    folder = tmp_path / "resumed"
+    crashing = _CountingEncoder(tokenizer, spec, crash_at=6)  # chunks 1-5 encoded, marker after chunk 4
+    with pytest.raises(_Crash):
+        tokenize_stage.tokenize(dataset, crashing, folder, identity)
+    progress = json.loads((folder / tokenize_stage.PROGRESS).read_text())
+    assert progress["records"] == 400
+    with open(folder / "ids.bin", "ab") as f:  # a torn write after the marker is dropped on resume
+        f.write(b"\x01\x02\x03")
+
+    counting = _CountingEncoder(tokenizer, spec)
+    resumed = tokenize_stage.tokenize(dataset, counting, folder, identity)
+    assert resumed.reused_records == 400 and counting.calls == 3  # only the chunks after the marker
+    for name in SPILL_FILES:
+        assert filecmp.cmp(fresh.folder / name, folder / name, shallow=False), name
+    assert (resumed.lengths == fresh.lengths).all()
+    assert (resumed.example_ids == fresh.example_ids).all()
+
+    # Another identity: the old tokens are discarded, everything is redone.
+    other = _CountingEncoder(tokenizer, spec)
+    again = tokenize_stage.tokenize(dataset, other, folder, {"test": 2})
+    assert again.reused_records == 0 and other.calls == 7
+
+
+def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
+    build_module = importlib.import_module("packer.build")  # packer.build is also the function
+
+    config = BuildConfig(source="flan", out=str(tmp_path / "out"), limit=1500, batch_size=4, max_len=512)
+    real_plan = build_module.make_plan
+
+    def crash(*args, **kwargs):
+        raise _Crash("killed after tokenizing")
+
+    monkeypatch.setattr(build_module, "make_plan", crash)
+    with pytest.raises(_Crash):
+        build(config)
+    staging = tmp_path / "out" / ".packer-staging" / tokenize_stage.TOKENS_DIR
+    assert json.loads((staging / tokenize_stage.PROGRESS).read_text())["records"] == 1500
+
+    monkeypatch.setattr(build_module, "make_plan", real_plan)
+    seen = []
+    real_tokenize = tokenize_stage.tokenize
+    monkeypatch.setattr(tokenize_stage, "tokenize", lambda *a, **k: seen.append(real_tokenize(*a, **k)) or seen[-1])
+    build(config)
+    assert seen[0].reused_records == 1500  # nothing tokenized again
+    assert not (tmp_path / "out" / ".packer-staging").exists()
+
+    reference = tmp_path / "reference"
+    build(config.replace(out=str(reference)))
+    _same_tree(tmp_path / "out", reference)
