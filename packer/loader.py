@@ -69,7 +69,7 @@ __all__ = ["PackedDataset", "PackedDataLoader", "make_dataloader", "manifest_fin
 
 def manifest_fingerprint(directory: str | os.PathLike) -> str:
     """sha256 of the manifest's bytes: names one build (its shards carry their own hashes in it)."""
-    return hashlib.sha256((Path(directory) / schema.MANIFEST_NAME).read_bytes()).hexdigest()
+    return hashlib.sha256(schema.read_bytes(schema.join(directory, schema.MANIFEST_NAME))).hexdigest()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -81,16 +81,16 @@ def _dist_rank_world() -> tuple[int, int] | None:
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
-    def __init__(self, directory: Path, shard_entries: list[dict[str, Any]]) -> None:
+    def __init__(self, directory: str | os.PathLike, shard_entries: list[dict[str, Any]]) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[dict[str, np.ndarray]] = []
         self.starts: list[int] = []
         n = 0
         for entry in shard_entries:
-            table = schema.open_shard(directory / entry["file"])
+            table = schema.open_shard(schema.join(directory, entry["file"]))
             if table.num_rows != entry["rows"]:
                 raise ShardFormatError(
-                    f"{directory / entry['file']}: {table.num_rows} rows, the manifest records {entry['rows']}; "
+                    f"{schema.join(directory, entry['file'])}: {table.num_rows} rows, the manifest records {entry['rows']}; "
                     "the folder mixes builds, rebuild it"
                 )
             self.tables.append(table)
@@ -143,7 +143,8 @@ class PackedDataset(IterableDataset):
     """Rows of a packer shard directory as model-ready batch dicts, one row per batch.
 
     Args:
-        directory: a finished ``packer build`` output (``manifest.json`` present).
+        directory: a finished ``packer build`` output (``manifest.json`` present): a local path
+            (memory-mapped) or an fsspec URL (each shard read into memory).
         shuffle, seed: permute whole groups of ``world_size`` rows, deterministically per (seed, epoch).
         rank, world_size: default to ``torch.distributed`` when initialised, else 0 and 1.
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
@@ -167,7 +168,7 @@ class PackedDataset(IterableDataset):
         verify: bool = False,
     ) -> None:
         super().__init__()
-        self.directory = Path(directory)
+        self.directory = directory if schema.is_url(directory) else Path(directory)
         self.manifest = schema.read_manifest(self.directory)
         self.fingerprint = manifest_fingerprint(self.directory)
         dist = _dist_rank_world()
@@ -203,15 +204,15 @@ class PackedDataset(IterableDataset):
         shards = self.manifest.get("shards")
         if not isinstance(shards, list) or not shards:
             raise ShardFormatError(
-                f"{self.directory / schema.MANIFEST_NAME}: lists no shards; rebuild the folder"
+                f"{schema.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = self.directory / entry["file"]
-            if not path.is_file():
+            path = schema.join(self.directory, entry["file"])
+            size = schema.file_size(path)
+            if size is None:
                 raise ShardFormatError(
                     f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
                 )
-            size = path.stat().st_size
             if size != entry["bytes"]:
                 raise ShardFormatError(
                     f"{path}: {size} bytes, the manifest records {entry['bytes']}; the shard is truncated or "
@@ -325,6 +326,11 @@ class PackedDataset(IterableDataset):
         self._yielded = steps
 
 
+def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:
+    """A row is already the batch (module level, so workers can pickle it)."""
+    return batch
+
+
 class PackedDataLoader(DataLoader):
     """A ``DataLoader`` over a ``PackedDataset`` (batch_size=None: a row is a batch) that can resume.
 
@@ -335,12 +341,14 @@ class PackedDataLoader(DataLoader):
     dataset: PackedDataset
 
     def __init__(self, dataset: PackedDataset, **kwargs: Any) -> None:
-        super().__init__(dataset, batch_size=None, **kwargs)
+        super().__init__(dataset, batch_size=None, collate_fn=_no_collate, **kwargs)
         self._delivered = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._delivered = self.dataset._resume_at
-        for batch in super().__iter__():
+        # In-process without pinning there is nothing for DataLoader's machinery to do: read directly.
+        direct = self.num_workers == 0 and not self.pin_memory
+        for batch in iter(self.dataset) if direct else super().__iter__():
             self._delivered += 1
             yield batch
 

@@ -1,0 +1,1 @@
+"""Example training loop and the padded-vs-packed benchmark; imports packer, never the reverse."""
