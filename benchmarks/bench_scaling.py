@@ -1,0 +1,66 @@
+"""Tokenize-stage scaling (a script, not a test): python benchmarks/bench_scaling.py [--repeat 4]
+
+Times formatting + tokenizing alone (no disk) of the bundled sample repeated ``--repeat`` times, with
+the bundled tokenizer and with the Llama 2 one if present:
+- 1 process, Rust threads off (TOKENIZERS_PARALLELISM=false): the single-core baseline;
+- 2 processes (``--num-proc 2``: fork pool, one Rust thread each);
+- 1 process, Rust threads on (rayon spreads each encode_batch over every core): packer's num_proc=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
+
+CHILD = r"""
+import sys, time
+import datasets
+from packer import BuildConfig, sources
+from packer.build import tokenizer_path
+from packer.formatting import make_spec
+from packer.tokenization import Encoder, load_tokenizer
+from packer.tokenize_stage import encode_all
+tok_name, num_proc, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+src = sources.resolve("flan")
+ds = sources.load(src)
+ds = datasets.concatenate_datasets([ds] * repeat)
+tok = load_tokenizer(tokenizer_path(None if tok_name == "bundled" else tok_name))
+spec = make_spec(recipe=src.recipe, config=BuildConfig(source="flan", out="-"), columns=list(ds.column_names))
+enc = Encoder(tok, spec)
+n = [0]
+t = time.perf_counter()
+encode_all(ds, enc, num_proc=num_proc, sink=lambda c: n.__setitem__(0, n[0] + len(c.lengths)))
+print(time.perf_counter() - t, n[0])
+"""
+
+
+def run(tok: str, num_proc: int, repeat: int, threads: bool) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "true" if threads else "false"}
+    out = subprocess.run([sys.executable, "-c", CHILD, tok, str(num_proc), str(repeat)], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=4)
+    args = ap.parse_args()
+    print(f"cores {os.cpu_count()}, {6000 * args.repeat:,} records, tokenize stage only")
+    toks = ["bundled"] + ([str(LLAMA2)] if (LLAMA2 / "tokenizer.json").is_file() else [])
+    for tok in toks:
+        one = run(tok, 1, args.repeat, threads=False)
+        two = run(tok, 2, args.repeat, threads=False)
+        rayon = run(tok, 1, args.repeat, threads=True)
+        name = "bundled" if tok == "bundled" else "llama2"
+        print(f"{name:>8}: 1 proc {one:6.2f} s | 2 procs {two:6.2f} s ({one / two:.2f}x) | "
+              f"1 proc + Rust threads {rayon:6.2f} s ({one / rayon:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
