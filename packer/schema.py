@@ -18,7 +18,8 @@ are written before the manifest and derived from it alone (no times), so builds 
 Where a folder lives. Every reader here takes a local path or an fsspec URL (``s3://``, ``gs://``,
 ``file://``, ``memory://``, ...; the remote protocols need their fsspec package, e.g. ``s3fs``). Local
 paths and ``file://`` URLs are memory-mapped (zero copy); other filesystems are read whole into memory,
-one shard at a time. Helpers: :func:`join`, :func:`read_bytes`, :func:`file_size`, :func:`file_sha256`.
+one shard at a time. Helpers: :func:`join`, :func:`is_dir`, :func:`list_names`, :func:`read_bytes`,
+:func:`file_size`, :func:`file_sha256`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def is_dir(path: PathLike) -> bool:
         return local.is_dir()
     fs, p = _fs(str(path))
     return bool(fs.isdir(p))
+
+
+def list_names(directory: PathLike) -> list[str]:
+    """Names of the entries of a folder (files and subfolders), sorted."""
+    local = local_path(directory)
+    if local is not None:
+        return sorted(p.name for p in local.iterdir())
+    fs, p = _fs(str(directory))
+    return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False))
 
 
 def read_bytes(path: PathLike) -> bytes:
