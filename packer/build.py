@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from . import __version__, schema, sources, tokenize_stage
 from .config import BuildConfig
-from .errors import OutputError, SourceError
+from .errors import ConfigError, OutputError, SourceError
 from .formatting import make_spec
 from .plan import plan as make_plan
 from .recipes import BUNDLED_TOKENIZER
@@ -247,6 +247,11 @@ def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
         world_size=config.world_size,
         balance=config.balance,
     )
+    if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
+        raise ConfigError(
+            f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
+            "them: nothing to pack; raise --max-len or use --overlong truncate or split"
+        )
     store = spill.store()
     if config.engine == "ray":
         from .ray_engine import write_shards as ray_write_shards

@@ -110,26 +110,27 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
 
 
 def _first_bad_json_line(path: str) -> tuple[int, str] | None:
+    """(line number, what is wrong) of the first line that is not UTF-8 or not JSON; None if all are fine."""
     import gzip
 
     opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            if path.endswith((".json", ".json.gz")):
-                text = f.read()
+    with opener(path, "rb") as f:
+        if path.endswith((".json", ".json.gz")):
+            try:
+                json.loads(f.read().decode("utf-8"))
+                return None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                f.seek(0)  # not one document (or not UTF-8): find the line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the file as UTF-8"
+            if line.strip():
                 try:
-                    json.loads(text)
-                    return None
-                except json.JSONDecodeError:
-                    f.seek(0)  # not one document: maybe JSON Lines after all
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        json.loads(line)
-                    except json.JSONDecodeError as e:
-                        return number, e.msg
-    except UnicodeDecodeError as e:
-        return 0, f"not UTF-8 text ({e.reason} at byte {e.start})"
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    return number, f"malformed JSON ({e.msg}); fix or remove that line"
     return None
 
 
@@ -139,8 +140,9 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
             bad = _first_bad_json_line(path)
             if bad is not None:
                 line, msg = bad
-                where = f"{path}:{line}" if line else path
-                return SourceError(f"{where}: malformed JSON ({msg}); fix or remove that line")
+                return SourceError(f"{path}:{line}: {msg}")
+    if isinstance(error, UnicodeDecodeError) or isinstance(error.__cause__, UnicodeDecodeError):
+        return SourceError(f"{source.name}: not UTF-8 text; re-encode the file as UTF-8")
     cause = error.__cause__ or error.__context__ or error
     return SourceError(
         f"{source.name}: cannot be read as {source.builder} ({type(cause).__name__}: {str(cause).splitlines()[0][:200]}); "
@@ -166,16 +168,20 @@ def load(source: Source, *, progress: bool = False):
     import datasets
     from datasets.exceptions import DatasetsError
 
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures become one SourceError below
     if progress:
         datasets.enable_progress_bars()
     else:
         datasets.disable_progress_bars()
     if source.kind == "local":
+        if all(os.path.getsize(f) == 0 for f in source.files):
+            raise SourceError(f"{source.name}: empty file, holds no records; check the file")
         try:
-            return datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
-        except (DatasetsError, ValueError, OSError, UnicodeDecodeError) as e:
+            dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
+            dataset.data.table.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 into strings
+        except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration) as e:
             raise _explain_local_failure(source, e) from e
+        return dataset
     if not _hub_reachable():
         raise SourceError(
             f"cannot reach the Hugging Face Hub for {source.hub_id!r} (no network); download it on a connected "
