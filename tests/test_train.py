@@ -75,7 +75,7 @@ def test_grad_accum_normalisation_equals_the_big_batch(shards):
 
 def test_train_cli_lowers_the_loss(shards, tmp_path):
     save = tmp_path / "model"
-    cmd = [sys.executable, "-m", "train.train", "--shards", str(shards), "--steps", "8", "--grad-accum", "2"]
+    cmd = [sys.executable, "-m", "train.train", "--shards", str(shards), "--steps", "6", "--grad-accum", "2"]
     cmd += ["--save", str(save)]
     out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
     first, last = map(float, re.search(r"loss first ([\d.]+) last ([\d.]+)", out).groups())
