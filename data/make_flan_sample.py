@@ -832,10 +832,9 @@ def generate(n: int = NUM_RECORDS, seed: int = SEED) -> list[dict]:
 
 def write(recs: list[dict], path: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
-            for rec in recs:
-                gz.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+        for rec in recs:
+            gz.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
     os.replace(tmp, path)
 
 

@@ -119,13 +119,12 @@ class Formatter:
     def __init__(self, spec: FormatSpec, tokenizer=None):
         self.spec = spec
         self.tokenizer = tokenizer
-        if spec.kind == "chat":
-            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-                name = getattr(tokenizer, "name_or_path", "the tokenizer")
-                raise TokenizerError(
-                    f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
-                    "(e.g. the bundled data/tokenizer) or give --prompt-field/--completion-field"
-                )
+        if spec.kind == "chat" and not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "the tokenizer")
+            raise TokenizerError(
+                f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
+                "(e.g. the bundled data/tokenizer) or give --prompt-field/--completion-field"
+            )
 
     def __call__(self, record: dict[str, Any]) -> Segments:
         kind = self.spec.kind
