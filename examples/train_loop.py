@@ -1,0 +1,58 @@
+"""Train on packer shards with a plain PyTorch loop: no collator, no padding, exact loss normalisation.
+
+    python examples/train_loop.py shards/ --steps 20 --grad-accum 4
+
+Every batch is one packed row (``packer.loader``); ``model(**batch)`` gets ``num_items_in_batch``, the
+loss tokens of the whole optimizer step, so each micro-batch's loss is ``sum of its token losses /
+tokens of the step`` and the accumulated gradient is that of the one big batch: no ``/ grad_accum``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from packer.loader import make_dataloader
+
+try:
+    from common import tiny_llama
+except ImportError:  # imported as examples.train_loop
+    from examples.common import tiny_llama
+
+
+def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, model=None) -> list[float]:
+    """``steps`` optimizer steps; returns each step's loss (the step's mean token loss)."""
+    model = model if model is not None else tiny_llama(directory)
+    model.train()
+    loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    batches = itertools.chain.from_iterable(_epochs(loader))
+    losses = []
+    for _ in range(steps):
+        step_loss = 0.0
+        for _ in range(grad_accum):
+            loss = model(**next(batches)).loss  # already divided by the step's loss tokens
+            loss.backward()
+            step_loss += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    return losses
+
+
+def _epochs(loader):
+    for epoch in itertools.count():
+        loader.set_epoch(epoch)
+        yield loader
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("directory")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--grad-accum", type=int, default=2)
+    args = p.parse_args()
+    for i, loss in enumerate(train(args.directory, steps=args.steps, grad_accum=args.grad_accum)):
+        print(f"step {i}: loss {loss:.4f}")
