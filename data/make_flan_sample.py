@@ -57,7 +57,7 @@ MANY_SHOT_P = 0.006  # rare many-shot prompts (20-40 exemplars) ...
 MANY_SHOT_CHARS = 22000  # ... with a larger budget
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "flan_sample.jsonl.gz")
-LLAMA2_TOKENIZER = "/work/shared/data/llama2-tokenizer"
+LLAMA2_TOKENIZER = os.path.join(HERE, "..", "..", "shared", "data", "llama2-tokenizer")  # ../shared/data
 
 # --------------------------------------------------------------------------- words
 
