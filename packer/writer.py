@@ -10,9 +10,11 @@ Row assembly is vectorised over a block of rows: the token indices of every segm
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from .plan import Plan
 
 STAGING = ".packer-staging"
 ROWS_PER_BATCH = 1024  # Arrow record batch size: bounds the memory of one block and the offset range
+GATHER_TOKENS = 1 << 18  # tokens gathered from the spill at a time inside a record batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,19 +40,43 @@ class TokenStore:
 
 
 def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.RecordBatch:
-    """The Arrow record batch of rows [row_lo, row_hi) of the plan."""
+    """The Arrow record batch of rows [row_lo, row_hi) of the plan.
+
+    The token columns are filled in pieces of at most ``GATHER_TOKENS`` tokens (whole segments), so the
+    int64 index temporaries stay small whatever the batch holds; only the three int32 columns and a
+    one-byte loss flag per token are batch-sized.
+    """
     s_lo, s_hi = int(plan.row_splits[row_lo]), int(plan.row_splits[row_hi])
     seg_len = plan.length[s_lo:s_hi]
-    seg_src = store.offsets[plan.example[s_lo:s_hi]] + plan.start[s_lo:s_hi]
+    seg_ex = plan.example[s_lo:s_hi]
+    seg_src = store.offsets[seg_ex] + plan.start[s_lo:s_hi]
     seg_out = np.zeros(len(seg_len) + 1, dtype=np.int64)
     np.cumsum(seg_len, out=seg_out[1:])
     total = int(seg_out[-1])
-    position = np.arange(total, dtype=np.int64) - np.repeat(seg_out[:-1], seg_len)
-    index = np.repeat(seg_src, seg_len) + position
-    input_ids = np.asarray(store.ids[index], dtype=np.int32)
-    # Unshifted labels; -100 at every segment start so no label crosses a boundary.
-    target = (np.asarray(store.trained[index]) != 0) & (position != 0)
-    labels = np.where(target, input_ids, np.int32(schema.IGNORE_INDEX)).astype(np.int32)
+    input_ids = np.empty(total, dtype=np.int32)
+    position = np.empty(total, dtype=np.int32)
+    labels = np.empty(total, dtype=np.int32)
+    target = np.empty(total, dtype=bool)
+    # piece boundaries (segment indices): each piece holds ≤ GATHER_TOKENS tokens or one segment
+    a, m = 0, len(seg_len)
+    while a < m:
+        b = int(np.searchsorted(seg_out, seg_out[a] + GATHER_TOKENS, side="right")) - 1
+        b = min(max(b, a + 1), m)
+        t0, t1 = int(seg_out[a]), int(seg_out[b])
+        lens = seg_len[a:b]
+        pos = np.arange(t1 - t0, dtype=np.int64)
+        pos -= np.repeat(seg_out[a:b] - t0, lens)
+        index = np.repeat(seg_src[a:b], lens)
+        index += pos
+        ids = store.ids[index]
+        input_ids[t0:t1] = ids
+        position[t0:t1] = pos
+        # Unshifted labels; -100 at every segment start so no label crosses a boundary.
+        tgt = target[t0:t1]
+        np.not_equal(store.trained[index], 0, out=tgt)
+        tgt &= pos != 0
+        labels[t0:t1] = np.where(tgt, ids, np.int32(schema.IGNORE_INDEX))
+        a = b
 
     seg_splits = plan.row_splits[row_lo : row_hi + 1] - s_lo
     token_splits = seg_out[seg_splits]
@@ -60,14 +87,27 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     seg_off = pa.array(seg_splits.astype(np.int32))
     columns = [
         pa.ListArray.from_arrays(tok_off, pa.array(input_ids)),
-        pa.ListArray.from_arrays(tok_off, pa.array(position.astype(np.int32))),
+        pa.ListArray.from_arrays(tok_off, pa.array(position)),
         pa.ListArray.from_arrays(tok_off, pa.array(labels)),
         pa.ListArray.from_arrays(seg_off, pa.array(seg_len.astype(np.int32))),
-        pa.ListArray.from_arrays(seg_off, pa.array(store.example_ids[plan.example[s_lo:s_hi]].astype(np.int64))),
+        pa.ListArray.from_arrays(seg_off, pa.array(store.example_ids[seg_ex].astype(np.int64))),
         pa.array(num_loss, pa.int32()),
         pa.array(max_seqlen, pa.int32()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+
+
+def release(store: TokenStore) -> None:
+    """Drop the memory-mapped spill pages from this process (they stay in the page cache).
+
+    Gathering rows touches spill pages all over the file; while mapped they count in the resident
+    set although the kernel can reclaim them. Dropping them after each record batch keeps the RSS
+    of a build bounded by one batch (refaulting a cached page is a minor fault)."""
+    for array in (store.ids, store.trained, store.example_ids):
+        m = getattr(array, "_mmap", None)
+        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            with suppress(OSError, ValueError):
+                m.madvise(mmap.MADV_DONTNEED)
 
 
 def shard_bounds(plan: Plan, shard_bytes: int) -> list[tuple[int, int]]:
@@ -107,6 +147,7 @@ def write_shards(
                 b_hi = min(hi, b_lo + ROWS_PER_BATCH)
                 batch = assemble(plan, store, b_lo, b_hi)
                 writer.write_batch(batch)
+                release(store)
                 rows += b_hi - b_lo
                 tokens += len(batch.column(0).values)
                 on_rows(b_hi - b_lo)
@@ -167,7 +208,5 @@ def _fsync(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
         _fsync(path)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
