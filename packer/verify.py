@@ -560,7 +560,9 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     Raises ``ShardFormatError`` when ``directory`` is not a folder, and the loaders' ``PackerError``s
     when ``tokenizer`` or ``source`` cannot be loaded: those stop verify from running at all.
     """
-    directory = Path(directory)
+    if schema.is_url(directory) and schema.local_path(directory) is None:
+        return _verify_remote(str(directory), tokenizer=tokenizer, source=source, quick=quick)
+    directory = schema.local_path(directory)
     if not directory.is_dir():
         raise ShardFormatError(f"{directory}: no such folder; give the --out folder of a packer build")
     report = Report(str(directory), quick)
@@ -589,4 +591,20 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
         _check_totals(manifest, totals, report)
     if source is not None:
         _check_source(manifest, source, tok, totals, report)
+    return report
+
+
+def _verify_remote(url: str, **options) -> Report:
+    """A folder in object storage is copied to a temporary folder and checked there: every byte has to
+    be read for the hashes anyway, and the checks then run on the same memory-mapped path as local."""
+    import tempfile
+
+    if not schema.is_dir(url):
+        raise ShardFormatError(f"{url}: no such folder; give the --out folder of a packer build")
+    fs, root = schema._fs(url)
+    with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
+        for name in schema.list_names(url):
+            fs.get(root.rstrip("/") + "/" + name, str(Path(tmp) / name), recursive=True)
+        report = verify(tmp, **options)
+    report.directory = url
     return report

@@ -177,15 +177,10 @@ def _batches(directory, n=6):
 
 
 def test_loader_reads_fsspec_urls(small, memory_copy):
-    from packer.errors import PackerError
-
     url = memory_copy(small)
     local = _batches(small)
     for where in (f"file://{small}", url):
-        try:
-            remote = _batches(where)
-        except (PackerError, OSError, TypeError) as e:  # the loader is another engineer's; see README
-            pytest.xfail(f"packer.loader does not read fsspec URLs yet: {e}")
+        remote = _batches(where)
         for a, b in zip(local, remote, strict=True):
             assert a.keys() == b.keys()
             for k in a:
@@ -193,16 +188,11 @@ def test_loader_reads_fsspec_urls(small, memory_copy):
 
 
 def test_verify_reads_fsspec_urls(small, memory_copy):
-    verify = pytest.importorskip("packer.verify")
-    from packer.errors import PackerError
+    from packer.verify import verify
 
-    assert verify.verify(small).ok
-    url = memory_copy(small)
-    for where in (f"file://{small}", url):
-        try:
-            report = verify.verify(where)
-        except (PackerError, OSError, TypeError) as e:  # verify is another engineer's; see README
-            pytest.xfail(f"packer.verify does not read fsspec URLs yet: {e}")
-        if not report.ok:
-            pytest.xfail(f"packer.verify does not read fsspec URLs yet: {report.problems[:2]}")
-        assert report.checked == verify.verify(small).checked
+    expected = verify(small)
+    assert expected.ok
+    for where in (f"file://{small}", memory_copy(small)):
+        report = verify(where)
+        assert report.ok, report.problems[:2]
+        assert report.checked == expected.checked
