@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RecordError, TokenizerError
-from .formatting import Formatter, FormatSpec
-
+from .formatting import FormatSpec, Formatter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -192,55 +191,77 @@ class Encoder:
 
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
         names = list(records)
-        count = len(records[names[0]]) if names else 0
+        formatter = self.formatter
         texts: list[str] = []
-        spans: list[list[tuple[int, int]]] = []
+        span_example: list[int] = []  # per trained span: the kept example it belongs to
+        span_chars: list[tuple[int, int]] = []  # per trained span: [start, end) in that example's text
         last_trained: list[bool] = []
         kept: list[int] = []
         skipped: dict[str, int] = {}
-        for i in range(count):
-            record = {name: records[name][i] for name in names}
+        rows = zip(*(records[name] for name in names)) if names else iter(())
+        for i, row in enumerate(rows):
             try:
-                segments = self.formatter(record)
+                segments = formatter(dict(zip(names, row)))
             except RecordError as e:
                 if not self.skip_errors:
                     raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip", e.reason) from None
                 skipped[e.reason] = skipped.get(e.reason, 0) + 1
                 continue
-            text, cursor, trained_spans = [], 0, []
-            for piece, trained in segments:
+            k = len(texts)
+            if len(segments) == 1:
+                text, trained = segments[0]
                 if trained:
-                    trained_spans.append((cursor, cursor + len(piece)))
-                text.append(piece)
-                cursor += len(piece)
-            texts.append("".join(text))
-            spans.append(trained_spans)
+                    span_example.append(k)
+                    span_chars.append((0, len(text)))
+            else:
+                parts, cursor = [], 0
+                for piece, trained in segments:
+                    if trained:
+                        span_example.append(k)
+                        span_chars.append((cursor, cursor + len(piece)))
+                    parts.append(piece)
+                    cursor += len(piece)
+                text = "".join(parts)
+            texts.append(text)
             last_trained.append(segments[-1][1])
             kept.append(first_index + i)
-        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens) if texts else []
-        lengths = np.empty(len(texts), dtype=np.int64)
-        masks = []
-        id_lists = []
-        for k, enc in enumerate(encodings):
-            ids = enc.ids
-            n = len(ids)
-            mask = np.zeros(n + 1, dtype=np.uint8)
-            for start, end in spans[k]:
-                first, last = _token_at(enc, start, forward=True), _token_at(enc, end - 1, forward=False)
-                if first is not None and last is not None and first <= last:
-                    mask[first : last + 1] = 1
-            if n and ids[-1] == self.eos:
-                mask = mask[:n]  # the template already ended it (chat turns end in EOS)
-            else:
-                ids = ids + [self.eos]
-                mask[n] = last_trained[k]
-            id_lists.append(ids)
-            masks.append(mask)
-            lengths[k] = len(ids)
-        total = int(lengths.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
-        trained = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return Encoded(flat, trained, lengths, np.asarray(kept, dtype=np.int64), skipped)
+        example_ids = np.asarray(kept, dtype=np.int64)
+        if not texts:
+            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), example_ids, skipped)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+        id_lists = [enc.ids for enc in encodings]
+        eos = self.eos
+        sizes = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        # EOS ends every example; a template that already ended it (chat turns end in EOS) gets none added
+        add_eos = np.fromiter((not ids or ids[-1] != eos for ids in id_lists), dtype=bool, count=len(id_lists))
+        lengths = sizes + add_eos
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        total = int(starts[-1])
+        raw = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(sizes.sum()))
+        flat = np.insert(raw, np.cumsum(sizes)[add_eos], np.int32(eos)) if add_eos.any() else raw
+        # trained tokens: every token holding a character of a trained span, as +1/-1 marks summed up
+        marks_on: list[int] = []
+        marks_off: list[int] = []
+        for k, (start, end) in zip(span_example, span_chars):
+            enc = encodings[k]
+            first = enc.char_to_token(start)
+            if first is None:
+                first = _token_at(enc, start, forward=True)
+            last = enc.char_to_token(end - 1) if end > 0 else None
+            if last is None:
+                last = _token_at(enc, end - 1, forward=False)
+            if first is not None and last is not None and first <= last:
+                base = int(starts[k])
+                marks_on.append(base + first)
+                marks_off.append(base + last + 1)
+        trained = np.zeros(total, dtype=np.uint8)
+        if marks_on:
+            delta = np.bincount(marks_on, minlength=total + 1) - np.bincount(marks_off, minlength=total + 1)
+            trained[np.cumsum(delta[:total]) > 0] = 1
+        ends = starts[1:][add_eos] - 1
+        trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
+        return Encoded(flat, trained, lengths, example_ids, skipped)
 
 
 def _token_at(enc, char: int, *, forward: bool) -> int | None:
