@@ -147,9 +147,10 @@ def write_shards(
                 b_hi = min(hi, b_lo + ROWS_PER_BATCH)
                 batch = assemble(plan, store, b_lo, b_hi)
                 writer.write_batch(batch)
+                tokens += len(batch.column(0).values)
+                del batch  # before the next one is assembled: one batch in memory at a time
                 release(store)
                 rows += b_hi - b_lo
-                tokens += len(batch.column(0).values)
                 on_rows(b_hi - b_lo)
         _fsync(path)
         yield {
