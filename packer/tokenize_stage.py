@@ -32,7 +32,9 @@ Cost: one ``encode_batch`` per chunk; the writes are sequential appends; memory 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -87,6 +89,57 @@ def _memmap(path: Path, dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# ---- mapped input pages ----------------------------------------------------------------------------
+
+
+def _mapped_files(dataset) -> frozenset[str]:
+    """The Arrow cache files ``dataset`` memory-maps (none for an in-memory dataset)."""
+    try:
+        return frozenset(os.path.realpath(f["filename"]) for f in getattr(dataset, "cache_files", ()) or ())
+    except (TypeError, KeyError):
+        return frozenset()
+
+
+def drop_mapped_pages(paths: frozenset[str]) -> None:
+    """Drop this process's read-only mapped pages of ``paths`` from its resident set.
+
+    `datasets` memory-maps its Arrow cache; every page a chunk read touched stays resident (and
+    counted in RSS) while mapped, so RSS would grow with the input although the kernel may reclaim
+    those pages. MADV_DONTNEED on a mapping that cannot have been written (no ``w`` in its
+    permissions) only unmaps the pages: they stay in the page cache and a later read refaults them.
+    Only whole mappings of exactly these files are touched, found in /proc/self/maps."""
+    if not paths or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return
+    libc = _libc()
+    if libc is None:
+        return
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or "w" in parts[1] or parts[5].rstrip("\n") not in paths:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0]
 
 
 # ---- resumable spill -------------------------------------------------------------------------------
@@ -150,6 +203,8 @@ def tokenize(
     bar = tqdm(total=total, initial=start, desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     pending = 0
+    mapped = _mapped_files(dataset)
+    drop_mapped_pages(mapped)  # whatever loading touched
     try:
         for chunk in chunks:
             files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
@@ -166,8 +221,10 @@ def tokenize(
             pending += 1
             if pending >= GROUP:
                 _commit(folder, files, done)
+                drop_mapped_pages(mapped)
                 pending = 0
         _commit(folder, files, done)
+        drop_mapped_pages(mapped)
     finally:
         bar.close()
         for f in files.values():
@@ -217,12 +274,14 @@ _WORKER: dict[str, Any] = {}
 
 def _worker_init(encoder: Encoder, dataset, where: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    _WORKER.update(encoder=encoder, dataset=dataset, where=where)
+    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=_mapped_files(dataset))
 
 
 def _worker_encode(bounds: tuple[int, int]) -> Encoded:
     lo, hi = bounds
-    return _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
+    encoded = _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
+    drop_mapped_pages(_WORKER["mapped"])
+    return encoded
 
 
 def _pool_chunks(dataset, encoder: Encoder, start: int, num_proc: int, where: str) -> Iterator[Encoded]:
