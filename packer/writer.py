@@ -26,7 +26,7 @@ from .plan import Plan
 
 STAGING = ".packer-staging"
 ROWS_PER_BATCH = 1024  # Arrow record batch size: bounds the memory of one block and the offset range
-GATHER_TOKENS = 1 << 18  # tokens gathered from the spill at a time inside a record batch
+GATHER_TOKENS = 1 << 16  # tokens gathered from the spill at a time inside a record batch (see release)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,7 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
         np.not_equal(store.trained[index], 0, out=tgt)
         tgt &= pos != 0
         labels[t0:t1] = np.where(tgt, ids, np.int32(schema.IGNORE_INDEX))
+        release(store)  # a piece's gather touches pages all over the spill: unmap them at once
         a = b
 
     seg_splits = plan.row_splits[row_lo : row_hi + 1] - s_lo
@@ -102,7 +103,7 @@ def release(store: TokenStore) -> None:
 
     Gathering rows touches spill pages all over the file; while mapped they count in the resident
     set although the kernel can reclaim them. Dropping them after each record batch keeps the RSS
-    of a build bounded by one batch (refaulting a cached page is a minor fault)."""
+    of a build bounded by one gather piece (refaulting a cached page is a minor fault)."""
     for array in (store.ids, store.trained, store.example_ids):
         m = getattr(array, "_mmap", None)
         if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
@@ -149,7 +150,6 @@ def write_shards(
                 writer.write_batch(batch)
                 tokens += len(batch.column(0).values)
                 del batch  # before the next one is assembled: one batch in memory at a time
-                release(store)
                 rows += b_hi - b_lo
                 on_rows(b_hi - b_lo)
         _fsync(path)
