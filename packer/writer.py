@@ -57,8 +57,14 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     position = np.empty(total, dtype=np.int32)
     labels = np.empty(total, dtype=np.int32)
     target = np.empty(total, dtype=bool)
-    # piece boundaries (segment indices): each piece holds ≤ GATHER_TOKENS tokens or one segment
-    a, m = 0, len(seg_len)
+    files = _spill_files(store)
+    if files is not None:
+        _read_segments(files, seg_src, seg_out, seg_len, input_ids, target)
+        position[:] = np.arange(total, dtype=np.int32) - np.repeat(seg_out[:-1].astype(np.int32), seg_len)
+        target &= position != 0  # unshifted labels; -100 at every segment start
+        np.copyto(labels, np.where(target, input_ids, np.int32(schema.IGNORE_INDEX)))
+    # (otherwise) pieces of segments, each ≤ GATHER_TOKENS tokens or one segment, gathered by index
+    a, m = 0, (0 if files is not None else len(seg_len))
     while a < m:
         b = int(np.searchsorted(seg_out, seg_out[a] + GATHER_TOKENS, side="right")) - 1
         b = min(max(b, a + 1), m)
@@ -96,6 +102,34 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
         pa.array(max_seqlen, pa.int32()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+
+
+def _spill_files(store: TokenStore) -> tuple[str, str] | None:
+    """The files behind a memory-mapped store (read with explicit reads), or None."""
+    ids, trained = store.ids, store.trained
+    if (isinstance(ids, np.memmap) and isinstance(trained, np.memmap) and ids.filename and trained.filename
+            and ids.offset == 0 and trained.offset == 0 and ids.dtype == np.int32 and trained.dtype == np.uint8):
+        return ids.filename, trained.filename
+    return None
+
+
+def _read_segments(files, seg_src, seg_out, seg_len, input_ids: np.ndarray, trained: np.ndarray) -> None:
+    """Read each segment's ids and trained flags with ``preadv`` straight into the batch's columns.
+
+    Explicit reads copy from the page cache and leave nothing mapped, so the resident set holds only
+    the batch; a gather through the memory map would fault in (and keep) pages all over the spill."""
+    ids_view = memoryview(input_ids).cast("B")
+    trained_view = memoryview(trained.view(np.uint8))
+    fd_ids, fd_trained = os.open(files[0], os.O_RDONLY), os.open(files[1], os.O_RDONLY)
+    try:
+        preadv = os.preadv
+        for src, dst, n in zip(seg_src.tolist(), seg_out[:-1].tolist(), seg_len.tolist()):
+            if (preadv(fd_ids, [ids_view[dst * 4 : (dst + n) * 4]], src * 4) != n * 4
+                    or preadv(fd_trained, [trained_view[dst : dst + n]], src) != n):
+                raise OSError(f"{files[0]}: short read of the token spill at token {src}")
+    finally:
+        os.close(fd_ids)
+        os.close(fd_trained)
 
 
 def release(store: TokenStore) -> None:
