@@ -163,6 +163,21 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _validate(dataset, step: int = 64 << 20) -> None:
+    """``validate(full=True)`` batch by batch, unmapping the cache pages read every ``step`` bytes:
+    validating reads the whole memory-mapped table, which would otherwise stay in the resident set."""
+    from .tokenize_stage import _mapped_files, drop_mapped_pages
+
+    mapped, seen = _mapped_files(dataset), 0
+    for batch in dataset.data.table.to_batches():
+        batch.validate(full=True)
+        seen += batch.nbytes
+        if seen >= step:
+            drop_mapped_pages(mapped)
+            seen = 0
+    drop_mapped_pages(mapped)
+
+
 def load(source: Source, *, progress: bool = False):
     """Open SOURCE as a `datasets.Dataset`."""
     import datasets
@@ -178,7 +193,7 @@ def load(source: Source, *, progress: bool = False):
             raise SourceError(f"{source.name}: empty file, holds no records; check the file")
         try:
             dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
-            dataset.data.table.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 into strings
+            _validate(dataset)  # pyarrow's JSON reader lets invalid UTF-8 into strings
         except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration) as e:
             raise _explain_local_failure(source, e) from e
         return dataset
