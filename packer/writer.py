@@ -60,9 +60,15 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     files = _spill_files(store)
     if files is not None:
         _read_segments(files, seg_src, seg_out, seg_len, input_ids, target)
-        position[:] = np.arange(total, dtype=np.int32) - np.repeat(seg_out[:-1].astype(np.int32), seg_len)
-        target &= position != 0  # unshifted labels; -100 at every segment start
-        np.copyto(labels, np.where(target, input_ids, np.int32(schema.IGNORE_INDEX)))
+        # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
+        position.fill(1)
+        if total:
+            position[seg_out[1:-1]] = 1 - seg_len[:-1]
+            position[0] = 0
+            np.cumsum(position, out=position)
+        target[seg_out[:-1][seg_len > 0]] = False  # unshifted labels; -100 at every segment start
+        labels[:] = input_ids
+        labels[~target] = schema.IGNORE_INDEX
     # (otherwise) pieces of segments, each ≤ GATHER_TOKENS tokens or one segment, gathered by index
     a, m = 0, (0 if files is not None else len(seg_len))
     while a < m:
