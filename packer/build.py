@@ -252,21 +252,24 @@ def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    store = spill.store()
+    totals: dict[str, int] = {}
     if config.engine == "ray":
         from .ray_engine import write_shards as ray_write_shards
 
-        shards = ray_write_shards(plan, spill, out, shard_bytes=config.shard_size_mb << 20)
+        shards = ray_write_shards(plan, spill, out, shard_bytes=config.shard_size_mb << 20, totals=totals)
     else:
         with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
-            shards = list(write_shards(plan, store, out, shard_bytes=config.shard_size_mb << 20, on_rows=bar.update))
+            shards = list(write_shards(plan, spill.store(), out, shard_bytes=config.shard_size_mb << 20,
+                                       totals=totals, on_rows=bar.update))
 
     stats = dict(plan.stats)
     stats["examples_read"] = len(dataset)
     stats["records_skipped"] = sum(skipped.values())
-    dropped = {"overlong": stats.get("examples_dropped", 0), **skipped} if skipped or stats.get("examples_dropped") else {}
+    dropped = {"overlong": stats["examples_dropped"], **skipped}
     stats["dropped_by_reason"] = {k: v for k, v in sorted(dropped.items()) if v}
-    stats["loss_tokens"] = 0  # filled from the shards below, the numbers a reader will see
+    stats["loss_tokens"] = totals["loss_tokens"]
+    # A completion-only example truncated before its completion trains on nothing: say how many.
+    stats["segments_without_loss"] = totals["segments_without_loss"]
     manifest = {
         "format": schema.FORMAT_NAME,
         "format_version": schema.FORMAT_VERSION,
@@ -276,12 +279,5 @@ def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
         "stats": stats,
         "shards": shards,
     }
-    manifest["stats"]["loss_tokens"] = _loss_tokens(out / STAGING, shards)
     commit(out, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)
-
-
-def _loss_tokens(folder: Path, shards: list[dict]) -> int:
-    import pyarrow.compute as pc
-
-    return sum(int(pc.sum(schema.open_shard(folder / s["file"]).column("num_loss_tokens")).as_py() or 0) for s in shards)

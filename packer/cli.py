@@ -128,6 +128,9 @@ def _render_build(result) -> None:
                f"{s['examples_split']:,} split · {s['examples_truncated']:,} truncated · dropped: {dropped}")
     click.echo(f"tokens    {s['tokens']:,} in rows ({s['loss_tokens']:,} trained) · "
                f"{s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped")
+    if s.get("segments_without_loss"):
+        click.echo(f"warning   {s['segments_without_loss']:,} segments hold no trained token (prompts cut before their "
+                   "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
     if cfg["pack"] == "batch":
         # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
         click.echo(f"rows      {s['rows']:,} ({mode}) · padded batches would hold {s['padded_tokens']:,} tokens: "

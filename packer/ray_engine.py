@@ -32,13 +32,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from . import schema
 from .errors import ConfigError
 from .plan import Plan
 from .tokenization import Encoded, Encoder
-from .writer import ROWS_PER_BATCH, STAGING, TokenStore, assemble, shard_bounds
+from .writer import STAGING, shard_bounds, shard_entry, write_shard
 
 
 def _ray():
@@ -108,23 +107,12 @@ def _write_shard(plan: Plan, folder: str, lengths: np.ndarray, path: str, lo: in
     spill = Spill(folder=Path(folder), lengths=lengths,
                   example_ids=np.memmap(Path(folder) / "example_ids.bin", dtype=np.int64, mode="r",
                                         shape=(len(lengths),)))
-    store: TokenStore = spill.store()
-    rows = tokens = 0
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        for b_lo in range(lo, hi, ROWS_PER_BATCH):  # the same record batches as writer.write_shards
-            b_hi = min(hi, b_lo + ROWS_PER_BATCH)
-            batch = assemble(plan, store, b_lo, b_hi)
-            writer.write_batch(batch)
-            rows += b_hi - b_lo
-            tokens += len(batch.column(0).values)
-    from .writer import _fsync
-
-    _fsync(Path(path))
-    return {"rows": rows, "tokens": tokens}
+    return write_shard(plan, spill.store(), Path(path), lo, hi)
 
 
-def write_shards(plan: Plan, spill, out: Path, *, shard_bytes: int) -> list[dict]:
-    """Write every shard into the staging folder as parallel Ray tasks; the manifest entries in order."""
+def write_shards(plan: Plan, spill, out: Path, *, shard_bytes: int, totals: dict[str, int]) -> list[dict]:
+    """Write every shard into the staging folder as parallel Ray tasks; the manifest entries in order
+    (their loss counts are added into ``totals``)."""
     ray = _ray()
     staging = out / STAGING
     staging.mkdir(parents=True, exist_ok=True)
@@ -134,9 +122,9 @@ def write_shards(plan: Plan, spill, out: Path, *, shard_bytes: int) -> list[dict
     names = [schema.shard_name(i) for i in range(len(bounds))]
     refs = [task.remote(plan_ref, str(spill.folder), lengths_ref, str(staging / name), lo, hi)
             for name, (lo, hi) in zip(names, bounds, strict=True)]
-    results = ray.get(refs)
-    return [
-        {"file": name, "rows": r["rows"], "tokens": r["tokens"], "bytes": (staging / name).stat().st_size,
-         "sha256": schema.file_sha256(staging / name)}
-        for name, r in zip(names, results, strict=True)
-    ]
+    entries = []
+    for name, counts in zip(names, ray.get(refs), strict=True):
+        for key in ("loss_tokens", "segments_without_loss"):
+            totals[key] = totals.get(key, 0) + counts[key]
+        entries.append(shard_entry(staging / name, counts))
+    return entries

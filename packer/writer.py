@@ -25,7 +25,8 @@ from . import schema
 from .plan import Plan
 
 STAGING = ".packer-staging"
-ROWS_PER_BATCH = 1024  # Arrow record batch size: bounds the memory of one block and the offset range
+ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
+TOKENS_PER_BATCH = 1 << 20  # ... and this many tokens, which bounds the memory of assembling one
 GATHER_TOKENS = 1 << 16  # tokens gathered from the spill at a time inside a record batch (see release)
 
 
@@ -168,38 +169,66 @@ def shard_bounds(plan: Plan, shard_bytes: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def batch_bounds(plan: Plan, lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """Cut rows [lo, hi) into record batches of ≤ ROWS_PER_BATCH rows and ≤ TOKENS_PER_BATCH tokens
+    (at least one row each), so the memory of one batch does not grow with the row budget."""
+    ends = np.cumsum(plan.row_lengths()[lo:hi])
+    first, base = lo, 0
+    while first < hi:
+        last = lo + int(np.searchsorted(ends, base + TOKENS_PER_BATCH, side="right"))
+        last = min(hi, first + ROWS_PER_BATCH, max(last, first + 1))
+        yield first, last
+        base = int(ends[last - lo - 1])
+        first = last
+
+
+def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
+                on_rows: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+    """Write rows [lo, hi) as one Arrow stream file; returns its counts (rows, tokens, loss tokens and
+    segments that hold no trained token, which a truncated completion-only example becomes)."""
+    counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
+        for b_lo, b_hi in batch_bounds(plan, lo, hi):
+            batch = assemble(plan, store, b_lo, b_hi)
+            writer.write_batch(batch)
+            trained = batch.column(2).values.to_numpy() != schema.IGNORE_INDEX
+            seq_lens = batch.column(3).values.to_numpy().astype(np.int64)
+            starts = np.cumsum(seq_lens) - seq_lens
+            counts["rows"] += b_hi - b_lo
+            counts["tokens"] += len(trained)
+            counts["loss_tokens"] += int(trained.sum())
+            counts["segments_without_loss"] += int((np.add.reduceat(trained, starts) == 0).sum()) if len(trained) else 0
+            del batch, trained  # before the next one is assembled: one batch in memory at a time
+            on_rows(b_hi - b_lo)
+    _fsync(path)
+    return counts
+
+
+def shard_entry(path: Path, counts: dict[str, int]) -> dict:
+    """The manifest's record of one written shard."""
+    return {"file": path.name, "rows": counts["rows"], "tokens": counts["tokens"],
+            "bytes": path.stat().st_size, "sha256": schema.file_sha256(path)}
+
+
 def write_shards(
     plan: Plan,
     store: TokenStore,
     out: Path,
     *,
     shard_bytes: int,
+    totals: dict[str, int],
     on_rows: Callable[[int], None] = lambda n: None,
 ) -> Iterator[dict]:
-    """Write every shard into the staging folder; yields each shard's manifest entry as it finishes."""
+    """Write every shard into the staging folder; yields each shard's manifest entry as it finishes
+    and adds its loss counts into ``totals``."""
     staging = out / STAGING
     staging.mkdir(parents=True, exist_ok=True)
     for index, (lo, hi) in enumerate(shard_bounds(plan, shard_bytes)):
-        name = schema.shard_name(index)
-        path = staging / name
-        rows = tokens = 0
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-            for b_lo in range(lo, hi, ROWS_PER_BATCH):
-                b_hi = min(hi, b_lo + ROWS_PER_BATCH)
-                batch = assemble(plan, store, b_lo, b_hi)
-                writer.write_batch(batch)
-                tokens += len(batch.column(0).values)
-                del batch  # before the next one is assembled: one batch in memory at a time
-                rows += b_hi - b_lo
-                on_rows(b_hi - b_lo)
-        _fsync(path)
-        yield {
-            "file": name,
-            "rows": rows,
-            "tokens": tokens,
-            "bytes": path.stat().st_size,
-            "sha256": schema.file_sha256(path),
-        }
+        path = staging / schema.shard_name(index)
+        counts = write_shard(plan, store, path, lo, hi, on_rows)
+        for key in ("loss_tokens", "segments_without_loss"):
+            totals[key] = totals.get(key, 0) + counts[key]
+        yield shard_entry(path, counts)
 
 
 def commit(out: Path, manifest: dict) -> None:

@@ -84,6 +84,14 @@ def test_labels_masked_at_every_segment_start_and_positions_restart(flan_bfd):
         assert sum(row["seq_lens"]) == len(row["input_ids"]) <= 1024
 
 
+def test_segments_that_lost_their_completion_are_counted(flan_batch):
+    without = sum(int((labels == schema.IGNORE_INDEX).all()) for _, _, labels, _ in segments_of(flan_batch))
+    stats = schema.read_manifest(flan_batch)["stats"]
+    # --max-len 512 truncates long few-shot prompts before their completion: they train on nothing
+    assert stats["segments_without_loss"] == without > 0
+    assert stats["loss_tokens"] == sum(int((labels != schema.IGNORE_INDEX).sum()) for *_, labels, _ in segments_of(flan_batch))
+
+
 def test_every_example_is_accounted_for(flan_bfd):
     manifest = schema.read_manifest(flan_bfd)
     stats = manifest["stats"]
