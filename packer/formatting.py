@@ -119,6 +119,7 @@ class Formatter:
     def __init__(self, spec: FormatSpec, tokenizer=None):
         self.spec = spec
         self.tokenizer = tokenizer
+        self.fields = spec.fields()  # parsed once, not per record
         if spec.kind == "chat" and not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "the tokenizer")
             raise TokenizerError(
@@ -137,7 +138,7 @@ class Formatter:
     def _completion(self, record: dict[str, Any]) -> Segments:
         spec = self.spec
         values = {}
-        for name in spec.fields():
+        for name in self.fields:
             values[name] = _text_field(record, name, allow_empty=(name == spec.optional))
         prompt_template = spec.prompt_template
         if spec.optional and not values[spec.optional].strip():
