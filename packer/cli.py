@@ -7,6 +7,7 @@ on stderr (never a traceback).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -83,8 +84,9 @@ def _fmt(n: float) -> str:
 @click.option("--shard-size", "shard_size_mb", type=int, default=256, show_default=True, help="Approximate shard size, MB.")
 @click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
               help="A bad record stops the build, or is skipped and counted in the manifest by reason.")
-@click.option("--num-proc", "-j", type=int, default=1, show_default=True,
-              help="Processes for formatting and tokenizing (1: one process, the tokenizer's own threads use every core).")
+@click.option("--num-proc", "-j", type=int,
+              help="Processes for formatting and tokenizing (default: one per core; 1: one process whose "
+                   "tokenizer threads use every core, measured ~5% slower). The bytes do not depend on it.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
@@ -104,6 +106,8 @@ def build(as_json: bool, quiet: bool, **options) -> None:
     from .build import build as run_build
     from .config import BuildConfig
 
+    if options["num_proc"] is None:
+        options["num_proc"] = os.cpu_count() or 1
     config = BuildConfig(**options)
     result = run_build(config, progress=not quiet and not as_json)
     if as_json:
@@ -212,8 +216,6 @@ _PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
 
 
 def _use_color() -> bool:
-    import os
-
     if os.environ.get("NO_COLOR"):
         return False
     ctx = click.get_current_context(silent=True)

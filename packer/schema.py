@@ -200,6 +200,7 @@ def open_shard(path: PathLike) -> pa.Table:
                 table = pa.ipc.open_stream(source).read_all()
         else:
             table = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(read_bytes(path)))).read_all()
+        table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
     if not table.schema.remove_metadata().equals(ROW_SCHEMA):

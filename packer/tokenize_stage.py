@@ -264,7 +264,7 @@ def _chunks(dataset, encoder: Encoder, start: int, *, num_proc: int, engine: str
         from .ray_engine import encode_chunks
 
         return encode_chunks(dataset, encoder, start, chunk=CHUNK, where=where)
-    if num_proc <= 1:
+    if num_proc <= 1 or len(dataset) - start <= CHUNK:  # one chunk: a pool would only add start-up
         return (encoder.encode(dataset[lo:hi], lo, where=where) for lo, hi in _ranges(start, len(dataset)))
     return _pool_chunks(dataset, encoder, start, num_proc, where)
 
