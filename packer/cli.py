@@ -53,10 +53,6 @@ def main() -> None:
     """
 
 
-def _fmt(n: float) -> str:
-    return f"{n:,}" if isinstance(n, int) else f"{n:,.2f}"
-
-
 @main.command()
 @click.argument("source")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
