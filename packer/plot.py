@@ -52,7 +52,7 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.text(data["max_len"], ax.get_ylim()[1] * 0.95, f" --max-len {data['max_len']:,}\n"
                 f" {s['examples_truncated']:,} truncated, {s['examples_split']:,} split",
                 color=PAD, va="top", ha="right" if ex_len.size and np.median(ex_len) < data["max_len"] * 0.5 else "left",
-                fontsize=9)
+                fontsize=9, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
     ax.set_title("example lengths (tokens kept in the rows)")
     ax.set_xlabel("tokens per example")
     ax.set_ylabel("examples")
@@ -69,8 +69,8 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
             fontsize=9, bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     ax.set_ylim(0, 1.02)
     ax.set_xlim(-0.5, max(0.5, fill.size - 0.5))
-    ax.set_title(f"fill of each row, sorted ({budget:,}-token budget"
-                 + (" = the largest row)" if data["pack"] == "batch" else ")"))
+    ax.set_title(f"fill of each row, sorted (budget {budget:,} tokens"
+                 + (", the largest row)" if data["pack"] == "batch" else ")"))
     ax.set_xlabel("rows, fullest first")
     ax.set_ylabel("tokens / row budget")
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
