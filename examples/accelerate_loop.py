@@ -13,7 +13,6 @@ is multiplied by ``num_processes``.
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 from accelerate import Accelerator
@@ -21,9 +20,9 @@ from accelerate import Accelerator
 from packer.loader import make_dataloader
 
 try:
-    from common import tiny_llama
+    from common import batches_over_epochs, tiny_llama
 except ImportError:  # imported as examples.accelerate_loop
-    from examples.common import tiny_llama
+    from examples.common import batches_over_epochs, tiny_llama
 
 
 def to_device(batch: dict, device) -> dict:
@@ -38,7 +37,7 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, c
     model.train()
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0,
                              rank=accelerator.process_index, world_size=accelerator.num_processes)
-    batches = itertools.chain.from_iterable(loader for _ in itertools.count())
+    batches = batches_over_epochs(loader)
     losses = []
     for _ in range(steps):
         step_loss = 0.0

@@ -10,16 +10,15 @@ tokens of the step`` and the accumulated gradient is that of the one big batch: 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
 from packer.loader import make_dataloader
 
 try:
-    from common import tiny_llama
+    from common import batches_over_epochs, tiny_llama
 except ImportError:  # imported as examples.train_loop
-    from examples.common import tiny_llama
+    from examples.common import batches_over_epochs, tiny_llama
 
 
 def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, model=None) -> list[float]:
@@ -28,7 +27,7 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, m
     model.train()
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batches = itertools.chain.from_iterable(_epochs(loader))
+    batches = batches_over_epochs(loader)
     losses = []
     for _ in range(steps):
         step_loss = 0.0
@@ -41,11 +40,6 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, m
         losses.append(step_loss)
     return losses
 
-
-def _epochs(loader):
-    for epoch in itertools.count():
-        loader.set_epoch(epoch)
-        yield loader
 
 
 if __name__ == "__main__":
