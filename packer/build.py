@@ -2,7 +2,7 @@
 
 Tokens go to a flat spill file in the output's staging folder as they are made; only the lengths stay
 in memory for planning (a few bytes per example). The plan is global (all lengths at once), then rows
-are gathered from the memory-mapped spill and written shard by shard. The manifest is the commit point.
+are read back from the spill and written shard by shard. The manifest is the commit point.
 """
 
 from __future__ import annotations

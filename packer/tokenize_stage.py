@@ -16,8 +16,8 @@ Every ``GROUP`` chunks the files are flushed and fsynced, then ``progress.json``
 atomically: it is the completion marker of every chunk before it. A rerun after a crash with the same
 identity truncates the files to the marker (dropping a torn tail) and starts at the first record not
 done, so a resumed build is byte-identical to an uninterrupted one; another identity wipes the folder.
-Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the tokens are read
-later through memory maps.
+Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the writer reads
+the tokens back segment by segment.
 
 Parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
 ``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
@@ -76,10 +76,9 @@ class Spill:
     def store(self) -> TokenStore:
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=offsets[1:])
-        total = int(offsets[-1])
         return TokenStore(
-            ids=_memmap(self.folder / "ids.bin", np.int32, total),
-            trained=_memmap(self.folder / "trained.bin", np.uint8, total),
+            ids_path=self.folder / "ids.bin",
+            trained_path=self.folder / "trained.bin",
             offsets=offsets,
             example_ids=self.example_ids,
         )

@@ -4,13 +4,14 @@ Shards are written into a staging folder inside the output, moved into place whe
 the manifest is written last (to a temporary name, fsynced, renamed): a folder without manifest.json
 is never a finished build, whatever else it holds.
 
-Row assembly is vectorised over a block of rows: the token indices of every segment are built with
-``np.repeat`` and one gather from the memory-mapped token store; no Python runs per row or example.
+Row assembly works on a block of rows (a record batch of ≤ TOKENS_PER_BATCH tokens): each segment's
+ids and loss flags are read from the token spill straight into the batch's columns (``preadv``, one
+call per segment and file), and positions, labels and the per-row columns are computed with numpy over
+the whole block.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -27,26 +28,21 @@ from .plan import Plan
 STAGING = ".packer-staging"
 ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
 TOKENS_PER_BATCH = 1 << 20  # ... and this many tokens, which bounds the memory of assembling one
-GATHER_TOKENS = 1 << 16  # tokens gathered from the spill at a time inside a record batch (see release)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenStore:
-    """All examples' tokens, flat: example k is ids[offsets[k]:offsets[k+1]]."""
+    """All examples' tokens in two flat spill files: example k is tokens offsets[k]:offsets[k+1]."""
 
-    ids: np.ndarray  # int32, usually a memmap
-    trained: np.ndarray  # uint8, 1 where the token is a target
+    ids_path: Path  # int32 per token
+    trained_path: Path  # uint8 per token, 1 where the token is a target
     offsets: np.ndarray  # int64[examples+1]
     example_ids: np.ndarray  # int64[examples]: source record index of each example
 
 
 def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.RecordBatch:
-    """The Arrow record batch of rows [row_lo, row_hi) of the plan.
-
-    The token columns are filled in pieces of at most ``GATHER_TOKENS`` tokens (whole segments), so the
-    int64 index temporaries stay small whatever the batch holds; only the three int32 columns and a
-    one-byte loss flag per token are batch-sized.
-    """
+    """The Arrow record batch of rows [row_lo, row_hi) of the plan: three int32 token columns and a
+    one-byte loss flag per token are its only batch-sized arrays."""
     s_lo, s_hi = int(plan.row_splits[row_lo]), int(plan.row_splits[row_hi])
     seg_len = plan.length[s_lo:s_hi]
     seg_ex = plan.example[s_lo:s_hi]
@@ -58,39 +54,16 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     position = np.empty(total, dtype=np.int32)
     labels = np.empty(total, dtype=np.int32)
     target = np.empty(total, dtype=bool)
-    files = _spill_files(store)
-    if files is not None:
-        _read_segments(files, seg_src, seg_out, seg_len, input_ids, target)
-        # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
-        position.fill(1)
-        if total:
-            position[seg_out[1:-1]] = 1 - seg_len[:-1]
-            position[0] = 0
-            np.cumsum(position, out=position)
-        target[seg_out[:-1][seg_len > 0]] = False  # unshifted labels; -100 at every segment start
-        labels[:] = input_ids
-        labels[~target] = schema.IGNORE_INDEX
-    # (otherwise) pieces of segments, each ≤ GATHER_TOKENS tokens or one segment, gathered by index
-    a, m = 0, (0 if files is not None else len(seg_len))
-    while a < m:
-        b = int(np.searchsorted(seg_out, seg_out[a] + GATHER_TOKENS, side="right")) - 1
-        b = min(max(b, a + 1), m)
-        t0, t1 = int(seg_out[a]), int(seg_out[b])
-        lens = seg_len[a:b]
-        pos = np.arange(t1 - t0, dtype=np.int64)
-        pos -= np.repeat(seg_out[a:b] - t0, lens)
-        index = np.repeat(seg_src[a:b], lens)
-        index += pos
-        ids = store.ids[index]
-        input_ids[t0:t1] = ids
-        position[t0:t1] = pos
-        # Unshifted labels; -100 at every segment start so no label crosses a boundary.
-        tgt = target[t0:t1]
-        np.not_equal(store.trained[index], 0, out=tgt)
-        tgt &= pos != 0
-        labels[t0:t1] = np.where(tgt, ids, np.int32(schema.IGNORE_INDEX))
-        release(store)  # a piece's gather touches pages all over the spill: unmap them at once
-        a = b
+    _read_segments(store, seg_src, seg_out, seg_len, input_ids, target)
+    # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
+    position.fill(1)
+    if total:
+        position[seg_out[1:-1]] = 1 - seg_len[:-1]
+        position[0] = 0
+        np.cumsum(position, out=position)
+    target[seg_out[:-1][seg_len > 0]] = False  # unshifted labels; -100 at every segment start
+    labels[:] = input_ids
+    labels[~target] = schema.IGNORE_INDEX
 
     seg_splits = plan.row_splits[row_lo : row_hi + 1] - s_lo
     token_splits = seg_out[seg_splits]
@@ -111,45 +84,25 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
 
 
-def _spill_files(store: TokenStore) -> tuple[str, str] | None:
-    """The files behind a memory-mapped store (read with explicit reads), or None."""
-    ids, trained = store.ids, store.trained
-    if (isinstance(ids, np.memmap) and isinstance(trained, np.memmap) and ids.filename and trained.filename
-            and ids.offset == 0 and trained.offset == 0 and ids.dtype == np.int32 and trained.dtype == np.uint8):
-        return ids.filename, trained.filename
-    return None
-
-
-def _read_segments(files, seg_src, seg_out, seg_len, input_ids: np.ndarray, trained: np.ndarray) -> None:
+def _read_segments(store: TokenStore, seg_src, seg_out, seg_len, input_ids: np.ndarray, trained: np.ndarray) -> None:
     """Read each segment's ids and trained flags with ``preadv`` straight into the batch's columns.
 
     Explicit reads copy from the page cache and leave nothing mapped, so the resident set holds only
-    the batch; a gather through the memory map would fault in (and keep) pages all over the spill."""
+    the batch; a gather through a memory map faults in (and keeps) pages all over the spill, which
+    measured 449 MiB max RSS at 16x the bundled sample against 364 MiB this way, at the same speed. Cost:
+    two syscalls per segment, small beside tokenizing the segment in the first place."""
     ids_view = memoryview(input_ids).cast("B")
     trained_view = memoryview(trained.view(np.uint8))
-    fd_ids, fd_trained = os.open(files[0], os.O_RDONLY), os.open(files[1], os.O_RDONLY)
+    fd_ids, fd_trained = os.open(store.ids_path, os.O_RDONLY), os.open(store.trained_path, os.O_RDONLY)
     try:
         preadv = os.preadv
         for src, dst, n in zip(seg_src.tolist(), seg_out[:-1].tolist(), seg_len.tolist()):
             if (preadv(fd_ids, [ids_view[dst * 4 : (dst + n) * 4]], src * 4) != n * 4
                     or preadv(fd_trained, [trained_view[dst : dst + n]], src) != n):
-                raise OSError(f"{files[0]}: short read of the token spill at token {src}")
+                raise OSError(f"{store.ids_path}: short read of the token spill at token {src}")
     finally:
         os.close(fd_ids)
         os.close(fd_trained)
-
-
-def release(store: TokenStore) -> None:
-    """Drop the memory-mapped spill pages from this process (they stay in the page cache).
-
-    Gathering rows touches spill pages all over the file; while mapped they count in the resident
-    set although the kernel can reclaim them. Dropping them after each record batch keeps the RSS
-    of a build bounded by one gather piece (refaulting a cached page is a minor fault)."""
-    for array in (store.ids, store.trained, store.example_ids):
-        m = getattr(array, "_mmap", None)
-        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            with suppress(OSError, ValueError):
-                m.madvise(mmap.MADV_DONTNEED)
 
 
 def shard_bounds(plan: Plan, shard_bytes: int) -> list[tuple[int, int]]:
