@@ -40,11 +40,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import schema
+from .build import LOCK
 from .errors import ShardFormatError
 
-LOCK_NAME = ".packer-lock"  # build.py's lock file: harmless in a finished folder
 MAX_ROWS_SHOWN = 5
-CHUNK = 1000  # records per tokenizer call when re-reading a source
 _SHARD_KEYS = {"file": str, "rows": int, "tokens": int, "bytes": int, "sha256": str}
 
 
@@ -189,7 +188,7 @@ def _check_folder_contents(directory: Path, manifest: dict[str, Any] | None, rep
     listed = {e["file"] for e in manifest["shards"]} if manifest else set()
     for path in sorted(directory.iterdir()):
         name = path.name
-        if name in listed or name in (schema.MANIFEST_NAME, LOCK_NAME, *getattr(schema, "DATASETS_FILES", ())):
+        if name in listed or name in (schema.MANIFEST_NAME, LOCK, *schema.DATASETS_FILES):
             continue
         if manifest is None and name.startswith(schema.SHARD_PREFIX) and name.endswith(schema.SHARD_SUFFIX):
             continue  # no manifest: already reported; the shards are not "extra"
@@ -446,10 +445,10 @@ def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals:
     from . import sources
     from .build import _source_info
     from .config import BuildConfig
-    from .errors import RecordError
     from .formatting import make_spec
     from .plan import plan as make_plan
     from .tokenization import Encoder
+    from .tokenize_stage import encode_all
 
     cfg = manifest["config"]
     config = BuildConfig(**{**cfg, "source": source_name, "out": os.devnull})
@@ -469,17 +468,12 @@ def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals:
         report.add("source", where, f"{len(dataset):,} records, the build read {s.get('examples_read')!r}")
     spec = make_spec(recipe=src.recipe, config=config, columns=list(dataset.column_names))
     encoder = Encoder(tokenizer, spec, skip_errors=True)
-    ids, trained, lengths, example_ids, skipped = [], [], [], [], {}
-    for start, batch in zip(range(0, len(dataset), CHUNK), dataset.iter(batch_size=CHUNK), strict=False):
-        try:
-            chunk = encoder.encode(batch, start)
-        except RecordError as e:  # pragma: no cover - skip_errors=True records them instead
-            report.add("source", where, str(e))
-            return
-        ids.append(chunk.ids)
-        trained.append(chunk.trained)
-        lengths.append(chunk.lengths)
-        example_ids.append(chunk.example_ids)
+    chunks: list = []
+    encode_all(dataset, encoder, sink=chunks.append)  # the build's own chunking, in memory
+    ids, trained = [c.ids for c in chunks], [c.trained for c in chunks]
+    lengths, example_ids = [c.lengths for c in chunks], [c.example_ids for c in chunks]
+    skipped: dict[str, int] = {}
+    for chunk in chunks:
         for reason, k in chunk.skipped.items():
             skipped[reason] = skipped.get(reason, 0) + k
     cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt)  # noqa: E731
