@@ -48,7 +48,7 @@ def tokenizer_path(name: str | None) -> str:
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
-def _source_info(source: sources.Source) -> dict[str, Any]:
+def source_info(source: sources.Source) -> dict[str, Any]:
     if source.kind == "hub":
         return {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
     bundled = source.recipe is not None and source.recipe.local is not None and source.name == source.recipe.name
@@ -208,7 +208,7 @@ def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     tokenizer_name = tokenizer_path(config.tokenizer)
     tokenizer = load_tokenizer(tokenizer_name)
     tok_info = tokenizer_info(tokenizer, config.tokenizer or BUNDLED)
-    identity = {"config": config.identity(), "tokenizer": tok_info, "source": _source_info(source)}
+    identity = {"config": config.identity(), "tokenizer": tok_info, "source": source_info(source)}
     previous = _check_output(out, identity, config.overwrite)
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)

@@ -443,7 +443,7 @@ def _check_tokenizer(manifest: dict[str, Any], tokenizer, name: str, report: Rep
 def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals: _Totals | None,
                   report: Report) -> None:
     from . import sources
-    from .build import _source_info
+    from .build import source_info
     from .config import BuildConfig
     from .formatting import make_spec
     from .plan import plan as make_plan
@@ -455,7 +455,7 @@ def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals:
     src = sources.resolve(source_name, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     where = f"--source {source_name}"
     recorded = manifest.get("source", {})
-    info = _source_info(src)
+    info = source_info(src)
     local = recorded.get("kind") == "local" and info.get("kind") == "local"
     if local and [f["sha256"] for f in recorded.get("files", [])] != [f["sha256"] for f in info["files"]]:
         report.add("source", where, "its files' sha256 differ from the ones the build recorded: another or a "
