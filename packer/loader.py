@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import schema
+from . import fs, schema
 from .errors import ConfigError, ShardFormatError
 
 STATE_VERSION = 1
@@ -69,7 +69,7 @@ __all__ = ["PackedDataset", "PackedDataLoader", "make_dataloader", "manifest_fin
 
 def manifest_fingerprint(directory: str | os.PathLike) -> str:
     """sha256 of the manifest's bytes: names one build (its shards carry their own hashes in it)."""
-    return hashlib.sha256(schema.read_bytes(schema.join(directory, schema.MANIFEST_NAME))).hexdigest()
+    return hashlib.sha256(fs.read_bytes(fs.join(directory, schema.MANIFEST_NAME))).hexdigest()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -81,16 +81,16 @@ def _dist_rank_world() -> tuple[int, int] | None:
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
-    def __init__(self, directory: str | os.PathLike, shard_entries: list[dict[str, Any]]) -> None:
+    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...]) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[dict[str, np.ndarray]] = []
         self.starts: list[int] = []
         n = 0
         for entry in shard_entries:
-            table = schema.open_shard(schema.join(directory, entry["file"]))
-            if table.num_rows != entry["rows"]:
+            table = schema.open_shard(fs.join(directory, entry.file))
+            if table.num_rows != entry.rows:
                 raise ShardFormatError(
-                    f"{schema.join(directory, entry['file'])}: {table.num_rows} rows, the manifest records {entry['rows']}; "
+                    f"{fs.join(directory, entry.file)}: {table.num_rows} rows, the manifest records {entry.rows}; "
                     "the folder mixes builds, rebuild it"
                 )
             self.tables.append(table)
@@ -168,7 +168,7 @@ class PackedDataset(IterableDataset):
         verify: bool = False,
     ) -> None:
         super().__init__()
-        self.directory = directory if schema.is_url(directory) else Path(directory)
+        self.directory = directory if fs.is_url(directory) else Path(directory)
         self.manifest = schema.read_manifest(self.directory)
         self.fingerprint = manifest_fingerprint(self.directory)
         dist = _dist_rank_world()
@@ -191,41 +191,41 @@ class PackedDataset(IterableDataset):
         self._shards: _Shards | None = None
         shards = self._open()
         self.num_rows = shards.num_rows
-        if self.num_rows != self.manifest.get("stats", {}).get("rows", self.num_rows):
+        if self.num_rows != self.manifest.stats.rows:
             raise ShardFormatError(
                 f"{self.directory}: shards hold {self.num_rows} rows, the manifest's stats say "
-                f"{self.manifest['stats']['rows']}; rebuild the folder"
+                f"{self.manifest.stats.rows}; rebuild the folder"
             )
         if self.num_rows == 0:
             raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
 
     # -- opening ------------------------------------------------------------------------------
     def _check_files(self, verify: bool) -> None:
-        shards = self.manifest.get("shards")
-        if not isinstance(shards, list) or not shards:
+        shards = self.manifest.shards
+        if not shards:
             raise ShardFormatError(
-                f"{schema.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
+                f"{fs.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = schema.join(self.directory, entry["file"])
-            size = schema.file_size(path)
+            path = fs.join(self.directory, entry.file)
+            size = fs.file_size(path)
             if size is None:
                 raise ShardFormatError(
                     f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
                 )
-            if size != entry["bytes"]:
+            if size != entry.bytes:
                 raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest records {entry['bytes']}; the shard is truncated or "
+                    f"{path}: {size} bytes, the manifest records {entry.bytes}; the shard is truncated or "
                     "from another build, rebuild the folder"
                 )
-            if verify and schema.file_sha256(path) != entry["sha256"]:
+            if verify and fs.file_sha256(path) != entry.sha256:
                 raise ShardFormatError(
                     f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
                 )
 
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest["shards"])
+            self._shards = _Shards(self.directory, self.manifest.shards)
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from packer import schema
+from packer import fs, schema
 from packer.errors import ConfigError, ShardFormatError
 from packer.loader import PackedDataset, make_dataloader
 
@@ -62,7 +62,7 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: 
                 "rows": len(chunk),
                 "tokens": sum(len(r["input_ids"]) for r in chunk),
                 "bytes": path.stat().st_size,
-                "sha256": schema.file_sha256(path),
+                "sha256": fs.file_sha256(path),
             }
         )
     manifest = {

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import BUNDLED_TOKENIZER, make_build
 
-from packer import schema
+from packer import fs, schema
 from packer.cli import main
 from packer.verify import verify
 
@@ -72,7 +72,7 @@ def rewrite_shard(folder: Path, column: str, change) -> None:
 
     def fix(m):
         m["shards"][0]["bytes"] = path.stat().st_size
-        m["shards"][0]["sha256"] = schema.file_sha256(path)
+        m["shards"][0]["sha256"] = fs.file_sha256(path)
 
     edit_manifest(folder, fix)
 
