@@ -46,7 +46,7 @@ from .writer import add_counts, shard_bounds, shard_entry, write_shard
 def _ray():
     try:
         import ray
-        import ray.data  # noqa: F401
+        import ray.data
     except ImportError as e:
         raise ConfigError("--engine ray needs Ray Data: pip install 'packer[ray]' (or 'ray[data]')") from e
     if not ray.is_initialized():
