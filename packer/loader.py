@@ -240,7 +240,7 @@ class PackedDataset(IterableDataset):
             self._resume_at = 0
         self.epoch = epoch
 
-    def _plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _epoch_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
         n, w, g = self.num_rows, self.world_size, self.grad_accum
         n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
@@ -267,7 +267,7 @@ class PackedDataset(IterableDataset):
         return -(-groups // g) * g
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rows, filler, items = self._plan()
+        rows, filler, items = self._epoch_order()
         start = self._resume_at
         self._resume_at = 0
         info = get_worker_info()
@@ -292,12 +292,18 @@ class PackedDataset(IterableDataset):
             "remainder": self.remainder,
         }
 
-    def _make_state(self, steps_done: int) -> dict[str, Any]:
+    @property
+    def resume_at(self) -> int:
+        """Steps of the current epoch the next ``iter()`` skips (set by ``load_state_dict``)."""
+        return self._resume_at
+
+    def state_at(self, steps_done: int) -> dict[str, Any]:
+        """The resumable state after ``steps_done`` steps of the current epoch."""
         return {"version": STATE_VERSION, "epoch": self.epoch, "steps_done": steps_done, **self._identity()}
 
     def state_dict(self) -> dict[str, Any]:
         """Position after what this dataset's own iterator yielded (exact with ``num_workers=0``)."""
-        return self._make_state(self._yielded)
+        return self.state_at(self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``'s position with the next ``iter()``; refuses another build or order."""
@@ -345,7 +351,7 @@ class PackedDataLoader(DataLoader):
         self._delivered = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._delivered = self.dataset._resume_at
+        self._delivered = self.dataset.resume_at
         # In-process without pinning there is nothing for DataLoader's machinery to do: read directly.
         direct = self.num_workers == 0 and not self.pin_memory
         for batch in iter(self.dataset) if direct else super().__iter__():
@@ -356,38 +362,24 @@ class PackedDataLoader(DataLoader):
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset._make_state(self._delivered)
+        return self.dataset.state_at(self._delivered)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._delivered = self.dataset._resume_at
+        self._delivered = self.dataset.resume_at
 
 
 def make_dataloader(
     directory: str | os.PathLike,
     *,
-    shuffle: bool = True,
-    seed: int = 0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    grad_accum: int = 1,
-    remainder: Literal["pad", "drop"] = "pad",
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
-    verify: bool = False,
+    **dataset_options: Any,
 ) -> PackedDataLoader:
-    """A resumable DataLoader yielding one packed row per batch; see ``PackedDataset`` for the options."""
-    dataset = PackedDataset(
-        directory,
-        shuffle=shuffle,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        grad_accum=grad_accum,
-        remainder=remainder,
-        verify=verify,
-    )
+    """A resumable DataLoader yielding one packed row per batch; ``dataset_options`` are
+    ``PackedDataset``'s (shuffle, seed, rank, world_size, grad_accum, remainder, verify)."""
+    dataset = PackedDataset(directory, **dataset_options)
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
         kwargs["persistent_workers"] = False
