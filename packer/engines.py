@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from . import spill as spill_
 from .config import BuildConfig
+from .pages import drop_mapped_pages, mapped_files
 from .plan import Plan
 from .ray_engine import RayEngine
 from .schema import ShardEntry
@@ -75,13 +76,13 @@ _WORKER: dict[str, Any] = {}
 
 def _worker_init(encoder: Encoder, dataset, where: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=spill_.mapped_files(dataset))
+    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=mapped_files(dataset))
 
 
 def _worker_encode(bounds: tuple[int, int]) -> Encoded:
     lo, hi = bounds
     encoded = _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
-    spill_.drop_mapped_pages(_WORKER["mapped"])
+    drop_mapped_pages(_WORKER["mapped"])
     return encoded
 
 

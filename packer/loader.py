@@ -2,7 +2,7 @@
 
 A shard row is already a training row, so loading it is slicing memory-mapped Arrow buffers with
 numpy and handing them to torch; there is no per-example Python, no padding and no collate step. The
-batch one row becomes (DESIGN.md, "The batch the loader yields")::
+batch one row becomes (docs/design.md, "The read side")::
 
     input_ids, position_ids, labels   int64 [1, T]
     cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]

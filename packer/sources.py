@@ -17,8 +17,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import ConfigError, SourceError
+from .pages import drop_mapped_pages, mapped_files
 from .recipes import RECIPES, Recipe, get_recipe
-from .spill import drop_mapped_pages, mapped_files
 
 # file suffix -> datasets packaged builder
 BUILDERS = {

@@ -28,9 +28,7 @@ Cost: one ``encode_batch`` per chunk; the writes are sequential appends; memory 
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
 import os
 import shutil
 from collections.abc import Iterator
@@ -41,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from .pages import drop_mapped_pages, mapped_files
 from .tokenization import Encoder
 
 CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
@@ -96,57 +95,6 @@ def _memmap(path: Path, dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
-# ---- mapped input pages ----------------------------------------------------------------------------
-
-
-def mapped_files(dataset) -> frozenset[str]:
-    """The Arrow cache files ``dataset`` memory-maps (none for an in-memory dataset)."""
-    try:
-        return frozenset(os.path.realpath(f["filename"]) for f in getattr(dataset, "cache_files", ()) or ())
-    except (TypeError, KeyError):
-        return frozenset()
-
-
-def drop_mapped_pages(paths: frozenset[str]) -> None:
-    """Drop this process's read-only mapped pages of ``paths`` from its resident set.
-
-    `datasets` memory-maps its Arrow cache; every page a chunk read touched stays resident (and
-    counted in RSS) while mapped, so RSS would grow with the input although the kernel may reclaim
-    those pages. MADV_DONTNEED on a mapping that cannot have been written (no ``w`` in its
-    permissions) only unmaps the pages: they stay in the page cache and a later read refaults them.
-    Only whole mappings of exactly these files are touched, found in /proc/self/maps."""
-    if not paths or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.readlines()
-    except OSError:
-        return
-    libc = _libc()
-    if libc is None:
-        return
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "w" in parts[1] or parts[5].rstrip("\n") not in paths:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            _LIBC.append(libc)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    return _LIBC[0]
 
 
 # ---- resumable spill -------------------------------------------------------------------------------
