@@ -40,7 +40,7 @@ def packer_build(source: str, recipe: str | None, out: Path, max_tokens: int, nu
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
     result = build(config)
-    return time.perf_counter() - t, result.manifest["stats"]
+    return time.perf_counter() - t, result.manifest.stats.to_json()
 
 
 def peers_build(source: str, recipe: str | None, out: Path, max_tokens: int, num_proc: int) -> tuple[float, int, int]:

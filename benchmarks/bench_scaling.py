@@ -25,7 +25,7 @@ from packer import BuildConfig, sources
 from packer.build import tokenizer_path
 from packer.formatting import make_spec
 from packer.tokenization import Encoder, load_tokenizer
-from packer.tokenize_stage import encode_all
+from packer.engines import LocalEngine
 tok_name, num_proc, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 src = sources.resolve("flan")
 ds = sources.load(src)
@@ -35,7 +35,8 @@ spec = make_spec(recipe=src.recipe, config=BuildConfig(source="flan", out="-"), 
 enc = Encoder(tok, spec)
 n = [0]
 t = time.perf_counter()
-encode_all(ds, enc, num_proc=num_proc, sink=lambda c: n.__setitem__(0, n[0] + len(c.lengths)))
+for chunk in LocalEngine(num_proc).encode_chunks(ds, enc, 0, where="record"):
+    n[0] += len(chunk.lengths)
 print(time.perf_counter() - t, n[0])
 """
 

@@ -37,10 +37,10 @@ import os
 os.environ["RAYON_NUM_THREADS"] = "1"  # before tokenizers is imported: deterministic training
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import gzip
+import json
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SAMPLE = os.path.join(HERE, "flan_sample.jsonl.gz")

@@ -6,9 +6,9 @@ Importing packer does not import torch: the torch side (``PackedDataset``, ``mak
 
 __version__ = "0.1.0"
 
-from .build import BuildResult, build  # noqa: E402
-from .config import BuildConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from .build import BuildResult, build
+from .config import BuildConfig
+from .errors import (
     ConfigError,
     OutputError,
     PackerError,
@@ -17,7 +17,7 @@ from .errors import (  # noqa: E402
     SourceError,
     TokenizerError,
 )
-from .plan import Plan  # noqa: E402
+from .plan import Plan
 
 _TORCH_SIDE = {
     "PackedDataset": "loader",

@@ -6,14 +6,24 @@ on stderr (never a traceback).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import click
 
-from .config import OVERLONG_POLICIES, PACK_MODES
+from . import inspect_, render, schema
+from .build import build as run_build
+from .build import tokenizer_path
+from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, BuildConfig
 from .errors import PackerError
+from .tokenization import load_tokenizer
+from .verify import verify as run_verify
+
+# The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
 class OneLineErrors(click.Group):
@@ -65,25 +75,25 @@ def main() -> None:
 @click.option("--messages-field", help="Record field holding chat turns [{role, content}], rendered by the chat template.")
 @click.option("--text-field", help="Record field holding plain text, trained on whole.")
 @click.option("--train-on-prompt", is_flag=True, help="Train on prompt / user tokens too (default: completion-only loss).")
-@click.option("--max-len", type=int, default=4096, show_default=True, help="Longest example, in tokens; longer ones follow --overlong.")
-@click.option("--pack", type=click.Choice(PACK_MODES), default="batch", show_default=True,
+@click.option("--max-len", type=int, default=DEFAULTS["max_len"], show_default=True, help="Longest example, in tokens; longer ones follow --overlong.")
+@click.option("--pack", type=click.Choice(PACK_MODES), default=DEFAULTS["pack"], show_default=True,
               help="batch: B examples per row, same optimizer steps as padded training. "
                    "bfd: fill rows up to --max-tokens, fewest rows. wrap: concatenate and cut (plain text).")
 @click.option("--batch-size", "-b", type=int, help="Examples per row in --pack batch (default 8).")
 @click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/wrap (default: --max-len).")
-@click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default="truncate", show_default=True,
+@click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,
               help="What happens to an example longer than --max-len; every case is counted in the manifest.")
-@click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks the rows are planned for.")
-@click.option("--balance", type=click.Choice(["tokens", "attention"]), help="Even out work across --world-size ranks in each step.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the shuffle; the same seed gives the same bytes.")
+@click.option("--world-size", type=int, default=DEFAULTS["world_size"], show_default=True, help="Data-parallel ranks the rows are planned for.")
+@click.option("--balance", type=click.Choice(BALANCE_BY), help="Even out work across --world-size ranks in each step.")
+@click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True, help="Seed of the shuffle; the same seed gives the same bytes.")
 @click.option("--limit", type=int, help="Use only the first N records.")
-@click.option("--shard-size", "shard_size_mb", type=int, default=256, show_default=True, help="Approximate shard size, MB.")
-@click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
+@click.option("--shard-size", "shard_size_mb", type=int, default=DEFAULTS["shard_size_mb"], show_default=True, help="Approximate shard size, MB.")
+@click.option("--on-error", type=click.Choice(ON_ERROR), default=DEFAULTS["on_error"], show_default=True,
               help="A bad record stops the build, or is skipped and counted in the manifest by reason.")
-@click.option("--num-proc", "-j", type=int,
-              help="Processes for formatting and tokenizing (default: one per core; 1: one process whose "
-                   "tokenizer threads use every core, measured ~5% slower). The bytes do not depend on it.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+@click.option("--num-proc", "-j", type=int, default=DEFAULTS["num_proc"], show_default=True,
+              help="Processes for formatting and tokenizing (1: one process whose tokenizer threads use every "
+                   "core; N: N single-threaded workers). The bytes do not depend on it.")
+@click.option("--engine", type=click.Choice(ENGINES), default=DEFAULTS["engine"], show_default=True,
               help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
@@ -99,47 +109,14 @@ def build(as_json: bool, quiet: bool, **options) -> None:
     packer build data.jsonl --prompt-field question --completion-field answer --out shards/
     packer build flan --pack bfd --max-tokens 4096 --out shards-bfd/
     """
-    from .build import build as run_build
-    from .config import BuildConfig
-
-    if options["num_proc"] is None:
-        options["num_proc"] = os.cpu_count() or 1
     config = BuildConfig(**options)
     result = run_build(config, progress=not quiet and not as_json)
     if as_json:
+        manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
-                               "stats": result.manifest["stats"], "shards": result.manifest["shards"]}, indent=2))
+                               "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
         return
-    _render_build(result)
-
-
-def _render_build(result) -> None:
-    m = result.manifest
-    s = m["stats"]
-    cfg = m["config"]
-    if result.reused:
-        click.echo(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
-    if m.get("note"):
-        click.echo(f"note: {m['note']}")
-    mode = f"batch of {cfg['batch_size']}" if cfg["pack"] == "batch" else f"{cfg['pack']}, ≤ {cfg['max_tokens']:,} tokens"
-    dropped = ", ".join(f"{k} {v:,}" for k, v in s.get("dropped_by_reason", {}).items()) or "none"
-    size = sum(sh["bytes"] for sh in m["shards"])
-    click.echo(f"examples  {s['examples_read']:,} read · {s['examples_packed']:,} packed whole · "
-               f"{s['examples_split']:,} split · {s['examples_truncated']:,} truncated · dropped: {dropped}")
-    click.echo(f"tokens    {s['tokens']:,} in rows ({s['loss_tokens']:,} trained) · "
-               f"{s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped")
-    if s.get("segments_without_loss"):
-        click.echo(f"warning   {s['segments_without_loss']:,} segments hold no trained token (prompts cut before their "
-                   "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
-    if cfg["pack"] == "batch":
-        # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
-        click.echo(f"rows      {s['rows']:,} ({mode}) · padded batches would hold {s['padded_tokens']:,} tokens: "
-                   f"packing removes {1 - s['tokens'] / max(1, s['padded_tokens']):.1%} of them")
-    else:
-        click.echo(f"rows      {s['rows']:,} ({mode}) · fill {s['fill']:.1%} · "
-                   f"{s['rows'] / max(1, s['lower_bound']):.3f} × lower bound {s['lower_bound']:,}")
-    click.echo(f"shards    {len(m['shards'])} in {result.out} ({size / 1e6:,.1f} MB)")
-    click.echo(f"time      {result.seconds:.1f} s")
+    _echo(render.build_lines(result))
 
 
 @main.command()
@@ -163,15 +140,13 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     packer inspect shards/ --example 1234        where source example 1234 went
     packer inspect shards/ --plot build.png      lengths, fill, examples per row, padding removed
     """
-    from . import inspect_
-
     if row_index is not None and example_id is not None:
         raise click.UsageError("give --row or --example, not both")
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
     out: dict = {}
     if plot_path is not None:
-        from .plot import plot_build
+        from .plot import plot_build  # matplotlib, an optional dependency, only for --plot
 
         out["plot"] = str(plot_build(inspect_.plot_data(directory), plot_path))
         if not as_json:
@@ -182,20 +157,17 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         if as_json:
             click.echo(json.dumps({**view, **out}, indent=2))
         else:
-            _render_example(view, directory)
+            _echo(render.example_lines(view, directory, _use_color()))
         return rc
     if row_index is not None:
-        from . import schema
-        from .build import tokenizer_path
-        from .tokenization import load_tokenizer
-
-        name = tokenizer or schema.read_manifest(directory)["tokenizer"]["name_or_path"]
+        name = tokenizer or schema.read_manifest(directory).tokenizer["name_or_path"]
         view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)),
                             elide=None if full else inspect_.ELIDE_KEEP)
         if as_json:
             click.echo(json.dumps({**view, **out}, indent=2, ensure_ascii=False))
         else:
-            _render_row(view, show_ids=show_ids)
+            width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
+            _echo(render.row_lines(view, show_ids=show_ids, color=_use_color(), width=width))
         return 0
     if plot_path is not None and not as_json:
         return 0
@@ -203,14 +175,11 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     if as_json:
         click.echo(json.dumps({**view, **out}, indent=2))
     else:
-        _render_summary(view)
+        _echo(render.summary_lines(view, _use_color()))
     return 0
 
 
 # Colour: click.echo strips ANSI when stdout is not a terminal; NO_COLOR (https://no-color.org) turns it off too.
-_PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
-
-
 def _use_color() -> bool:
     if os.environ.get("NO_COLOR"):
         return False
@@ -220,156 +189,9 @@ def _use_color() -> bool:
     return not click.utils.should_strip_ansi(sys.stdout)
 
 
-def _echo(text: str = "", color: bool = True) -> None:
-    click.echo(text, color=color)
-
-
-def _render_summary(view: dict) -> None:
-    color = _use_color()
-    s = view["stats"]
-    if view.get("note"):
-        _echo(f"note: {view['note']}", color)
-    budget = f"{view['pack']}" + (f" of {view['batch_size']}" if view["pack"] == "batch" else f", ≤ {view['max_tokens'] or view['max_len']:,} tokens")
-    _echo(click.style(f"{view['directory']}: {s['rows']:,} rows ({budget}), tokenizer {view['tokenizer']}", bold=True), color)
-    _echo(f"  examples     {s['examples_read']:,} read · {s['examples_packed']:,} whole · {s['examples_split']:,} split · "
-          f"{s['examples_truncated']:,} truncated · {sum((s.get('dropped_by_reason') or {}).values()):,} dropped "
-          f"· {s['segments']:,} segments in rows", color)
-    _echo(f"  tokens       {s['tokens']:,} in rows ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})"
-          f" · {s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped", color)
-    _echo(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
-          f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})", color)
-    for sh in view["shards"]:
-        _echo(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}", color)
-    modes = view.get("modes")
-    if not modes:
-        return
-    world = s.get("world_size", 1)
-    _echo("", color)
-    _echo(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens), "
-                      f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True), color)
-    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
-    _echo(click.style(head, dim=True), color)
-    for m in modes:
-        mark = "▸" if m["built"] else " "
-        line = (f"  {mark} {m['mode']:<8}{m['rows']:>7,}{m['optimizer_steps']:>12,}{m['examples_per_step']:>15.1f}"
-                f"{m['computed_tokens']:>11,}{m['padding']:>9.1%}{m['peak_row_tokens']:>10,}{m['fill']:>7.1%}"
-                f"   {m['note']}")
-        _echo(click.style(line, bold=True) if m["built"] else line, color)
-    by = {m["mode"]: m for m in modes}
-    pad, batch, bfd = by["padded"], by["batch"], by["bfd"]
-    _echo(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad['padding']:.0%} fewer "
-          f"tokens computed. bfd: {1 - bfd['rows'] / max(1, batch['rows']):.0%} fewer rows, but "
-          f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
-          "(retune the learning rate; the loss curve changes).", color)
-
-
-def _render_example(view: dict, directory: str) -> None:
-    color = _use_color()
-    ex = view["example_id"]
-    if not view["found"]:
-        _echo(f"example {ex}: in no row; {view['why_missing']}", color)
-        return
-    pieces = view["pieces"]
-    what = []
-    if view["split"]:
-        what.append(f"split into {len(pieces)} pieces (--overlong {view['overlong']}, --max-len {view['max_len']})"
-                    if view["pack"] != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
-    if view["truncated"]:
-        what.append(f"truncated to --max-len {view['max_len']} (its last token is not EOS)")
-    _echo(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(pieces)} segment{'s' if len(pieces) > 1 else ''}"
-                      + (f", {'; '.join(what)}" if what else ", whole"), bold=True), color)
-    for p in pieces:
-        _echo(f"  row {p['row']:>6,}  segment {p['segment']:>3}  tokens {p['offset']:,}..{p['offset'] + p['length']:,} "
-              f"({p['length']:,})  {p['shard']}", color)
-    _echo(click.style(f"  see it: packer inspect {directory} --row {pieces[0]['row']}", dim=True), color)
-
-
-def _flow(text: str) -> str:
-    """One line per source line: newlines become ↵ followed by a break, tabs become spaces."""
-    return text.replace("\r", "").replace("\t", "    ").replace("\n", "↵\n")
-
-
-def _render_row(view: dict, show_ids: bool = False) -> None:
-    import shutil
-
-    color = _use_color()
-    width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
-    segs = view["segments"]
-    _echo(click.style(f"row {view['row']} · {view['shard']} · {view['tokens']:,} tokens in {len(segs)} segments · "
-                      f"{view['num_loss_tokens']:,} trained · longest {view['max_seqlen']:,}", bold=True), color)
-    if color:
-        legend = (click.style("dim", dim=True) + " = masked (no loss) · " + click.style("bright", bold=True)
-                  + " = trained · ⋯ = elided · one colour per segment")
-    else:
-        legend = "«…» = trained tokens, the rest is masked (no loss) · ⋯ = elided"
-    _echo("  " + legend, color)
-    for k, seg in enumerate(segs):
-        hue = _PALETTE[k % len(_PALETTE)]
-        bar = click.style("▌", fg=hue) if color else "│"
-        if k:
-            _echo(click.style(f"  ╞═ boundary at token {seg['offset']:,}: position_ids restart at 0, label -100 " + "═" * 8,
-                              dim=True), color)
-        head = (f"segment {seg['segment']} · example {seg['example_id']} · tokens {seg['offset']:,}.."
-                f"{seg['offset'] + seg['length']:,} ({seg['length']:,}) · {seg['trained_tokens']:,} trained")
-        _echo(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head), color)
-        pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
-        for run in seg.get("runs", []):
-            if "elided" in run:
-                if pieces:
-                    pieces[-1] = (pieces[-1][0].rstrip(), pieces[-1][1])
-                pieces.append((f" ⋯ {run['elided']:,} tokens ({run['trained']:,} trained) ⋯ ", "elided"))
-                continue
-            if show_ids:
-                text = (" " if pieces and pieces[-1][1] != "elided" else "") + " ".join(map(str, run["ids"]))
-            else:
-                text = _flow(run["text"])
-            if pieces and pieces[-1][1] == "elided":
-                text = text.lstrip()
-            if not color and run["trained"]:
-                text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
-            pieces.append((text, "trained" if run["trained"] else "masked"))
-        for line in _wrap(pieces, width):
-            merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
-            for t, kind in line:
-                if merged and merged[-1][1] == kind:
-                    merged[-1][0] += t
-                else:
-                    merged.append([t, kind])
-            styled = "".join(
-                t if not color else click.style(t, fg=hue, bold=kind == "trained" or None,
-                                                dim=kind == "masked" or None, italic=kind == "elided" or None)
-                for t, kind in merged
-            )
-            _echo(f"{bar} {styled}", color)
-
-
-def _wrap(pieces: list[tuple[str, str]], width: int) -> list[list[tuple[str, str]]]:
-    """Lay styled pieces out in lines of at most ``width`` characters, breaking at spaces (or inside a
-    word longer than a line) and at the newlines the pieces hold."""
-    import re
-
-    lines: list[list[tuple[str, str]]] = [[]]
-    used = 0
-    for text, kind in pieces:
-        for part in re.findall(r"\n|[^\S\n]*\S+|[^\S\n]+", text):
-            if part == "\n":
-                lines.append([])
-                used = 0
-                continue
-            while used + len(part) > width and part:
-                if used and part.strip():
-                    lines.append([])
-                    used = 0
-                    part = part.lstrip()
-                    continue
-                lines[-1].append((part[:width - used], kind))
-                part = part[width - used:]
-                lines.append([])
-                used = 0
-            if part:
-                lines[-1].append((part, kind))
-                used += len(part)
-    return [line for line in lines if line] or [[]]
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line, color=_use_color())
 
 
 @main.command()
@@ -388,15 +210,11 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --tokenizer my-tok/      were these made with my tokenizer?
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
-    from .verify import verify as run_verify
-
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
-        click.echo(report.verdict())
-        for problem in report.problems:
-            click.echo(f"  {problem}")
+        _echo(render.verify_lines(report))
     ctx.exit(0 if report.ok else 1)
 
 

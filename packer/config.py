@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .plan import BALANCE as BALANCE_BY
+from .plan import MODES as PACK_MODES
+from .plan import OVERLONG as OVERLONG_POLICIES
 
-PACK_MODES = ("batch", "bfd", "wrap")
-OVERLONG_POLICIES = ("truncate", "split", "drop")
-BALANCE_BY = ("tokens", "attention")
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
 DEFAULT_BATCH_SIZE = 8

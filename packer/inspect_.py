@@ -11,8 +11,8 @@ can be compared on this very dataset.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -20,21 +20,22 @@ import pyarrow.compute as pc
 
 from . import schema
 from .errors import ConfigError
+from .fs import PathLike, join
+from .plan import plan
+from .schema import Manifest
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
 DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not in batch mode
-
-PathLike = str | os.PathLike
 
 
 # -- columns of every shard, vectorised ---------------------------------------------------------
 
 
-def _list_column(directory: PathLike, manifest: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _list_column(directory: PathLike, manifest: Manifest, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(values, row_splits) of a list column over all shards in row order; row_splits is int64[rows+1]."""
     values, counts = [], []
-    for entry in manifest["shards"]:
-        column = schema.open_shard(schema.join(directory, entry["file"])).column(name)
+    for entry in manifest.shards:
+        column = schema.open_shard(join(directory, entry.file)).column(name)
         for chunk in column.chunks:
             values.append(pc.list_flatten(chunk).to_numpy())
             counts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
@@ -45,7 +46,7 @@ def _list_column(directory: PathLike, manifest: dict, name: str) -> tuple[np.nda
     return flat, splits
 
 
-def _segments(directory: PathLike, manifest: dict) -> dict[str, np.ndarray]:
+def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
     seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
     example_ids, _ = _list_column(directory, manifest, "example_ids")
     return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
@@ -57,19 +58,19 @@ def _segments(directory: PathLike, manifest: dict) -> dict[str, np.ndarray]:
 def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
     """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    config = manifest["config"]
+    config = manifest.config
     view = {
         "directory": str(directory),
-        "note": manifest.get("note"),
+        "note": manifest.note,
         "pack": config["pack"],
         "batch_size": config.get("batch_size"),
         "max_tokens": config.get("max_tokens"),
         "max_len": config.get("max_len"),
-        "tokenizer": manifest["tokenizer"]["name_or_path"],
-        "stats": manifest["stats"],
-        "shards": manifest["shards"],
+        "tokenizer": manifest.tokenizer["name_or_path"],
+        "stats": manifest.stats.to_json(),
+        "shards": [dataclasses.asdict(e) for e in manifest.shards],
     }
-    if compare and manifest["shards"]:
+    if compare and manifest.shards:
         seg = _segments(directory, manifest)
         view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
     return view
@@ -97,8 +98,6 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
     batch build into its largest row: the same peak memory per row as the batch rows. Steps assume one
     row per rank per micro-batch and no gradient accumulation: ``ceil(rows / world_size)``.
     """
-    from .plan import plan
-
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
@@ -147,14 +146,14 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
 # -- one row ------------------------------------------------------------------------------------
 
 
-def _locate(manifest: dict, row: int) -> tuple[str, int]:
-    total = sum(s["rows"] for s in manifest["shards"])
+def _locate(manifest: Manifest, row: int) -> tuple[str, int]:
+    total = sum(s.rows for s in manifest.shards)
     if not 0 <= row < total:
         raise ConfigError(f"--row {row} is out of range: the build has {total} rows (0..{total - 1})")
-    for shard in manifest["shards"]:
-        if row < shard["rows"]:
-            return shard["file"], row
-        row -= shard["rows"]
+    for shard in manifest.shards:
+        if row < shard.rows:
+            return shard.file, row
+        row -= shard.rows
     raise AssertionError("unreachable: row counted in total")
 
 
@@ -165,7 +164,7 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     an ``{"elided": n}`` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
-    table = schema.open_shard(schema.join(directory, name))
+    table = schema.open_shard(join(directory, name))
     record = table.slice(local, 1).to_pylist()[0]
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
@@ -225,16 +224,16 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
     it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
     manifest = schema.read_manifest(directory)
-    stats, config = manifest["stats"], manifest["config"]
-    read = int(stats.get("examples_read", stats.get("examples", 0)))
+    stats, config = manifest.stats, manifest.config
+    read = stats.examples_read
     if not 0 <= example_id < read:
         raise ConfigError(
             f"--example {example_id} is out of range: the build read {read:,} source examples (0..{read - 1})"
         )
     pieces = []
     first_row = 0
-    for entry in manifest["shards"]:
-        table = schema.open_shard(schema.join(directory, entry["file"]))
+    for entry in manifest.shards:
+        table = schema.open_shard(join(directory, entry.file))
         for chunk_ids, chunk_lens in zip(table.column("example_ids").chunks, table.column("seq_lens").chunks, strict=True):
             flat_ids = pc.list_flatten(chunk_ids).to_numpy()
             hits = np.flatnonzero(flat_ids == example_id)
@@ -246,20 +245,20 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
                 for h, r, s0 in zip(hits.tolist(), parents[hits].tolist(), first_seg.tolist(), strict=True):
                     pieces.append({
                         "row": first_row + int(r),
-                        "shard": entry["file"],
+                        "shard": entry.file,
                         "segment": int(h - s0),
                         "offset": int(cum[h] - cum[s0]),
                         "length": int(lens[h]),
                     })
             first_row += len(chunk_ids)
     tokens = sum(p["length"] for p in pieces)
-    eos = manifest.get("tokenizer", {}).get("eos_token_id")
+    eos = manifest.tokenizer.get("eos_token_id")
     truncated = False
     if len(pieces) == 1 and config.get("overlong") == "truncate" and config.get("pack") != "wrap":
         p = pieces[0]
         truncated = p["length"] == config.get("max_len") and not _ends_with(directory, manifest, p, eos)
     if not pieces:
-        dropped = stats.get("dropped_by_reason") or {}
+        dropped = stats.dropped_by_reason
         why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
                if dropped else "no segment carries this id")
     else:
@@ -278,16 +277,16 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     }
 
 
-def _ends_with(directory: PathLike, manifest: dict, piece: dict, token: int | None) -> bool:
+def _ends_with(directory: PathLike, manifest: Manifest, piece: dict, token: int | None) -> bool:
     """Whether a piece's last token is ``token`` (a whole example ends in EOS; a truncated one rarely)."""
     if token is None:
         return False
     shard_start = 0  # the piece's row is global; find it inside its shard
-    for entry in manifest["shards"]:
-        if entry["file"] == piece["shard"]:
+    for entry in manifest.shards:
+        if entry.file == piece["shard"]:
             break
-        shard_start += entry["rows"]
-    table = schema.open_shard(schema.join(directory, piece["shard"]))
+        shard_start += entry.rows
+    table = schema.open_shard(join(directory, piece["shard"]))
     ids = table.column("input_ids")[piece["row"] - shard_start].values
     return ids[piece["offset"] + piece["length"] - 1].as_py() == token
 
@@ -311,18 +310,18 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     # example lengths: pieces of a split example summed back (tokens kept in the rows)
     _, inverse = np.unique(ex, return_inverse=True)
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
-    stats = manifest["stats"]
-    config = manifest["config"]
+    stats = manifest.stats
+    config = manifest.config
     return {
         "directory": str(directory),
         "pack": config["pack"],
         "batch_size": config.get("batch_size"),
         "max_len": config.get("max_len"),
-        "row_budget": int(stats.get("row_budget") or (row_tokens_all.max() if row_tokens_all.size else 0)),
+        "row_budget": int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
         "example_tokens": example_tokens,
         "row_tokens": row_tokens_all,
         "row_examples": counts,
         "row_padded": counts * row_max,  # what a padded batch of the same examples would hold
         "modes": compare_modes(lens, splits, config),
-        "stats": stats,
+        "stats": stats.to_json(),
     }

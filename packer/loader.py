@@ -2,7 +2,7 @@
 
 A shard row is already a training row, so loading it is slicing memory-mapped Arrow buffers with
 numpy and handing them to torch; there is no per-example Python, no padding and no collate step. The
-batch one row becomes (DESIGN.md, "The batch the loader yields")::
+batch one row becomes (docs/design.md, "The read side")::
 
     input_ids, position_ids, labels   int64 [1, T]
     cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]
@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import schema
+from . import fs, schema
 from .errors import ConfigError, ShardFormatError
 
 STATE_VERSION = 1
@@ -69,7 +69,7 @@ __all__ = ["PackedDataset", "PackedDataLoader", "make_dataloader", "manifest_fin
 
 def manifest_fingerprint(directory: str | os.PathLike) -> str:
     """sha256 of the manifest's bytes: names one build (its shards carry their own hashes in it)."""
-    return hashlib.sha256(schema.read_bytes(schema.join(directory, schema.MANIFEST_NAME))).hexdigest()
+    return hashlib.sha256(fs.read_bytes(fs.join(directory, schema.MANIFEST_NAME))).hexdigest()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -81,16 +81,16 @@ def _dist_rank_world() -> tuple[int, int] | None:
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
-    def __init__(self, directory: str | os.PathLike, shard_entries: list[dict[str, Any]]) -> None:
+    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...]) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[dict[str, np.ndarray]] = []
         self.starts: list[int] = []
         n = 0
         for entry in shard_entries:
-            table = schema.open_shard(schema.join(directory, entry["file"]))
-            if table.num_rows != entry["rows"]:
+            table = schema.open_shard(fs.join(directory, entry.file))
+            if table.num_rows != entry.rows:
                 raise ShardFormatError(
-                    f"{schema.join(directory, entry['file'])}: {table.num_rows} rows, the manifest records {entry['rows']}; "
+                    f"{fs.join(directory, entry.file)}: {table.num_rows} rows, the manifest records {entry.rows}; "
                     "the folder mixes builds, rebuild it"
                 )
             self.tables.append(table)
@@ -168,7 +168,7 @@ class PackedDataset(IterableDataset):
         verify: bool = False,
     ) -> None:
         super().__init__()
-        self.directory = directory if schema.is_url(directory) else Path(directory)
+        self.directory = directory if fs.is_url(directory) else Path(directory)
         self.manifest = schema.read_manifest(self.directory)
         self.fingerprint = manifest_fingerprint(self.directory)
         dist = _dist_rank_world()
@@ -191,41 +191,41 @@ class PackedDataset(IterableDataset):
         self._shards: _Shards | None = None
         shards = self._open()
         self.num_rows = shards.num_rows
-        if self.num_rows != self.manifest.get("stats", {}).get("rows", self.num_rows):
+        if self.num_rows != self.manifest.stats.rows:
             raise ShardFormatError(
                 f"{self.directory}: shards hold {self.num_rows} rows, the manifest's stats say "
-                f"{self.manifest['stats']['rows']}; rebuild the folder"
+                f"{self.manifest.stats.rows}; rebuild the folder"
             )
         if self.num_rows == 0:
             raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
 
     # -- opening ------------------------------------------------------------------------------
     def _check_files(self, verify: bool) -> None:
-        shards = self.manifest.get("shards")
-        if not isinstance(shards, list) or not shards:
+        shards = self.manifest.shards
+        if not shards:
             raise ShardFormatError(
-                f"{schema.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
+                f"{fs.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = schema.join(self.directory, entry["file"])
-            size = schema.file_size(path)
+            path = fs.join(self.directory, entry.file)
+            size = fs.file_size(path)
             if size is None:
                 raise ShardFormatError(
                     f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
                 )
-            if size != entry["bytes"]:
+            if size != entry.bytes:
                 raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest records {entry['bytes']}; the shard is truncated or "
+                    f"{path}: {size} bytes, the manifest records {entry.bytes}; the shard is truncated or "
                     "from another build, rebuild the folder"
                 )
-            if verify and schema.file_sha256(path) != entry["sha256"]:
+            if verify and fs.file_sha256(path) != entry.sha256:
                 raise ShardFormatError(
                     f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
                 )
 
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest["shards"])
+            self._shards = _Shards(self.directory, self.manifest.shards)
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
@@ -240,7 +240,7 @@ class PackedDataset(IterableDataset):
             self._resume_at = 0
         self.epoch = epoch
 
-    def _plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _epoch_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
         n, w, g = self.num_rows, self.world_size, self.grad_accum
         n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
@@ -267,7 +267,7 @@ class PackedDataset(IterableDataset):
         return -(-groups // g) * g
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rows, filler, items = self._plan()
+        rows, filler, items = self._epoch_order()
         start = self._resume_at
         self._resume_at = 0
         info = get_worker_info()
@@ -292,12 +292,18 @@ class PackedDataset(IterableDataset):
             "remainder": self.remainder,
         }
 
-    def _make_state(self, steps_done: int) -> dict[str, Any]:
+    @property
+    def resume_at(self) -> int:
+        """Steps of the current epoch the next ``iter()`` skips (set by ``load_state_dict``)."""
+        return self._resume_at
+
+    def state_at(self, steps_done: int) -> dict[str, Any]:
+        """The resumable state after ``steps_done`` steps of the current epoch."""
         return {"version": STATE_VERSION, "epoch": self.epoch, "steps_done": steps_done, **self._identity()}
 
     def state_dict(self) -> dict[str, Any]:
         """Position after what this dataset's own iterator yielded (exact with ``num_workers=0``)."""
-        return self._make_state(self._yielded)
+        return self.state_at(self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``'s position with the next ``iter()``; refuses another build or order."""
@@ -345,7 +351,7 @@ class PackedDataLoader(DataLoader):
         self._delivered = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._delivered = self.dataset._resume_at
+        self._delivered = self.dataset.resume_at
         # In-process without pinning there is nothing for DataLoader's machinery to do: read directly.
         direct = self.num_workers == 0 and not self.pin_memory
         for batch in iter(self.dataset) if direct else super().__iter__():
@@ -356,38 +362,24 @@ class PackedDataLoader(DataLoader):
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset._make_state(self._delivered)
+        return self.dataset.state_at(self._delivered)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._delivered = self.dataset._resume_at
+        self._delivered = self.dataset.resume_at
 
 
 def make_dataloader(
     directory: str | os.PathLike,
     *,
-    shuffle: bool = True,
-    seed: int = 0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    grad_accum: int = 1,
-    remainder: Literal["pad", "drop"] = "pad",
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
-    verify: bool = False,
+    **dataset_options: Any,
 ) -> PackedDataLoader:
-    """A resumable DataLoader yielding one packed row per batch; see ``PackedDataset`` for the options."""
-    dataset = PackedDataset(
-        directory,
-        shuffle=shuffle,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        grad_accum=grad_accum,
-        remainder=remainder,
-        verify=verify,
-    )
+    """A resumable DataLoader yielding one packed row per batch; ``dataset_options`` are
+    ``PackedDataset``'s (shuffle, seed, rank, world_size, grad_accum, remainder, verify)."""
+    dataset = PackedDataset(directory, **dataset_options)
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
         kwargs["persistent_workers"] = False

@@ -511,9 +511,9 @@ def plan(
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (example, start, length, row_splits)]
     for a in arrays:
         a.flags.writeable = False
-    result = Plan(*arrays, stats=stats)
-    stats["rank_work_max_over_mean"] = rank_work_ratio(result, world_size, balance or "tokens")
-    return result
+    # The ratio is measured on the finished rows; the frozen Plan is then made once, stats complete.
+    ratio = rank_work_ratio(Plan(*arrays, stats={}), world_size, balance or "tokens")
+    return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio})
 
 
 def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance) -> dict:

@@ -20,7 +20,6 @@ BUNDLED_TOKENIZER = DATA_DIR / "tokenizer"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recipe:
     name: str
-    description: str
     hub_id: str
     hub_config: str | None = None
     split: str = "train"
@@ -40,8 +39,7 @@ RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe(
-            name="flan",
-            description="FLAN-style instruction data (inputs → targets); offline from the bundled synthetic sample",
+            name="flan",  # FLAN-style instruction data (inputs → targets); offline from the bundled synthetic sample
             hub_id="Open-Orca/FLAN",
             local=BUNDLED_SAMPLE,
             prompt_template="{inputs}\n\n",
@@ -49,23 +47,20 @@ RECIPES: dict[str, Recipe] = {
             note="synthetic FLAN-style sample bundled with packer (data/make_flan_sample.py), not FLAN data",
         ),
         Recipe(
-            name="orcamath",
-            description="Orca-Math word problems (question → answer)",
+            name="orcamath",  # Orca-Math word problems (question → answer)
             hub_id="microsoft/orca-math-word-problems-200k",
             prompt_template="Question: {question}\nAnswer: ",
             completion_template="{answer}",
         ),
         Recipe(
-            name="gsm8k",
-            description="GSM8K grade-school math (question → answer)",
+            name="gsm8k",  # GSM8K grade-school math (question → answer)
             hub_id="openai/gsm8k",
             hub_config="main",
             prompt_template="Question: {question}\nAnswer: ",
             completion_template="{answer}",
         ),
         Recipe(
-            name="alpaca",
-            description="Alpaca instructions (instruction [+ input] → output)",
+            name="alpaca",  # Alpaca instructions (instruction [+ input] → output)
             hub_id="tatsu-lab/alpaca",
             prompt_template="### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
             prompt_if_empty="### Instruction:\n{instruction}\n\n### Response:\n",
@@ -73,8 +68,7 @@ RECIPES: dict[str, Recipe] = {
             completion_template="{output}",
         ),
         Recipe(
-            name="chat",
-            description="multi-turn chat (messages) through the tokenizer's chat template, assistant-only loss",
+            name="chat",  # multi-turn chat (messages) through the tokenizer's chat template, assistant-only loss
             hub_id="HuggingFaceH4/ultrachat_200k",
             split="train_sft",
             messages_field="messages",

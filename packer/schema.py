@@ -15,22 +15,25 @@ Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are w
 ``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
 are written before the manifest and derived from it alone (no times), so builds stay byte-identical.
 
-Where a folder lives. Every reader here takes a local path or an fsspec URL (``s3://``, ``gs://``,
-``file://``, ``memory://``, ...; the remote protocols need their fsspec package, e.g. ``s3fs``). Local
-paths and ``file://`` URLs are memory-mapped (zero copy); other filesystems are read whole into memory,
-one shard at a time. Helpers: :func:`join`, :func:`is_dir`, :func:`list_names`, :func:`read_bytes`,
-:func:`file_size`, :func:`file_sha256`.
+An output folder also holds, while a build runs, ``LOCK`` (the build's flock) and ``STAGING`` (shards
+being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`is_owned` says which names of a
+folder are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
+``from_json``/``to_json`` keep its keys and bytes). Readers take a local path or an fsspec URL
+(:mod:`packer.fs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+
+from . import fs
+from .errors import ShardFormatError
 
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 1
@@ -61,98 +64,181 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
 
 
-# -- where a folder lives: a local path or an fsspec URL -------------------------------------------
+# -- what packer owns in an output folder ----------------------------------------------------------
 
-PathLike = str | os.PathLike
-
-
-def is_url(path: PathLike) -> bool:
-    """True for an fsspec URL (``proto://...``); a local path otherwise."""
-    return isinstance(path, str) and "://" in path
+LOCK = ".packer-lock"  # flock'd by a running build; removed when it ends
+STAGING = ".packer-staging"  # shards being written, and the token spill; gone once a build commits
+TOKENS_DIR = "tokens"  # the token spill, inside STAGING
+MANIFEST_TMP = MANIFEST_NAME + ".tmp"  # the manifest before its atomic rename
 
 
-def local_path(path: PathLike) -> Path | None:
-    """The local path of a plain path or a ``file://`` URL; None for any other filesystem."""
-    if not is_url(path):
-        return Path(path)
-    if str(path).startswith(("file://", "local://")):
-        return Path(str(path).split("://", 1)[1])
-    return None
+def is_shard_name(name: str) -> bool:
+    return name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)
 
 
-def _fs(url: str):
-    try:
-        from fsspec.core import url_to_fs
-    except ImportError as e:  # pragma: no cover - datasets depends on fsspec
-        raise _format_error(f"{url}: reading an fsspec URL needs fsspec (pip install fsspec)") from e
-    try:
-        return url_to_fs(url)
-    except (ImportError, ValueError) as e:
-        raise _format_error(f"{url}: cannot open this filesystem ({e}); install its fsspec package (s3fs, gcsfs, ...)") from e
+def is_owned(name: str) -> bool:
+    """Whether packer writes an entry of this name in an output folder (anything else is foreign: a
+    build refuses the folder, verify reports it, and nothing of packer's ever deletes it)."""
+    return is_shard_name(name) or name in (MANIFEST_NAME, MANIFEST_TMP, STAGING, LOCK, *DATASETS_FILES)
 
 
-def join(directory: PathLike, name: str) -> PathLike:
-    """``directory / name`` for a local path, ``directory + "/" + name`` for a URL."""
-    if is_url(directory):
-        return str(directory).rstrip("/") + "/" + name
-    return Path(directory) / name
+# -- the manifest, typed ----------------------------------------------------------------------------
 
 
-def file_size(path: PathLike) -> int | None:
-    """Size in bytes of a file, or None when there is no such file."""
-    local = local_path(path)
-    if local is not None:
-        return local.stat().st_size if local.is_file() else None
-    fs, p = _fs(str(path))
-    try:
-        return int(fs.size(p)) if fs.isfile(p) else None
-    except FileNotFoundError:
-        return None
+@dataclass(frozen=True, slots=True)
+class ShardEntry:
+    """The manifest's record of one shard."""
+
+    file: str
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
 
 
-def is_dir(path: PathLike) -> bool:
-    local = local_path(path)
-    if local is not None:
-        return local.is_dir()
-    fs, p = _fs(str(path))
-    return bool(fs.isdir(p))
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """What a build counted: the plan's accounting (``packer.plan``) plus the build's own."""
+
+    examples: int  # examples the plan saw (records read minus records skipped)
+    examples_packed: int  # placed whole
+    examples_split: int
+    examples_truncated: int
+    examples_dropped: int
+    segments: int
+    tokens_in: int
+    tokens: int  # in rows
+    tokens_truncated: int
+    tokens_dropped: int
+    rows: int
+    max_row_tokens: int
+    row_budget: int
+    lower_bound: int  # ceil(tokens / row_budget): no packing can use fewer rows
+    fill: float
+    world_size: int
+    rank_work_max_over_mean: float
+    examples_read: int
+    records_skipped: int
+    dropped_by_reason: dict  # reason -> examples or records, only the non-zero ones
+    loss_tokens: int
+    segments_without_loss: int  # segments that hold no trained token (a completion cut away)
+    padded_tokens: int | None = None  # batch mode only: the tokens padded batches would hold
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["padded_tokens"] is None:  # absent outside batch mode, as it always was
+            del out["padded_tokens"]
+        return out
 
 
-def list_names(directory: PathLike) -> list[str]:
-    """Names of the entries of a folder (files and subfolders), sorted."""
-    local = local_path(directory)
-    if local is not None:
-        return sorted(p.name for p in local.iterdir())
-    fs, p = _fs(str(directory))
-    return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False))
+# Types the parser checks each manifest key against (bool is not an int here).
+_TOP = {"format": str, "format_version": int, "created_by": str, "config": dict, "tokenizer": dict, "source": dict,
+        "stats": dict, "shards": list}
+_NUMBER = (int, float)
 
 
-def read_bytes(path: PathLike) -> bytes:
-    local = local_path(path)
-    if local is not None:
-        return local.read_bytes()
-    fs, p = _fs(str(path))
-    return fs.cat_file(p)
+def _typed(value: Any, kind) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, _NUMBER)
+    if isinstance(kind, tuple):
+        return any(_typed(value, k) for k in kind)
+    return isinstance(value, kind)
 
 
-def file_sha256(path: PathLike, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    local = local_path(path)
-    if local is not None:
-        opened = open(local, "rb")  # noqa: SIM115 - closed by the `with` below, whichever filesystem opened it
-    else:
-        fs, p = _fs(str(path))
-        opened = fs.open(p, "rb")
-    with opened as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def _field_types(cls) -> dict[str, Any]:
+    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None))}
+    return {f.name: kinds[f.type] for f in dataclasses.fields(cls)}
 
 
-def _format_error(message: str):
-    from .errors import ShardFormatError
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """``manifest.json``: what was built from what, what it holds, and the shards (written last)."""
 
-    return ShardFormatError(message)
+    created_by: str
+    note: str | None
+    config: dict  # BuildConfig.identity(): every field that decides the bytes
+    tokenizer: dict  # tokenization.tokenizer_info()
+    source: dict  # build.source_info()
+    stats: Stats
+    shards: tuple[ShardEntry, ...]
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "format_version": self.format_version,
+            "created_by": self.created_by,
+            "note": self.note,
+            "config": self.config,
+            "tokenizer": self.tokenizer,
+            "source": self.source,
+            "stats": self.stats.to_json(),
+            "shards": [dataclasses.asdict(s) for s in self.shards],
+        }
+
+    def dumps(self) -> bytes:
+        return dump_manifest(self.to_json())
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = MANIFEST_NAME) -> Manifest:
+        """The manifest in ``data`` (parsed JSON); a ShardFormatError naming the first problem."""
+        manifest, problems = parse_manifest(data)
+        if manifest is None:
+            key, message = problems[0]
+            raise ShardFormatError(f"{where}{' ' + key if key else ''}: {message}")
+        return manifest
+
+
+def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
+    """``(manifest, [])``, or ``(None, problems)``: every problem found as ``(key, message)``, so that
+    verify can report them all; :meth:`Manifest.from_json` raises the first."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        return None, [("", f"not a packer manifest (no \"format\": \"{FORMAT_NAME}\")")]
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        return None, [("", f"format version {version!r}, this packer reads version {FORMAT_VERSION}; rebuild the "
+                       "shards with this packer or use the packer that wrote them")]
+    problems = [(key, f"missing or not a {kind.__name__}") for key, kind in _TOP.items() if not _typed(data.get(key), kind)]
+    if not _typed(data.get("note"), (str, type(None))):
+        problems.append(("note", "not a string or null"))
+    unknown = sorted(set(data) - {*_TOP, "note"})
+    if unknown:
+        problems.append(("", f"unknown keys {', '.join(unknown)}"))
+    if problems:
+        return None, problems
+    stat_types = _field_types(Stats)
+    bad = [k for k, kind in stat_types.items() if not _typed(data["stats"].get(k), kind)]
+    unknown = sorted(set(data["stats"]) - set(stat_types))
+    if bad or unknown:
+        problems.append(("stats", ", ".join(
+            ([f"lacks or mistypes {', '.join(bad)}"] if bad else []) + ([f"unknown keys {', '.join(unknown)}"] if unknown else []))))
+    entry_types = _field_types(ShardEntry)
+    for i, entry in enumerate(data["shards"]):
+        bad = [k for k, kind in entry_types.items() if not isinstance(entry, dict) or not _typed(entry.get(k), kind)]
+        if bad:
+            problems.append((f"shards[{i}]", f"entry lacks or mistypes {', '.join(bad)}"))
+        elif not is_shard_name(entry["file"]) or "/" in entry["file"]:
+            problems.append((f"shards[{i}]", f"file {entry['file']!r} is not a shard name in this folder"))
+        elif set(entry) - set(entry_types):
+            problems.append((f"shards[{i}]", f"unknown keys {', '.join(sorted(set(entry) - set(entry_types)))}"))
+    names = [e.get("file") for e in data["shards"] if isinstance(e, dict)]
+    if len(set(names)) != len(names):
+        problems.append(("shards", "lists a shard twice"))
+    if problems:
+        return None, problems
+    manifest = Manifest(
+        created_by=data["created_by"],
+        note=data["note"],
+        config=data["config"],
+        tokenizer=data["tokenizer"],
+        source=data["source"],
+        stats=Stats(**data["stats"]),
+        shards=tuple(ShardEntry(**e) for e in data["shards"]),
+    )
+    return manifest, []
 
 
 def dump_manifest(manifest: dict[str, Any]) -> bytes:
@@ -160,46 +246,37 @@ def dump_manifest(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def read_manifest(directory: PathLike) -> dict[str, Any]:
+def read_manifest(directory: fs.PathLike) -> Manifest:
     """Read and check the manifest of a finished build (a local path or an fsspec URL); raises
     ShardFormatError if it is not one."""
-    from .errors import ShardFormatError
-
-    path = join(directory, MANIFEST_NAME)
-    if not is_dir(directory):
+    path = fs.join(directory, MANIFEST_NAME)
+    if not fs.is_dir(directory):
         raise ShardFormatError(f"{directory}: no such directory; build one with `packer build SOURCE --out {directory}`")
-    if file_size(path) is None:
+    if fs.file_size(path) is None:
         raise ShardFormatError(
             f"{directory}: no {MANIFEST_NAME}, so this is not a finished packer build "
             f"(an interrupted build or another tool's folder); rerun `packer build ... --out {directory}`"
         )
+    return Manifest.from_json(load_json(fs.read_bytes(path), str(path)), str(path))
+
+
+def load_json(data: bytes, where: str) -> Any:
     try:
-        manifest = json.loads(read_bytes(path).decode())
+        return json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardFormatError(f"{path}: not valid JSON ({e}); the manifest is corrupted, rebuild the folder") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise ShardFormatError(f"{path}: not a packer manifest (no \"format\": \"{FORMAT_NAME}\")")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ShardFormatError(
-            f"{path}: format version {version!r}, this packer reads version {FORMAT_VERSION}; "
-            "rebuild the shards with this packer or use the packer that wrote them"
-        )
-    return manifest
+        raise ShardFormatError(f"{where}: not valid JSON ({e}); the manifest is corrupted, rebuild the folder") from e
 
 
-def open_shard(path: PathLike) -> pa.Table:
+def open_shard(path: fs.PathLike) -> pa.Table:
     """Open one shard and check its schema against the contract: memory-mapped (zero copy) when local
     or ``file://``, read whole into memory from any other fsspec filesystem."""
-    from .errors import ShardFormatError
-
-    local = local_path(path)
+    local = fs.local_path(path)
     try:
         if local is not None:
             with pa.memory_map(str(local), "r") as source:
                 table = pa.ipc.open_stream(source).read_all()
         else:
-            table = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(read_bytes(path)))).read_all()
+            table = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(fs.read_bytes(path)))).read_all()
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
@@ -214,13 +291,13 @@ def _datasets_feature(t: pa.DataType) -> Any:
     return {"dtype": str(t), "_type": "Value"}
 
 
-def datasets_files(manifest: dict[str, Any]) -> dict[str, bytes]:
+def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     """The files ``datasets.load_from_disk`` needs beside the shards, from the manifest alone.
 
     ``dataset_info.json`` gives the features (the row schema); ``state.json`` lists the shards in order
     and a fingerprint derived from their sha256s, so equal builds give equal bytes."""
-    shards = manifest["shards"]
-    fingerprint = hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()[:16]
+    shards = manifest.shards
+    fingerprint = hashlib.sha256("".join(s.sha256 for s in shards).encode()).hexdigest()[:16]
     info = {
         "citation": "",
         "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
@@ -229,7 +306,7 @@ def datasets_files(manifest: dict[str, Any]) -> dict[str, bytes]:
         "license": "",
     }
     state = {
-        "_data_files": [{"filename": s["file"]} for s in shards],
+        "_data_files": [{"filename": s.file} for s in shards],
         "_fingerprint": fingerprint,
         "_format_columns": None,
         "_format_kwargs": {},

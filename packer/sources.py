@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import ConfigError, SourceError
+from .pages import drop_mapped_pages, mapped_files
 from .recipes import RECIPES, Recipe, get_recipe
 
 # file suffix -> datasets packaged builder
@@ -166,9 +167,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def _validate(dataset, step: int = 64 << 20) -> None:
     """``validate(full=True)`` batch by batch, unmapping the cache pages read every ``step`` bytes:
     validating reads the whole memory-mapped table, which would otherwise stay in the resident set."""
-    from .tokenize_stage import _mapped_files, drop_mapped_pages
-
-    mapped, seen = _mapped_files(dataset), 0
+    mapped, seen = mapped_files(dataset), 0
     for batch in dataset.data.table.to_batches():
         batch.validate(full=True)
         seen += batch.nbytes

@@ -30,8 +30,8 @@ Problems are values (a ``Problem`` per finding); only errors that stop verify fr
 
 from __future__ import annotations
 
-import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +39,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import schema
-from .build import LOCK
-from .errors import ShardFormatError
+from . import fs, schema, sources
+from .build import open_source, plan_rows, source_info, tokenizer_path
+from .config import BuildConfig
+from .engines import LocalEngine
+from .errors import ConfigError, ShardFormatError
+from .schema import Manifest
+from .tokenization import load_tokenizer, tokenizer_info
 
 MAX_ROWS_SHOWN = 5
-_SHARD_KEYS = {"file": str, "rows": int, "tokens": int, "bytes": int, "sha256": str}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,99 +101,61 @@ def _rows_text(rows: np.ndarray) -> str:
 # -- manifest ---------------------------------------------------------------------------------------
 
 
-def _load_manifest(directory: Path, report: Report) -> dict[str, Any] | None:
+def _load_manifest(directory: Path, report: Report) -> Manifest | None:
+    """The manifest, parsed by the contract's own parser; each problem it finds is reported."""
     path = directory / schema.MANIFEST_NAME
     if not path.is_file():
         report.add("manifest", str(path), "missing, so the folder is not a finished build (interrupted, or not "
                    "packer's); rerun the build")
         return None
     try:
-        manifest = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        report.add("manifest", str(path), f"not valid JSON ({e}); the manifest is corrupted")
+        data = schema.load_json(path.read_bytes(), str(path))
+    except ShardFormatError as e:
+        report.add("manifest", str(path), str(e).split(": ", 1)[1])
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != schema.FORMAT_NAME:
-        report.add("manifest", str(path), f"not a packer manifest (no \"format\": \"{schema.FORMAT_NAME}\")")
+    manifest, problems = schema.parse_manifest(data)
+    for key, message in problems:
+        report.add("manifest", f"{path} {key}".rstrip(), message)
+    if manifest is None:
         return None
-    if manifest.get("format_version") != schema.FORMAT_VERSION:
-        report.add("manifest", str(path), f"format version {manifest.get('format_version')!r}; this packer knows "
-                   f"version {schema.FORMAT_VERSION}")
-        return None
-    ok = True
-    for key, kind in (("config", dict), ("tokenizer", dict), ("stats", dict), ("shards", list)):
-        if not isinstance(manifest.get(key), kind):
-            report.add("manifest", f"{path} {key}", f"missing or not a {kind.__name__}")
-            ok = False
-    if not ok:
-        return None
-    for i, entry in enumerate(manifest["shards"]):
-        bad = [k for k, t in _SHARD_KEYS.items() if not isinstance(entry, dict) or not isinstance(entry.get(k), t)]
-        if bad:
-            report.add("manifest", f"{path} shards[{i}]", f"entry lacks or mistypes {', '.join(bad)}")
-            ok = False
-        elif Path(entry["file"]).name != entry["file"] or not entry["file"].startswith(schema.SHARD_PREFIX):
-            report.add("manifest", f"{path} shards[{i}]", f"file {entry['file']!r} is not a shard name in this folder")
-            ok = False
-    names = [e.get("file") for e in manifest["shards"] if isinstance(e, dict)]
-    if len(set(names)) != len(names):
-        report.add("manifest", f"{path} shards", "lists a shard twice")
-        ok = False
-    from .config import BuildConfig
-    from .errors import ConfigError
-
     try:
-        BuildConfig(**{**manifest["config"], "out": str(directory)})
+        BuildConfig(**{**manifest.config, "out": str(directory)})
     except (ConfigError, TypeError) as e:
         report.add("manifest", f"{path} config", f"not a valid build config ({e})")
-        ok = False
-    return manifest if ok else None
+        return None
+    return manifest
 
 
-def _check_stats_arithmetic(manifest: dict[str, Any], report: Report) -> None:
-    s = manifest["stats"]
+def _check_stats_arithmetic(manifest: Manifest, report: Report) -> None:
+    s = manifest.stats
     where = f"{schema.MANIFEST_NAME} stats"
-
-    def get(key: str) -> int:
-        value = s.get(key)
-        if not isinstance(value, int):
-            raise KeyError(key)
-        return value
-
-    try:
-        examples, read = get("examples"), get("examples_read")
-        parts = get("examples_packed") + get("examples_split") + get("examples_truncated") + get("examples_dropped")
-        if parts != examples:
-            report.add("stats", where, f"packed + split + truncated + dropped = {parts:,}, but examples = {examples:,}")
-        if get("tokens") + get("tokens_truncated") + get("tokens_dropped") != get("tokens_in"):
-            report.add("stats", where, "tokens + tokens_truncated + tokens_dropped differs from tokens_in")
-        skipped = get("records_skipped")
-        if examples + skipped != read:
-            report.add("stats", where, f"examples {examples:,} + records_skipped {skipped:,} differs from "
-                       f"examples_read {read:,}: records are unaccounted for")
-        by_reason = s.get("dropped_by_reason")
-        if not isinstance(by_reason, dict):
-            report.add("stats", where, "dropped_by_reason is missing")
-        else:
-            dropped = get("examples_dropped") + skipped
-            if sum(v for v in by_reason.values() if isinstance(v, int)) != dropped:
-                report.add("stats", where, f"dropped_by_reason sums to {sum(by_reason.values()):,}, but "
-                           f"examples_dropped + records_skipped = {dropped:,}")
-            if by_reason.get("overlong", 0) != get("examples_dropped"):
-                report.add("stats", where, "dropped_by_reason.overlong differs from examples_dropped")
-        limit = manifest["config"].get("limit")
-        if isinstance(limit, int) and read > limit:
-            report.add("stats", where, f"examples_read {read:,} exceeds the config's limit {limit:,}")
-    except KeyError as e:
-        report.add("stats", where, f"{e.args[0]} is missing or not an integer")
+    parts = s.examples_packed + s.examples_split + s.examples_truncated + s.examples_dropped
+    if parts != s.examples:
+        report.add("stats", where, f"packed + split + truncated + dropped = {parts:,}, but examples = {s.examples:,}")
+    if s.tokens + s.tokens_truncated + s.tokens_dropped != s.tokens_in:
+        report.add("stats", where, "tokens + tokens_truncated + tokens_dropped differs from tokens_in")
+    if s.examples + s.records_skipped != s.examples_read:
+        report.add("stats", where, f"examples {s.examples:,} + records_skipped {s.records_skipped:,} differs from "
+                   f"examples_read {s.examples_read:,}: records are unaccounted for")
+    dropped = s.examples_dropped + s.records_skipped
+    if sum(v for v in s.dropped_by_reason.values() if isinstance(v, int)) != dropped:
+        report.add("stats", where, f"dropped_by_reason sums to {sum(s.dropped_by_reason.values()):,}, but "
+                   f"examples_dropped + records_skipped = {dropped:,}")
+    if s.dropped_by_reason.get("overlong", 0) != s.examples_dropped:
+        report.add("stats", where, "dropped_by_reason.overlong differs from examples_dropped")
+    limit = manifest.config.get("limit")
+    if isinstance(limit, int) and s.examples_read > limit:
+        report.add("stats", where, f"examples_read {s.examples_read:,} exceeds the config's limit {limit:,}")
 
 
-def _check_folder_contents(directory: Path, manifest: dict[str, Any] | None, report: Report) -> None:
-    listed = {e["file"] for e in manifest["shards"]} if manifest else set()
+def _check_folder_contents(directory: Path, manifest: Manifest | None, report: Report) -> None:
+    listed = {e.file for e in manifest.shards} if manifest else set()
     for path in sorted(directory.iterdir()):
         name = path.name
-        if name in listed or name in (schema.MANIFEST_NAME, LOCK, *schema.DATASETS_FILES):
+        # of packer's own names, only what a finished build holds is expected here
+        if name in listed or name in (schema.MANIFEST_NAME, schema.LOCK, *schema.DATASETS_FILES):
             continue
-        if manifest is None and name.startswith(schema.SHARD_PREFIX) and name.endswith(schema.SHARD_SUFFIX):
+        if manifest is None and schema.is_shard_name(name):
             continue  # no manifest: already reported; the shards are not "extra"
         report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
                    "file); remove it or rebuild the folder")
@@ -199,20 +164,20 @@ def _check_folder_contents(directory: Path, manifest: dict[str, Any] | None, rep
 # -- files --------------------------------------------------------------------------------------------
 
 
-def _check_files(directory: Path, manifest: dict[str, Any], report: Report) -> list[dict]:
+def _check_files(directory: Path, manifest: Manifest, report: Report) -> list[schema.ShardEntry]:
     """Existence, size and sha256 of every shard; returns the entries whose file exists."""
     present = []
-    for entry in manifest["shards"]:
-        path = directory / entry["file"]
+    for entry in manifest.shards:
+        path = directory / entry.file
         if not path.is_file():
             report.add("files", str(path), "missing, the manifest lists it; copy the whole folder or rebuild")
             continue
         present.append(entry)
         size = path.stat().st_size
-        if size != entry["bytes"]:
-            report.add("files", str(path), f"{size:,} bytes, the manifest records {entry['bytes']:,} (truncated or "
+        if size != entry.bytes:
+            report.add("files", str(path), f"{size:,} bytes, the manifest records {entry.bytes:,} (truncated or "
                        "from another build)")
-        if schema.file_sha256(path) != entry["sha256"]:
+        if fs.file_sha256(path) != entry.sha256:
             report.add("files", str(path), "sha256 differs from the manifest's: the bytes changed")
     return present
 
@@ -347,9 +312,9 @@ def _check_batch(batch: pa.RecordBatch, first_row: int, where: str, budget: dict
         totals.labels.append(labels)
 
 
-def _check_rows(directory: Path, manifest: dict[str, Any], entries: list[dict], vocab: int | None,
+def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
                 report: Report, keep_tokens: bool) -> _Totals | None:
-    cfg = manifest["config"]
+    cfg = manifest.config
     budget = {
         "pack": cfg.get("pack"),
         "batch_size": cfg.get("batch_size") or 0,
@@ -357,9 +322,9 @@ def _check_rows(directory: Path, manifest: dict[str, Any], entries: list[dict], 
         "max_tokens": cfg.get("max_tokens") or cfg.get("max_len") or 0,
     }
     totals = _Totals()
-    complete = len(entries) == len(manifest["shards"])
+    complete = len(entries) == len(manifest.shards)
     for entry in entries:
-        path = directory / entry["file"]
+        path = directory / entry.file
         try:
             with pa.memory_map(str(path), "r") as source:
                 table = pa.ipc.open_stream(source).read_all()
@@ -371,67 +336,59 @@ def _check_rows(directory: Path, manifest: dict[str, Any], entries: list[dict], 
             report.add("rows", str(path), f"schema is not packer's row schema (got {', '.join(f'{f.name}: {f.type}' for f in table.schema)})")
             complete = False
             continue
-        if table.num_rows != entry["rows"]:
-            report.add("rows", str(path), f"{table.num_rows:,} rows, the manifest records {entry['rows']:,}")
+        if table.num_rows != entry.rows:
+            report.add("rows", str(path), f"{table.num_rows:,} rows, the manifest records {entry.rows:,}")
         tokens_before = totals.tokens
         first = totals.rows
         for batch in table.to_batches():
-            _check_batch(batch, first, entry["file"], budget, vocab, report, totals, keep_tokens)
+            _check_batch(batch, first, entry.file, budget, vocab, report, totals, keep_tokens)
             first += batch.num_rows
         totals.rows = first
-        if totals.tokens - tokens_before != entry["tokens"]:
+        if totals.tokens - tokens_before != entry.tokens:
             report.add("rows", str(path), f"{totals.tokens - tokens_before:,} tokens, the manifest records "
-                       f"{entry['tokens']:,}")
+                       f"{entry.tokens:,}")
     return totals if complete else None
 
 
-def _check_totals(manifest: dict[str, Any], totals: _Totals, report: Report) -> None:
-    s = manifest["stats"]
+def _check_totals(manifest: Manifest, totals: _Totals, report: Report) -> None:
+    s = manifest.stats
     where = f"{schema.MANIFEST_NAME} stats"
     for key, actual in (("rows", totals.rows), ("tokens", totals.tokens), ("loss_tokens", totals.loss_tokens),
                         ("segments", totals.segments), ("max_row_tokens", totals.max_row_tokens)):
-        if key in s and s[key] != actual:
-            report.add("stats", where, f"{key} = {s[key]!r}, the shards hold {actual:,}")
+        if getattr(s, key) != actual:
+            report.add("stats", where, f"{key} = {getattr(s, key)!r}, the shards hold {actual:,}")
     for key, actual in (("rows", totals.rows), ("tokens", totals.tokens)):
-        listed = sum(e[key] for e in manifest["shards"])
+        listed = sum(getattr(e, key) for e in manifest.shards)
         if listed != actual:
             report.add("stats", f"{schema.MANIFEST_NAME} shards", f"{key} of the shard entries sum to {listed:,}, "
                        f"the shards hold {actual:,}")
     if not totals.example_ids:
         return
     exid = np.concatenate(totals.example_ids)
-    seq = np.concatenate(totals.seq_lens)
-    read = s.get("examples_read")
-    if isinstance(read, int) and exid.size and int(exid.max()) >= read:
-        report.add("stats", where, f"example id {int(exid.max()):,} is beyond examples_read {read:,}")
+    if exid.size and int(exid.max()) >= s.examples_read:
+        report.add("stats", where, f"example id {int(exid.max()):,} is beyond examples_read {s.examples_read:,}")
     unique, counts = np.unique(exid, return_counts=True)
-    expected = s.get("examples", 0) - s.get("examples_dropped", 0)
+    expected = s.examples - s.examples_dropped
     if unique.size != expected:
         report.add("stats", where, f"the rows hold {unique.size:,} distinct examples, the stats account for "
                    f"{expected:,} (examples − examples_dropped)")
-    if manifest["config"].get("pack") != "wrap":
+    if manifest.config.get("pack") != "wrap":
         split = int((counts > 1).sum())
-        if split != s.get("examples_split"):
+        if split != s.examples_split:
             report.add("stats", where, f"{split:,} examples appear in pieces, examples_split says "
-                       f"{s.get('examples_split')!r}")
-    del seq
+                       f"{s.examples_split!r}")
 
 
 # -- tokenizer and source -------------------------------------------------------------------------------
 
 
 def _load_tok(name: str):
-    from .build import tokenizer_path
-    from .tokenization import load_tokenizer
-
     return load_tokenizer(tokenizer_path(name))
 
 
-def _check_tokenizer(manifest: dict[str, Any], tokenizer, name: str, report: Report) -> None:
-    from .tokenization import tokenizer_info
-
+def _check_tokenizer(manifest: Manifest, tokenizer, name: str, report: Report) -> None:
     info = tokenizer_info(tokenizer, name)
-    recorded = manifest["tokenizer"]
+    recorded = manifest.tokenizer
     for key in ("fingerprint", "vocab_size", "bos_token_id", "eos_token_id", "chat_template_sha256"):
         if recorded.get(key) != info[key]:
             what = "fingerprint" if key == "fingerprint" else key
@@ -440,55 +397,43 @@ def _check_tokenizer(manifest: dict[str, Any], tokenizer, name: str, report: Rep
                        "shards were made with another tokenizer")
 
 
-def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals: _Totals | None,
+def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Totals | None,
                   report: Report) -> None:
-    from . import sources
-    from .build import source_info
-    from .config import BuildConfig
-    from .formatting import make_spec
-    from .plan import plan as make_plan
-    from .tokenization import Encoder
-    from .tokenize_stage import encode_all
-
-    cfg = manifest["config"]
+    cfg = manifest.config
     config = BuildConfig(**{**cfg, "source": source_name, "out": os.devnull})
     src = sources.resolve(source_name, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     where = f"--source {source_name}"
-    recorded = manifest.get("source", {})
+    recorded = manifest.source
     info = source_info(src)
     local = recorded.get("kind") == "local" and info.get("kind") == "local"
     if local and [f["sha256"] for f in recorded.get("files", [])] != [f["sha256"] for f in info["files"]]:
         report.add("source", where, "its files' sha256 differ from the ones the build recorded: another or a "
                    "changed source")
-    dataset = sources.load(src)
-    if config.limit is not None and config.limit < len(dataset):
-        dataset = dataset.select(range(config.limit))
-    s = manifest["stats"]
-    if len(dataset) != s.get("examples_read"):
-        report.add("source", where, f"{len(dataset):,} records, the build read {s.get('examples_read')!r}")
-    spec = make_spec(recipe=src.recipe, config=config, columns=list(dataset.column_names))
-    encoder = Encoder(tokenizer, spec, skip_errors=True)
-    chunks: list = []
-    encode_all(dataset, encoder, sink=chunks.append)  # the build's own chunking, in memory
-    ids, trained = [c.ids for c in chunks], [c.trained for c in chunks]
-    lengths, example_ids = [c.lengths for c in chunks], [c.example_ids for c in chunks]
+    opened = open_source(config, src, tokenizer, skip_errors=True)  # the build's own reading and encoder
+    s = manifest.stats
+    if len(opened.dataset) != s.examples_read:
+        report.add("source", where, f"{len(opened.dataset):,} records, the build read {s.examples_read!r}")
+    # the build's own chunking, in memory and in this process
+    chunks = list(LocalEngine().encode_chunks(opened.dataset, opened.encoder, 0, where=opened.where))
     skipped: dict[str, int] = {}
     for chunk in chunks:
         for reason, k in chunk.skipped.items():
             skipped[reason] = skipped.get(reason, 0) + k
-    cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt)  # noqa: E731
-    ids, trained = cat(ids, np.int32), cat(trained, np.uint8)
-    lengths, example_ids = cat(lengths, np.int64), cat(example_ids, np.int64)
+
+    def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    ids, trained = cat([c.ids for c in chunks], np.int32), cat([c.trained for c in chunks], np.uint8)
+    lengths = cat([c.lengths for c in chunks], np.int64)
+    example_ids = cat([c.example_ids for c in chunks], np.int64)
     if skipped and cfg.get("on_error") != "skip":
         report.add("source", where, f"{sum(skipped.values()):,} records fail to format ({skipped}), yet the build "
                    "ran with --on-error raise")
-    recorded_reasons = {k: v for k, v in (s.get("dropped_by_reason") or {}).items() if k != "overlong"}
+    recorded_reasons = {k: v for k, v in s.dropped_by_reason.items() if k != "overlong"}
     if recorded_reasons != skipped:
         report.add("source", where, f"skipped records by reason {skipped} here, the manifest records {recorded_reasons}")
 
-    p = make_plan(lengths, mode=config.pack, max_len=config.max_len, max_tokens=config.max_tokens,
-                  batch_size=config.batch_size, overlong=config.overlong, seed=config.seed,
-                  world_size=config.world_size, balance=config.balance)
+    p = plan_rows(config, lengths)
     # Every kept record is accounted for: its pieces tile it, or it is truncated / dropped as the policy says.
     ex, st, ln = np.asarray(p.example), np.asarray(p.start), np.asarray(p.length)
     order = np.lexsort((st, ex))
@@ -511,12 +456,12 @@ def _check_source(manifest: dict[str, Any], source_name: str, tokenizer, totals:
     elif trunc.any():
         report.add("source", where, f"{int(trunc.sum()):,} examples only partly placed under --overlong {config.overlong}")
     dropped = int((~placed).sum())
-    if dropped != s.get("examples_dropped") or (dropped and config.overlong != "drop"):
+    if dropped != s.examples_dropped or (dropped and config.overlong != "drop"):
         report.add("source", where, f"{dropped:,} examples placed nowhere, the manifest says examples_dropped "
-                   f"{s.get('examples_dropped')!r} under --overlong {config.overlong}")
-    if int(trunc.sum()) != s.get("examples_truncated", 0) and config.overlong == "truncate":
+                   f"{s.examples_dropped!r} under --overlong {config.overlong}")
+    if int(trunc.sum()) != s.examples_truncated and config.overlong == "truncate":
         report.add("source", where, f"{int(trunc.sum()):,} examples truncated, the manifest says "
-                   f"{s.get('examples_truncated')!r}")
+                   f"{s.examples_truncated!r}")
 
     if totals is None or not totals.input_ids:
         return
@@ -554,9 +499,9 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     Raises ``ShardFormatError`` when ``directory`` is not a folder, and the loaders' ``PackerError``s
     when ``tokenizer`` or ``source`` cannot be loaded: those stop verify from running at all.
     """
-    if schema.is_url(directory) and schema.local_path(directory) is None:
+    if fs.is_url(directory) and fs.local_path(directory) is None:
         return _verify_remote(str(directory), tokenizer=tokenizer, source=source, quick=quick)
-    directory = schema.local_path(directory)
+    directory = fs.local_path(directory)
     if not directory.is_dir():
         raise ShardFormatError(f"{directory}: no such folder; give the --out folder of a packer build")
     report = Report(str(directory), quick)
@@ -567,7 +512,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     _check_stats_arithmetic(manifest, report)
     tok = None
     if tokenizer is not None or source is not None:
-        name = tokenizer or manifest["tokenizer"].get("name_or_path") or "bundled"
+        name = tokenizer or manifest.tokenizer.get("name_or_path") or "bundled"
         tok = _load_tok(name)
         if tokenizer is not None:
             _check_tokenizer(manifest, tok, tokenizer, report)
@@ -575,7 +520,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     report.checked["shards"] = len(entries)
     if quick:
         return report
-    vocab = manifest["tokenizer"].get("vocab_size")
+    vocab = manifest.tokenizer.get("vocab_size")
     if tok is not None:
         vocab = min(vocab, len(tok)) if isinstance(vocab, int) else len(tok)
     totals = _check_rows(directory, manifest, entries, vocab if isinstance(vocab, int) else None, report,
@@ -591,14 +536,12 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
 def _verify_remote(url: str, **options) -> Report:
     """A folder in object storage is copied to a temporary folder and checked there: every byte has to
     be read for the hashes anyway, and the checks then run on the same memory-mapped path as local."""
-    import tempfile
-
-    if not schema.is_dir(url):
+    if not fs.is_dir(url):
         raise ShardFormatError(f"{url}: no such folder; give the --out folder of a packer build")
-    fs, root = schema._fs(url)
+    filesystem, root = fs.filesystem(url)
     with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
-        for name in schema.list_names(url):
-            fs.get(root.rstrip("/") + "/" + name, str(Path(tmp) / name), recursive=True)
+        for name in fs.list_names(url):
+            filesystem.get(root.rstrip("/") + "/" + name, str(Path(tmp) / name), recursive=True)
         report = verify(tmp, **options)
     report.directory = url
     return report

@@ -1,8 +1,4 @@
-"""Rows → Arrow IPC stream shards, then the manifest, atomically.
-
-Shards are written into a staging folder inside the output, moved into place when all are done, and
-the manifest is written last (to a temporary name, fsynced, renamed): a folder without manifest.json
-is never a finished build, whatever else it holds.
+"""Planned rows → Arrow IPC stream shards in the staging folder (:mod:`packer.output` commits them).
 
 Row assembly works on a block of rows (a record batch of ≤ TOKENS_PER_BATCH tokens): each segment's
 ids and loss flags are read from the token spill straight into the batch's columns (``preadv``, one
@@ -13,31 +9,18 @@ the whole block.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterator
-from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from . import schema
+from . import fs, schema
 from .plan import Plan
+from .spill import TokenStore
 
-STAGING = ".packer-staging"
 ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
 TOKENS_PER_BATCH = 1 << 20  # ... and this many tokens, which bounds the memory of assembling one
-
-
-@dataclass(frozen=True, slots=True)
-class TokenStore:
-    """All examples' tokens in two flat spill files: example k is tokens offsets[k]:offsets[k+1]."""
-
-    ids_path: Path  # int32 per token
-    trained_path: Path  # uint8 per token, 1 where the token is a target
-    offsets: np.ndarray  # int64[examples+1]
-    example_ids: np.ndarray  # int64[examples]: source record index of each example
 
 
 def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.RecordBatch:
@@ -153,83 +136,29 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
             counts["segments_without_loss"] += int((np.add.reduceat(trained, starts) == 0).sum()) if len(trained) else 0
             del batch, trained  # before the next one is assembled: one batch in memory at a time
             on_rows(b_hi - b_lo)
-    _fsync(path)
     return counts
 
 
-def shard_entry(path: Path, counts: dict[str, int]) -> dict:
+def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:
     """The manifest's record of one written shard."""
-    return {"file": path.name, "rows": counts["rows"], "tokens": counts["tokens"],
-            "bytes": path.stat().st_size, "sha256": schema.file_sha256(path)}
+    return schema.ShardEntry(file=path.name, rows=counts["rows"], tokens=counts["tokens"],
+                             bytes=path.stat().st_size, sha256=fs.file_sha256(path))
 
 
-def write_shards(
-    plan: Plan,
-    store: TokenStore,
-    out: Path,
-    *,
-    shard_bytes: int,
-    totals: dict[str, int],
-    on_rows: Callable[[int], None] = lambda n: None,
-) -> Iterator[dict]:
-    """Write every shard into the staging folder; yields each shard's manifest entry as it finishes
-    and adds its loss counts into ``totals``."""
-    staging = out / STAGING
-    staging.mkdir(parents=True, exist_ok=True)
+def add_counts(totals: dict[str, int], counts: dict[str, int]) -> None:
+    """Add one shard's loss counts into the build's ``totals``."""
+    for key in ("loss_tokens", "segments_without_loss"):
+        totals[key] = totals.get(key, 0) + counts[key]
+
+
+def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int, totals: dict[str, int],
+                 on_rows: Callable[[int], None] = lambda n: None) -> list[schema.ShardEntry]:
+    """Write every shard into ``staging``, one after another; their manifest entries, in order (their
+    loss counts are added into ``totals``)."""
+    entries = []
     for index, (lo, hi) in enumerate(shard_bounds(plan, shard_bytes)):
         path = staging / schema.shard_name(index)
         counts = write_shard(plan, store, path, lo, hi, on_rows)
-        for key in ("loss_tokens", "segments_without_loss"):
-            totals[key] = totals.get(key, 0) + counts[key]
-        yield shard_entry(path, counts)
-
-
-def commit(out: Path, manifest: dict) -> None:
-    """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
-    (``schema.DATASETS_FILES``), then the manifest last (the commit point)."""
-    staging = out / STAGING
-    for entry in manifest["shards"]:
-        os.replace(staging / entry["file"], out / entry["file"])
-    for name, data in schema.datasets_files(manifest).items():
-        (staging / name).write_bytes(data)
-        _fsync(staging / name)
-        os.replace(staging / name, out / name)
-    tmp = out / (schema.MANIFEST_NAME + ".tmp")
-    tmp.write_bytes(schema.dump_manifest(manifest))
-    _fsync(tmp)
-    os.replace(tmp, out / schema.MANIFEST_NAME)
-    _fsync_dir(out)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def clear_output(out: Path, keep: tuple[str, ...] = ()) -> None:
-    """Remove a previous build: the manifest first, so the folder stops looking complete at once.
-
-    ``keep`` names entries of the staging folder to leave there (a resumable stage's folder, which
-    checks its own identity)."""
-    manifest = out / schema.MANIFEST_NAME
-    if manifest.exists():
-        manifest.unlink()
-        _fsync_dir(out)
-    for path in out.iterdir():
-        if path.name.startswith(schema.SHARD_PREFIX) and path.name.endswith(schema.SHARD_SUFFIX):
-            path.unlink()
-        elif path.name == STAGING and path.is_dir() and keep:
-            for inner in path.iterdir():
-                if inner.name not in keep:
-                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
-        elif path.name in (STAGING, schema.MANIFEST_NAME + ".tmp", *schema.DATASETS_FILES):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
-        _fsync(path)
+        add_counts(totals, counts)
+        entries.append(shard_entry(path, counts))
+    return entries

@@ -13,7 +13,7 @@ import pytest
 from conftest import BUNDLED_TOKENIZER, make_build
 from transformers import AutoTokenizer
 
-from packer import BuildConfig, ConfigError, OutputError, build, schema
+from packer import BuildConfig, ConfigError, OutputError, build, fs, schema
 from packer.recipes import BUNDLED_SAMPLE
 
 
@@ -30,7 +30,7 @@ def records():
 
 def rows_of(directory: Path) -> list[dict]:
     manifest = schema.read_manifest(directory)
-    return [r for s in manifest["shards"] for r in schema.open_shard(directory / s["file"]).to_pylist()]
+    return [r for s in manifest.shards for r in schema.open_shard(directory / s.file).to_pylist()]
 
 
 def segments_of(directory: Path):
@@ -48,7 +48,7 @@ def segments_of(directory: Path):
 
 def test_segments_decode_to_the_formatted_examples(flan_batch, tokenizer, records):
     manifest = schema.read_manifest(flan_batch)
-    max_len = manifest["config"]["max_len"]
+    max_len = manifest.config["max_len"]
     checked = 0
     for example_id, ids, labels, _ in segments_of(flan_batch):
         record = records[example_id]
@@ -67,7 +67,7 @@ def test_segments_decode_to_the_formatted_examples(flan_batch, tokenizer, record
             assert (labels[trained] == ids[trained]).all()
         else:
             assert len(ids) == max_len  # truncated to --max-len
-    assert checked == 300 - manifest["stats"]["examples_truncated"] > 200
+    assert checked == 300 - manifest.stats.examples_truncated > 200
 
 
 def test_labels_masked_at_every_segment_start_and_positions_restart(flan_bfd):
@@ -86,7 +86,7 @@ def test_labels_masked_at_every_segment_start_and_positions_restart(flan_bfd):
 
 def test_segments_that_lost_their_completion_are_counted(flan_batch):
     without = sum(int((labels == schema.IGNORE_INDEX).all()) for _, _, labels, _ in segments_of(flan_batch))
-    stats = schema.read_manifest(flan_batch)["stats"]
+    stats = schema.read_manifest(flan_batch).stats.to_json()
     # --max-len 512 truncates long few-shot prompts before their completion: they train on nothing
     assert stats["segments_without_loss"] == without > 0
     assert stats["loss_tokens"] == sum(int((labels != schema.IGNORE_INDEX).sum()) for *_, labels, _ in segments_of(flan_batch))
@@ -94,7 +94,7 @@ def test_segments_that_lost_their_completion_are_counted(flan_batch):
 
 def test_every_example_is_accounted_for(flan_bfd):
     manifest = schema.read_manifest(flan_bfd)
-    stats = manifest["stats"]
+    stats = manifest.stats.to_json()
     pieces: dict[int, list[int]] = {}
     for example_id, ids, _, _ in segments_of(flan_bfd):
         pieces.setdefault(example_id, []).append(len(ids))
@@ -102,13 +102,13 @@ def test_every_example_is_accounted_for(flan_bfd):
     split = sum(len(p) > 1 for p in pieces.values())
     assert split == stats["examples_split"] > 0
     assert stats["examples_packed"] + stats["examples_split"] == 300
-    assert stats["tokens"] == sum(map(sum, pieces.values())) == sum(s["tokens"] for s in manifest["shards"])
+    assert stats["tokens"] == sum(map(sum, pieces.values())) == sum(s.tokens for s in manifest.shards)
     assert stats["rows"] <= 1.05 * stats["lower_bound"]
 
 
 def test_drop_and_truncate_are_counted(tmp_path):
     dropped = make_build(tmp_path / "drop", limit=200, max_len=300, overlong="drop")
-    stats = schema.read_manifest(dropped)["stats"]
+    stats = schema.read_manifest(dropped).stats.to_json()
     seen = {e for e, *_ in segments_of(dropped)}
     assert stats["examples_dropped"] == 200 - len(seen) > 0
     assert stats["dropped_by_reason"] == {"overlong": stats["examples_dropped"]}
@@ -135,8 +135,8 @@ def test_seed_changes_the_order_not_the_content(tmp_path):
 
 def test_datasets_opens_a_shard(flan_batch):
     manifest = schema.read_manifest(flan_batch)
-    ds = datasets.Dataset.from_file(str(flan_batch / manifest["shards"][0]["file"]))
-    assert len(ds) == manifest["shards"][0]["rows"]
+    ds = datasets.Dataset.from_file(str(flan_batch / manifest.shards[0].file))
+    assert len(ds) == manifest.shards[0].rows
     assert set(ds.column_names) == set(schema.COLUMNS)
     first = ds[0]
     assert len(first["input_ids"]) == sum(first["seq_lens"])
@@ -144,15 +144,15 @@ def test_datasets_opens_a_shard(flan_batch):
 
 def test_manifest_records_config_tokenizer_and_shards(flan_batch):
     m = schema.read_manifest(flan_batch)
-    assert m["config"]["pack"] == "batch" and m["config"]["batch_size"] == 4
-    assert "synthetic" in m["note"]
-    assert m["tokenizer"]["name_or_path"] == "bundled" and len(m["tokenizer"]["fingerprint"]) == 64
-    assert m["stats"]["lower_bound"] == -(-m["stats"]["tokens"] // m["stats"]["row_budget"])
-    for shard in m["shards"]:
-        path = flan_batch / shard["file"]
-        assert path.stat().st_size == shard["bytes"]
-        assert schema.file_sha256(path) == shard["sha256"]
-    rows = [r for s in m["shards"] for r in schema.open_shard(flan_batch / s["file"]).to_pylist()]
+    assert m.config["pack"] == "batch" and m.config["batch_size"] == 4
+    assert "synthetic" in m.note
+    assert m.tokenizer["name_or_path"] == "bundled" and len(m.tokenizer["fingerprint"]) == 64
+    assert m.stats.lower_bound == -(-m.stats.tokens // m.stats.row_budget)
+    for shard in m.shards:
+        path = flan_batch / shard.file
+        assert path.stat().st_size == shard.bytes
+        assert fs.file_sha256(path) == shard.sha256
+    rows = [r for s in m.shards for r in schema.open_shard(flan_batch / s.file).to_pylist()]
     assert all(len(r["seq_lens"]) == 4 for r in rows[:-1])  # batch mode: B examples per row
 
 
@@ -164,7 +164,7 @@ def test_rebuild_of_same_config_is_reused_and_other_config_refused(tmp_path):
     with pytest.raises(OutputError, match="another build"):
         build(BuildConfig(source="flan", out=str(out), limit=60))
     replaced = build(BuildConfig(source="flan", out=str(out), limit=60, overwrite=True))
-    assert not replaced.reused and replaced.manifest["stats"]["examples_read"] == 60
+    assert not replaced.reused and replaced.manifest.stats.examples_read == 60
 
 
 def test_chat_assistant_only_loss(tmp_path, tokenizer):
@@ -191,7 +191,7 @@ def test_wrap_cuts_rows_at_the_budget(tmp_path):
     out = make_build(tmp_path / "out", source=str(src), pack="wrap", max_tokens=128)
     rows = rows_of(out)
     assert all(len(r["input_ids"]) == 128 for r in rows[:-1])
-    assert schema.read_manifest(out)["stats"]["examples_read"] == 400
+    assert schema.read_manifest(out).stats.examples_read == 400
 
 
 def test_contradictory_options_are_refused():
@@ -202,7 +202,7 @@ def test_contradictory_options_are_refused():
 
 
 def test_split_pieces_tile_the_example(flan_bfd, tokenizer, records):
-    max_len = schema.read_manifest(flan_bfd)["config"]["max_len"]
+    max_len = schema.read_manifest(flan_bfd).config["max_len"]
     pieces: dict[int, list[list[int]]] = {}
     for example_id, ids, labels, _ in segments_of(flan_bfd):
         pieces.setdefault(example_id, []).append(ids.tolist())

@@ -40,7 +40,7 @@ def test_build_json_is_machine_readable(tmp_path):
 def test_inspect_summary_and_row_json(flan_batch):
     summary = run("inspect", str(flan_batch), "--json")
     assert summary.exit_code == 0
-    assert json.loads(summary.stdout)["stats"]["rows"] == schema.read_manifest(flan_batch)["stats"]["rows"]
+    assert json.loads(summary.stdout)["stats"]["rows"] == schema.read_manifest(flan_batch).stats.rows
     row = run("inspect", str(flan_batch), "--row", "0", "--json")
     assert row.exit_code == 0
     view = json.loads(row.stdout)

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from conftest import ROOT, make_build
 
 from packer import schema
-from packer.build import LOCK
 from packer.cli import main
+from packer.schema import LOCK
 from packer.verify import verify
 
 LIMIT = 600

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, make_build
 
-from packer import schema
+from packer import fs, schema
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -56,8 +56,8 @@ def _reset_accelerate():
 
 def _row_hashes(directory) -> set[str]:
     hashes = set()
-    for entry in schema.read_manifest(directory)["shards"]:
-        for ids in schema.open_shard(directory / entry["file"]).column("input_ids").to_pylist():
+    for entry in schema.read_manifest(directory).shards:
+        for ids in schema.open_shard(directory / entry.file).column("input_ids").to_pylist():
             hashes.add(hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest())
     return hashes
 
@@ -70,12 +70,12 @@ def test_load_from_disk_gives_one_row_per_pack(flan_batch):
 
     manifest = schema.read_manifest(flan_batch)
     ds = datasets.load_from_disk(str(flan_batch))
-    assert len(ds) == manifest["stats"]["rows"]
+    assert len(ds) == manifest.stats.rows
     assert ds.column_names == list(schema.COLUMNS)
     assert ds.features.arrow_schema.remove_metadata().equals(
         schema.ROW_SCHEMA.with_metadata(None), check_metadata=False
     ) or [str(f.type) for f in ds.features.arrow_schema] == [str(f.type) for f in schema.ROW_SCHEMA]
-    first = schema.open_shard(flan_batch / manifest["shards"][0]["file"]).slice(0, 1).to_pylist()[0]
+    first = schema.open_shard(flan_batch / manifest.shards[0].file).slice(0, 1).to_pylist()[0]
     assert ds[0] == first
     assert ds.cache_files and all(f["filename"].endswith(schema.SHARD_SUFFIX) for f in ds.cache_files)  # mapped
     # the files beside the shards follow from the manifest alone (deterministic bytes)
@@ -155,13 +155,13 @@ def test_schema_reads_fsspec_urls(flan_batch, memory_copy):
     manifest = schema.read_manifest(flan_batch)
     for where in (f"file://{flan_batch}", url):
         assert schema.read_manifest(where) == manifest
-        entry = manifest["shards"][0]
-        shard = schema.join(where, entry["file"])
-        assert schema.file_size(shard) == entry["bytes"]
-        assert schema.file_sha256(shard) == entry["sha256"]
-        assert schema.open_shard(shard).equals(schema.open_shard(flan_batch / entry["file"]))
-        assert set(schema.list_names(where)) >= {schema.MANIFEST_NAME, entry["file"], *schema.DATASETS_FILES}
-    assert schema.file_size(schema.join(url, "nope.arrow")) is None
+        entry = manifest.shards[0]
+        shard = fs.join(where, entry.file)
+        assert fs.file_size(shard) == entry.bytes
+        assert fs.file_sha256(shard) == entry.sha256
+        assert schema.open_shard(shard).equals(schema.open_shard(flan_batch / entry.file))
+        assert set(fs.list_names(where)) >= {schema.MANIFEST_NAME, entry.file, *schema.DATASETS_FILES}
+    assert fs.file_size(fs.join(url, "nope.arrow")) is None
 
 
 def _batches(directory, n=6):

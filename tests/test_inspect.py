@@ -132,7 +132,7 @@ def test_example_found_where_the_rows_say(flan_batch, tok):
 
 
 def test_example_truncated_count_matches_manifest(flan_batch):
-    stats = schema.read_manifest(flan_batch)["stats"]
+    stats = schema.read_manifest(flan_batch).stats.to_json()
     flags = [inspect_.find_example(flan_batch, i)["truncated"] for i in range(stats["examples_read"])]
     assert sum(flags) == stats["examples_truncated"] > 0
 
@@ -140,15 +140,15 @@ def test_example_truncated_count_matches_manifest(flan_batch):
 def test_example_split_pieces(flan_bfd):
     manifest = schema.read_manifest(flan_bfd)
     ids = np.concatenate([
-        np.concatenate(schema.open_shard(flan_bfd / s["file"]).column("example_ids").to_pylist())
-        for s in manifest["shards"]
+        np.concatenate(schema.open_shard(flan_bfd / s.file).column("example_ids").to_pylist())
+        for s in manifest.shards
     ])
     uniq, counts = np.unique(ids, return_counts=True)
-    assert (counts > 1).sum() == manifest["stats"]["examples_split"] > 0
+    assert (counts > 1).sum() == manifest.stats.examples_split > 0
     split_id = int(uniq[counts > 1][0])
     found = inspect_.find_example(flan_bfd, split_id)
     assert found["split"] and len(found["pieces"]) == counts[counts > 1][0]
-    assert all(p["length"] <= manifest["config"]["max_len"] for p in found["pieces"])
+    assert all(p["length"] <= manifest.config["max_len"] for p in found["pieces"])
     out = run(flan_bfd, "--example", split_id)
     assert f"split into {len(found['pieces'])} pieces" in out
     assert out.count("  row ") == len(found["pieces"])

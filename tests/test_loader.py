@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from packer import schema
+from packer import fs, schema
 from packer.errors import ConfigError, ShardFormatError
 from packer.loader import PackedDataset, make_dataloader
 
@@ -56,28 +56,23 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: 
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
             for batch in table.to_batches(max_chunksize=3):  # several record batches per shard
                 writer.write_batch(batch)
-        shards.append(
-            {
-                "file": path.name,
-                "rows": len(chunk),
-                "tokens": sum(len(r["input_ids"]) for r in chunk),
-                "bytes": path.stat().st_size,
-                "sha256": schema.file_sha256(path),
-            }
-        )
-    manifest = {
-        "format": schema.FORMAT_NAME,
-        "format_version": schema.FORMAT_VERSION,
-        "shards": shards,
-        "stats": {
-            "rows": n_rows,
-            "tokens": sum(len(r["input_ids"]) for r in rows),
-            "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
-        },
-        "tokenizer": {"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0},
-        "config": {"pack": "batch", "world_size": 1},
-    }
-    (directory / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest(manifest))
+        shards.append(schema.ShardEntry(file=path.name, rows=len(chunk), tokens=sum(len(r["input_ids"]) for r in chunk),
+                                        bytes=path.stat().st_size, sha256=fs.file_sha256(path)))
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    longest = max(len(r["input_ids"]) for r in rows)
+    stats = schema.Stats(
+        examples=example_id, examples_packed=example_id, examples_split=0, examples_truncated=0, examples_dropped=0,
+        segments=example_id, tokens_in=tokens, tokens=tokens, tokens_truncated=0, tokens_dropped=0, rows=n_rows,
+        max_row_tokens=longest, row_budget=longest, lower_bound=-(-tokens // longest), fill=tokens / (n_rows * longest),
+        world_size=1, rank_work_max_over_mean=1.0, examples_read=example_id, records_skipped=0, dropped_by_reason={},
+        loss_tokens=sum(r["num_loss_tokens"] for r in rows), segments_without_loss=0,
+    )
+    manifest = schema.Manifest(
+        created_by="tests/test_loader.py", note=None, config={"pack": "batch", "world_size": 1},
+        tokenizer={"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0}, source={},
+        stats=stats, shards=tuple(shards),
+    )
+    (directory / schema.MANIFEST_NAME).write_bytes(manifest.dumps())
     return rows
 
 

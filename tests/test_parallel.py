@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from packer import BuildConfig, build, sources, tokenize_stage
+from packer import BuildConfig, build, schema, sources, spill
 from packer.build import tokenizer_path
+from packer.engines import LocalEngine
 from packer.formatting import make_spec
 from packer.tokenization import Encoder, load_tokenizer
 
@@ -62,25 +63,25 @@ def flan_700():
 
 
 def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_700):
-    monkeypatch.setattr(tokenize_stage, "CHUNK", 100)
-    monkeypatch.setattr(tokenize_stage, "GROUP", 2)  # a commit marker every 200 records
+    monkeypatch.setattr(spill, "CHUNK", 100)
+    monkeypatch.setattr(spill, "GROUP", 2)  # a commit marker every 200 records
     dataset, tokenizer, spec = flan_700
     identity = {"test": 1}
 
-    fresh = tokenize_stage.tokenize(dataset, Encoder(tokenizer, spec), tmp_path / "fresh", identity)
+    fresh = spill.tokenize(dataset, Encoder(tokenizer, spec), tmp_path / "fresh", identity, engine=LocalEngine())
     assert fresh.records == 700 and fresh.reused_records == 0
 
     folder = tmp_path / "resumed"
     crashing = _CountingEncoder(tokenizer, spec, crash_at=6)  # chunks 1-5 encoded, marker after chunk 4
     with pytest.raises(_Crash):
-        tokenize_stage.tokenize(dataset, crashing, folder, identity)
-    progress = json.loads((folder / tokenize_stage.PROGRESS).read_text())
+        spill.tokenize(dataset, crashing, folder, identity, engine=LocalEngine())
+    progress = json.loads((folder / spill.PROGRESS).read_text())
     assert progress["records"] == 400
     with open(folder / "ids.bin", "ab") as f:  # a torn write after the marker is dropped on resume
         f.write(b"\x01\x02\x03")
 
     counting = _CountingEncoder(tokenizer, spec)
-    resumed = tokenize_stage.tokenize(dataset, counting, folder, identity)
+    resumed = spill.tokenize(dataset, counting, folder, identity, engine=LocalEngine())
     assert resumed.reused_records == 400 and counting.calls == 3  # only the chunks after the marker
     for name in SPILL_FILES:
         assert filecmp.cmp(fresh.folder / name, folder / name, shallow=False), name
@@ -89,7 +90,7 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
 
     # Another identity: the old tokens are discarded, everything is redone.
     other = _CountingEncoder(tokenizer, spec)
-    again = tokenize_stage.tokenize(dataset, other, folder, {"test": 2})
+    again = spill.tokenize(dataset, other, folder, {"test": 2}, engine=LocalEngine())
     assert again.reused_records == 0 and other.calls == 7
 
 
@@ -105,13 +106,13 @@ def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
     monkeypatch.setattr(build_module, "make_plan", crash)
     with pytest.raises(_Crash):
         build(config)
-    staging = tmp_path / "out" / ".packer-staging" / tokenize_stage.TOKENS_DIR
-    assert json.loads((staging / tokenize_stage.PROGRESS).read_text())["records"] == 1500
+    staging = tmp_path / "out" / ".packer-staging" / schema.TOKENS_DIR
+    assert json.loads((staging / spill.PROGRESS).read_text())["records"] == 1500
 
     monkeypatch.setattr(build_module, "make_plan", real_plan)
     seen = []
-    real_tokenize = tokenize_stage.tokenize
-    monkeypatch.setattr(tokenize_stage, "tokenize", lambda *a, **k: seen.append(real_tokenize(*a, **k)) or seen[-1])
+    real_tokenize = spill.tokenize
+    monkeypatch.setattr(spill, "tokenize", lambda *a, **k: seen.append(real_tokenize(*a, **k)) or seen[-1])
     build(config)
     assert seen[0].reused_records == 1500  # nothing tokenized again
     assert not (tmp_path / "out" / ".packer-staging").exists()

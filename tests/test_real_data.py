@@ -28,8 +28,8 @@ def test_tokens_and_loss_mask_match_transformers(gsm8k_build, gsm8k_file, llama2
     records = [json.loads(line) for line in gsm8k_file.read_text().splitlines()[:400]]
     manifest = schema.read_manifest(gsm8k_build)
     seen = 0
-    for shard in manifest["shards"]:
-        for row in schema.open_shard(gsm8k_build / shard["file"]).to_pylist():
+    for shard in manifest.shards:
+        for row in schema.open_shard(gsm8k_build / shard.file).to_pylist():
             bounds = np.concatenate([[0], np.cumsum(row["seq_lens"])])
             ids, labels = np.array(row["input_ids"]), np.array(row["labels"])
             for k, example in enumerate(row["example_ids"]):
@@ -44,13 +44,13 @@ def test_tokens_and_loss_mask_match_transformers(gsm8k_build, gsm8k_file, llama2
                 assert not trained[:n_prompt].any() and trained[n_prompt + 1 :].all()
                 assert tok.decode(seg_ids[trained], skip_special_tokens=True).strip() == r["answer"].strip()
                 seen += 1
-    assert seen == 400 == manifest["stats"]["examples_packed"]
+    assert seen == 400 == manifest.stats.examples_packed
 
 
 def test_bfd_is_near_the_lower_bound_on_real_lengths(tmp_path, gsm8k_file, llama2_tokenizer):
     out = make_build(tmp_path / "all", source=str(gsm8k_file), recipe="gsm8k", tokenizer=str(llama2_tokenizer),
                      pack="bfd", max_len=4096)
-    stats = schema.read_manifest(out)["stats"]
+    stats = schema.read_manifest(out).stats.to_json()
     assert stats["examples_packed"] == stats["examples_read"] == 7473
     assert stats["rows"] <= 1.01 * stats["lower_bound"]
     assert stats["fill"] > 0.99

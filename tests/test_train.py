@@ -39,7 +39,7 @@ def shards(tmp_path_factory) -> Path:
 
 
 def test_loader_batches_feed_the_model(shards):
-    model = prepare(load_model(schema.read_manifest(shards), None, torch.device("cpu"), seed=0))
+    model = prepare(load_model(schema.read_manifest(shards).to_json(), None, torch.device("cpu"), seed=0))
     batch = next(iter(make_dataloader(shards)))
     out = model(**batch)
     assert out.logits.shape[:2] == batch["input_ids"].shape
@@ -49,7 +49,7 @@ def test_loader_batches_feed_the_model(shards):
 def test_grad_accum_normalisation_equals_the_big_batch(shards):
     """G micro-batches with num_items_in_batch give the loss and gradient of all G rows at once."""
     g = 3
-    model = prepare(load_model(schema.read_manifest(shards), None, torch.device("cpu"), seed=0))
+    model = prepare(load_model(schema.read_manifest(shards).to_json(), None, torch.device("cpu"), seed=0))
     micro = [b for _, b in zip(range(g), make_dataloader(shards, grad_accum=g, seed=1), strict=False)]
     assert len({b["num_items_in_batch"] for b in micro}) == 1
     total = sum(float(b["num_items_in_batch"]) for b in micro[:1])

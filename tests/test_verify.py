@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import BUNDLED_TOKENIZER, make_build
 
-from packer import schema
+from packer import fs, schema
 from packer.cli import main
+from packer.errors import ShardFormatError
 from packer.verify import verify
 
 
@@ -72,7 +73,7 @@ def rewrite_shard(folder: Path, column: str, change) -> None:
 
     def fix(m):
         m["shards"][0]["bytes"] = path.stat().st_size
-        m["shards"][0]["sha256"] = schema.file_sha256(path)
+        m["shards"][0]["sha256"] = fs.file_sha256(path)
 
     edit_manifest(folder, fix)
 
@@ -154,6 +155,24 @@ def test_corrupted_manifest(copy):
 def test_unknown_format_version(copy):
     edit_manifest(copy, lambda m: m.update(format_version=99))
     assert_caught(copy, "format version 99")
+
+
+def test_misspelt_or_missing_manifest_keys_are_manifest_problems(copy):
+    def misspell(m):
+        m["stats"]["loss_tokenz"] = m["stats"].pop("loss_tokens")
+        del m["shards"][0]["sha256"]
+
+    edit_manifest(copy, misspell)
+    # the contract's own parser finds both, and verify reports each
+    assert_caught(copy, "stats: lacks or mistypes loss_tokens, unknown keys loss_tokenz",
+                  "shards[0]: entry lacks or mistypes sha256", check="manifest")
+    with pytest.raises(ShardFormatError, match="lacks or mistypes loss_tokens"):
+        schema.read_manifest(copy)
+
+
+def test_manifest_round_trips_to_its_own_bytes(clean):
+    data = (clean / schema.MANIFEST_NAME).read_bytes()
+    assert schema.Manifest.from_json(json.loads(data)).dumps() == data
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def run_training(shards: Path, mode: str, steps: int, device: str, lr: float) ->
     from train.train import load_model
 
     dev = torch.device(device)
-    manifest = schema.read_manifest(shards)
+    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
     pad_id = int(manifest["tokenizer"].get("pad_token_id") or 0)
     model = load_model(manifest, None, dev, seed=0)
     if mode == "packed":
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(run_training(shards, args.mode, args.steps, args.device, args.lr)))
         return {}
     _ensure_build(shards)
-    manifest = schema.read_manifest(shards)
+    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
     if manifest["config"].get("pack") != "batch":
         raise SystemExit(
             f"{shards}: built with --pack {manifest['config'].get('pack')}; the comparison needs batch"

@@ -102,7 +102,7 @@ def train(
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps; returns {"losses": [...], "tokens_per_s": ..., "tokens": ...}."""
     dev, rank, world = _setup_distributed(device)
-    manifest = schema.read_manifest(shards)
+    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
     model = prepare(load_model(manifest, model_path, dev, seed))
     if lr is None:
         lr = 3e-3 if model_path is None else 2e-5

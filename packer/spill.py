@@ -1,4 +1,4 @@
-"""The tokenize stage: records → flat token spill files in the staging folder, parallel and resumable.
+"""The token spill: records → flat token files in the staging folder, resumable, and read back by the writer.
 
 Records are read in chunks of ``CHUNK`` (``Dataset.__getitem__`` on a slice of the Arrow table that
 `datasets` memory-maps from its cache, so the input is never all in memory), formatted and tokenized by
@@ -19,26 +19,19 @@ done, so a resumed build is byte-identical to an uninterrupted one; another iden
 Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the writer reads
 the tokens back segment by segment.
 
-Parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
-``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
-(fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
-``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. Workers read their own record ranges
-from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays;
-``imap`` keeps source order, so the bytes do not depend on ``num_proc``. ``engine="ray"`` takes the
-chunks from Ray Data tasks instead (:mod:`packer.ray_engine`), in the same order.
+Where the chunks are encoded is the engine's business (:mod:`packer.engines`: a local process pool, or
+Ray); whichever it is, it yields them in source order, cut at :func:`chunk_ranges`, so the bytes do
+not depend on it.
 
 Cost: one ``encode_batch`` per chunk; the writes are sequential appends; memory O(chunk + 12 B/example).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
-import multiprocessing as mp
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,16 +39,25 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .tokenization import Encoded, Encoder
-from .writer import TokenStore
+from .pages import drop_mapped_pages, mapped_files
+from .tokenization import Encoder
 
 CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
 GROUP = 8  # chunks per commit marker (one fsync per GROUP * CHUNK records)
-TOKENS_DIR = "tokens"  # inside the staging folder
 STAGE_VERSION = 1  # bump when the spill layout or the chunking changes
 _FILES = {"ids": ("ids.bin", np.int32), "trained": ("trained.bin", np.uint8),
           "lengths": ("lengths.bin", np.int32), "example_ids": ("example_ids.bin", np.int64)}
 IDENTITY, PROGRESS = "identity.json", "progress.json"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStore:
+    """All examples' tokens in two flat spill files: example k is tokens offsets[k]:offsets[k+1]."""
+
+    ids_path: Path  # int32 per token
+    trained_path: Path  # uint8 per token, 1 where the token is a target
+    offsets: np.ndarray  # int64[examples+1]
+    example_ids: np.ndarray  # int64[examples]: source record index of each example
 
 
 @dataclass(slots=True)
@@ -84,61 +86,15 @@ class Spill:
         )
 
 
+def open_store(folder: Path, lengths: np.ndarray) -> TokenStore:
+    """The TokenStore of a finished spill in ``folder`` (a writer on another node reopens it so)."""
+    return Spill(folder=folder, lengths=lengths, example_ids=_memmap(folder / "example_ids.bin", np.int64, len(lengths))).store()
+
+
 def _memmap(path: Path, dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
-# ---- mapped input pages ----------------------------------------------------------------------------
-
-
-def _mapped_files(dataset) -> frozenset[str]:
-    """The Arrow cache files ``dataset`` memory-maps (none for an in-memory dataset)."""
-    try:
-        return frozenset(os.path.realpath(f["filename"]) for f in getattr(dataset, "cache_files", ()) or ())
-    except (TypeError, KeyError):
-        return frozenset()
-
-
-def drop_mapped_pages(paths: frozenset[str]) -> None:
-    """Drop this process's read-only mapped pages of ``paths`` from its resident set.
-
-    `datasets` memory-maps its Arrow cache; every page a chunk read touched stays resident (and
-    counted in RSS) while mapped, so RSS would grow with the input although the kernel may reclaim
-    those pages. MADV_DONTNEED on a mapping that cannot have been written (no ``w`` in its
-    permissions) only unmaps the pages: they stay in the page cache and a later read refaults them.
-    Only whole mappings of exactly these files are touched, found in /proc/self/maps."""
-    if not paths or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.readlines()
-    except OSError:
-        return
-    libc = _libc()
-    if libc is None:
-        return
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "w" in parts[1] or parts[5].rstrip("\n") not in paths:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            _LIBC.append(libc)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    return _LIBC[0]
 
 
 # ---- resumable spill -------------------------------------------------------------------------------
@@ -189,20 +145,20 @@ def tokenize(
     folder: Path,
     identity: dict[str, Any],
     *,
-    num_proc: int = 1,
-    engine: str = "local",
+    engine,
     where: str = "record",
     progress: bool = False,
 ) -> Spill:
-    """Tokenize every record of ``dataset`` into ``folder`` (resuming a matching earlier run)."""
+    """Tokenize every record of ``dataset`` into ``folder`` (resuming a matching earlier run), the
+    chunks encoded by ``engine.encode_chunks`` (a :class:`packer.engines.Engine`)."""
     folder = Path(folder)
     done = _open_spill(folder, identity)
     start, total = int(done["records"]), len(dataset)
-    chunks = _chunks(dataset, encoder, start, num_proc=num_proc, engine=engine, where=where)
+    chunks = engine.encode_chunks(dataset, encoder, start, where=where) if start < total else iter(())
     bar = tqdm(total=total, initial=start, desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     pending = 0
-    mapped = _mapped_files(dataset)
+    mapped = mapped_files(dataset)
     drop_mapped_pages(mapped)  # whatever loading touched
     try:
         for chunk in chunks:
@@ -244,60 +200,14 @@ def tokenize(
     )
 
 
-# ---- chunk producers ---------------------------------------------------------------------------------
+# ---- chunking -------------------------------------------------------------------------------------
 
 
-def _ranges(start: int, stop: int) -> Iterator[tuple[int, int]]:
-    # Chunk boundaries are multiples of CHUNK from record 0, whatever the resume point.
+def chunk_ranges(start: int, stop: int) -> Iterator[tuple[int, int]]:
+    """Record ranges [lo, hi) of ≤ CHUNK records from ``start``; boundaries are multiples of CHUNK from
+    record 0, whatever the resume point (the spill's commit markers fall on them)."""
     lo = start
     while lo < stop:
         hi = min(stop, (lo // CHUNK + 1) * CHUNK)
         yield lo, hi
         lo = hi
-
-
-def _chunks(dataset, encoder: Encoder, start: int, *, num_proc: int, engine: str, where: str) -> Iterator[Encoded]:
-    if start >= len(dataset):
-        return iter(())
-    if engine == "ray":
-        from .ray_engine import encode_chunks
-
-        return encode_chunks(dataset, encoder, start, chunk=CHUNK, where=where)
-    if num_proc <= 1 or len(dataset) - start <= CHUNK:  # one chunk: a pool would only add start-up
-        return (encoder.encode(dataset[lo:hi], lo, where=where) for lo, hi in _ranges(start, len(dataset)))
-    return _pool_chunks(dataset, encoder, start, num_proc, where)
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _worker_init(encoder: Encoder, dataset, where: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=_mapped_files(dataset))
-
-
-def _worker_encode(bounds: tuple[int, int]) -> Encoded:
-    lo, hi = bounds
-    encoded = _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
-    drop_mapped_pages(_WORKER["mapped"])
-    return encoded
-
-
-def _pool_chunks(dataset, encoder: Encoder, start: int, num_proc: int, where: str) -> Iterator[Encoded]:
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(method)
-    pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, dataset, where))
-    try:
-        # tasks are two integers each; results come back in order and are written at once
-        yield from pool.imap(_worker_encode, _ranges(start, len(dataset)), chunksize=1)
-        pool.close()
-        pool.join()
-    finally:
-        pool.terminate()
-
-
-def encode_all(dataset, encoder: Encoder, *, num_proc: int = 1, where: str = "record",
-               sink: Callable[[Encoded], None]) -> None:
-    """Feed every chunk to ``sink`` without touching disk (benchmarks time the stage alone with it)."""
-    for chunk in _chunks(dataset, encoder, 0, num_proc=num_proc, engine="local", where=where):
-        sink(chunk)

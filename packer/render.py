@@ -1,0 +1,210 @@
+"""What the CLI prints: pure functions from a view (a build result, an inspect view, a verify report)
+to lines of text. No I/O here; ``color`` says whether lines carry ANSI styles (click.style)."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from .build import BuildResult
+from .verify import Report
+
+# One colour per segment of a drawn row, in turn.
+PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
+
+
+def padding_removed(tokens: int, padded_tokens: int) -> float:
+    """The share of a padded run's tokens that packing does not compute."""
+    return 1 - tokens / max(1, padded_tokens)
+
+
+def build_lines(result: BuildResult) -> list[str]:
+    """The summary of ``packer build``."""
+    m = result.manifest
+    s = m.stats
+    cfg = m.config
+    lines = []
+    if result.reused:
+        lines.append(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
+    if m.note:
+        lines.append(f"note: {m.note}")
+    mode = f"batch of {cfg['batch_size']}" if cfg["pack"] == "batch" else f"{cfg['pack']}, ≤ {cfg['max_tokens']:,} tokens"
+    dropped = ", ".join(f"{k} {v:,}" for k, v in s.dropped_by_reason.items()) or "none"
+    size = sum(sh.bytes for sh in m.shards)
+    lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
+                 f"{s.examples_split:,} split · {s.examples_truncated:,} truncated · dropped: {dropped}")
+    lines.append(f"tokens    {s.tokens:,} in rows ({s.loss_tokens:,} trained) · "
+                 f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
+    if s.segments_without_loss:
+        lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token (prompts cut before their "
+                     "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
+    if cfg["pack"] == "batch":
+        # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
+        lines.append(f"rows      {s.rows:,} ({mode}) · padded batches would hold {s.padded_tokens:,} tokens: "
+                     f"packing removes {padding_removed(s.tokens, s.padded_tokens):.1%} of them")
+    else:
+        lines.append(f"rows      {s.rows:,} ({mode}) · fill {s.fill:.1%} · "
+                     f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
+    lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB)")
+    lines.append(f"time      {result.seconds:.1f} s")
+    return lines
+
+
+def _plain(lines: list[str], color: bool) -> list[str]:
+    """The lines as they are, or without their styles when colour is off."""
+    return lines if color else [click.unstyle(line) for line in lines]
+
+
+def verify_lines(report: Report) -> list[str]:
+    """The verdict of ``packer verify`` and one line per problem."""
+    return [report.verdict(), *(f"  {problem}" for problem in report.problems)]
+
+
+def summary_lines(view: dict, color: bool) -> list[str]:
+    """The summary of ``packer inspect DIR``: the build's numbers, then the modes compared on it."""
+    lines: list[str] = []
+    s = view["stats"]
+    if view.get("note"):
+        lines.append(f"note: {view['note']}")
+    budget = f"{view['pack']}" + (f" of {view['batch_size']}" if view["pack"] == "batch" else f", ≤ {view['max_tokens'] or view['max_len']:,} tokens")
+    lines.append(click.style(f"{view['directory']}: {s['rows']:,} rows ({budget}), tokenizer {view['tokenizer']}", bold=True))
+    lines.append(f"  examples     {s['examples_read']:,} read · {s['examples_packed']:,} whole · {s['examples_split']:,} split · "
+          f"{s['examples_truncated']:,} truncated · {sum((s.get('dropped_by_reason') or {}).values()):,} dropped "
+          f"· {s['segments']:,} segments in rows")
+    lines.append(f"  tokens       {s['tokens']:,} in rows ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})"
+          f" · {s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped")
+    lines.append(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
+          f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})")
+    for sh in view["shards"]:
+        lines.append(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}")
+    modes = view.get("modes")
+    if not modes:
+        return _plain(lines, color)
+    world = s.get("world_size", 1)
+    lines.append("")
+    lines.append(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens), "
+                      f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True))
+    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
+    lines.append(click.style(head, dim=True))
+    for m in modes:
+        mark = "▸" if m["built"] else " "
+        line = (f"  {mark} {m['mode']:<8}{m['rows']:>7,}{m['optimizer_steps']:>12,}{m['examples_per_step']:>15.1f}"
+                f"{m['computed_tokens']:>11,}{m['padding']:>9.1%}{m['peak_row_tokens']:>10,}{m['fill']:>7.1%}"
+                f"   {m['note']}")
+        lines.append(click.style(line, bold=True) if m["built"] else line)
+    by = {m["mode"]: m for m in modes}
+    pad, batch, bfd = by["padded"], by["batch"], by["bfd"]
+    lines.append(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad['padding']:.0%} fewer "
+          f"tokens computed. bfd: {1 - bfd['rows'] / max(1, batch['rows']):.0%} fewer rows, but "
+          f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
+          "(retune the learning rate; the loss curve changes).")
+    return _plain(lines, color)
+
+
+def example_lines(view: dict, directory: str, color: bool) -> list[str]:
+    """Where ``packer inspect DIR --example ID`` found the example."""
+    lines: list[str] = []
+    ex = view["example_id"]
+    if not view["found"]:
+        lines.append(f"example {ex}: in no row; {view['why_missing']}")
+        return _plain(lines, color)
+    pieces = view["pieces"]
+    what = []
+    if view["split"]:
+        what.append(f"split into {len(pieces)} pieces (--overlong {view['overlong']}, --max-len {view['max_len']})"
+                    if view["pack"] != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
+    if view["truncated"]:
+        what.append(f"truncated to --max-len {view['max_len']} (its last token is not EOS)")
+    lines.append(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(pieces)} segment{'s' if len(pieces) > 1 else ''}"
+                      + (f", {'; '.join(what)}" if what else ", whole"), bold=True))
+    for p in pieces:
+        lines.append(f"  row {p['row']:>6,}  segment {p['segment']:>3}  tokens {p['offset']:,}..{p['offset'] + p['length']:,} "
+              f"({p['length']:,})  {p['shard']}")
+    lines.append(click.style(f"  see it: packer inspect {directory} --row {pieces[0]['row']}", dim=True))
+    return _plain(lines, color)
+
+
+def _flow(text: str) -> str:
+    """One line per source line: newlines become ↵ followed by a break, tabs become spaces."""
+    return text.replace("\r", "").replace("\t", "    ").replace("\n", "↵\n")
+
+
+def row_lines(view: dict, *, show_ids: bool, color: bool, width: int) -> list[str]:
+    """One row drawn segment by segment in lines of at most ``width`` characters."""
+    lines: list[str] = []
+    segs = view["segments"]
+    lines.append(click.style(f"row {view['row']} · {view['shard']} · {view['tokens']:,} tokens in {len(segs)} segments · "
+                      f"{view['num_loss_tokens']:,} trained · longest {view['max_seqlen']:,}", bold=True))
+    if color:
+        legend = (click.style("dim", dim=True) + " = masked (no loss) · " + click.style("bright", bold=True)
+                  + " = trained · ⋯ = elided · one colour per segment")
+    else:
+        legend = "«…» = trained tokens, the rest is masked (no loss) · ⋯ = elided"
+    lines.append("  " + legend)
+    for k, seg in enumerate(segs):
+        hue = PALETTE[k % len(PALETTE)]
+        bar = click.style("▌", fg=hue) if color else "│"
+        if k:
+            lines.append(click.style(f"  ╞═ boundary at token {seg['offset']:,}: position_ids restart at 0, label -100 " + "═" * 8,
+                              dim=True))
+        head = (f"segment {seg['segment']} · example {seg['example_id']} · tokens {seg['offset']:,}.."
+                f"{seg['offset'] + seg['length']:,} ({seg['length']:,}) · {seg['trained_tokens']:,} trained")
+        lines.append(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head))
+        pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
+        for run in seg.get("runs", []):
+            if "elided" in run:
+                if pieces:
+                    pieces[-1] = (pieces[-1][0].rstrip(), pieces[-1][1])
+                pieces.append((f" ⋯ {run['elided']:,} tokens ({run['trained']:,} trained) ⋯ ", "elided"))
+                continue
+            if show_ids:
+                text = (" " if pieces and pieces[-1][1] != "elided" else "") + " ".join(map(str, run["ids"]))
+            else:
+                text = _flow(run["text"])
+            if pieces and pieces[-1][1] == "elided":
+                text = text.lstrip()
+            if not color and run["trained"]:
+                text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
+            pieces.append((text, "trained" if run["trained"] else "masked"))
+        for line in _wrap(pieces, width):
+            merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
+            for t, kind in line:
+                if merged and merged[-1][1] == kind:
+                    merged[-1][0] += t
+                else:
+                    merged.append([t, kind])
+            styled = "".join(
+                t if not color else click.style(t, fg=hue, bold=kind == "trained" or None,
+                                                dim=kind == "masked" or None, italic=kind == "elided" or None)
+                for t, kind in merged
+            )
+            lines.append(f"{bar} {styled}")
+    return _plain(lines, color)
+
+
+def _wrap(pieces: list[tuple[str, str]], width: int) -> list[list[tuple[str, str]]]:
+    """Lay styled pieces out in lines of at most ``width`` characters, breaking at spaces (or inside a
+    word longer than a line) and at the newlines the pieces hold."""
+    lines: list[list[tuple[str, str]]] = [[]]
+    used = 0
+    for text, kind in pieces:
+        for part in re.findall(r"\n|[^\S\n]*\S+|[^\S\n]+", text):
+            if part == "\n":
+                lines.append([])
+                used = 0
+                continue
+            while used + len(part) > width and part:
+                if used and part.strip():
+                    lines.append([])
+                    used = 0
+                    part = part.lstrip()
+                    continue
+                lines[-1].append((part[:width - used], kind))
+                part = part[width - used:]
+                lines.append([])
+                used = 0
+            if part:
+                lines[-1].append((part, kind))
+                used += len(part)
+    return [line for line in lines if line] or [[]]

@@ -1,0 +1,79 @@
+"""What the CLI prints, by value: render's functions are pure (view → lines), so each line is compared
+whole, and an arithmetic slip in a figure (padding removed, fill, rows over the lower bound) fails."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from packer import inspect_, render, schema
+from packer.build import BuildResult, tokenizer_path
+from packer.tokenization import load_tokenizer
+from packer.verify import verify
+
+STATS = dict(
+    examples=100, examples_packed=97, examples_split=0, examples_truncated=2, examples_dropped=1, segments=99,
+    tokens_in=1_600, tokens=1_500, tokens_truncated=60, tokens_dropped=40, rows=13, max_row_tokens=400,
+    row_budget=400, lower_bound=4, fill=0.5, world_size=1, rank_work_max_over_mean=1.0, examples_read=101,
+    records_skipped=1, dropped_by_reason={"empty_text": 1, "overlong": 1}, loss_tokens=600, segments_without_loss=0,
+)
+
+
+def _result(config: dict, **stats) -> BuildResult:
+    manifest = schema.Manifest(created_by="test", note=None, config=config, tokenizer={}, source={},
+                               stats=schema.Stats(**{**STATS, **stats}),
+                               shards=(schema.ShardEntry(file="shard-00000.arrow", rows=13, tokens=1_500,
+                                                         bytes=2_500_000, sha256="0" * 64),))
+    return BuildResult(Path("out"), manifest, False, 1.25)
+
+
+def test_batch_build_summary_says_the_padding_packing_removes():
+    lines = render.build_lines(_result({"pack": "batch", "batch_size": 8}, padded_tokens=6_000))
+    assert lines == [
+        "examples  101 read · 97 packed whole · 0 split · 2 truncated · dropped: empty_text 1, overlong 1",
+        "tokens    1,500 in rows (600 trained) · 60 truncated · 40 dropped",
+        "rows      13 (batch of 8) · padded batches would hold 6,000 tokens: packing removes 75.0% of them",
+        "shards    1 in out (2.5 MB)",
+        "time      1.2 s",
+    ]
+
+
+def test_bfd_build_summary_says_fill_and_lower_bound():
+    lines = render.build_lines(_result({"pack": "bfd", "max_tokens": 4096}, rows=5, segments_without_loss=3))
+    assert lines[2].startswith("warning   3 segments hold no trained token")
+    assert lines[3] == "rows      5 (bfd, ≤ 4,096 tokens) · fill 50.0% · 1.250 × lower bound 4"
+
+
+def test_reused_build_and_note_come_first():
+    result = _result({"pack": "batch", "batch_size": 8}, padded_tokens=1_500)
+    result = dataclasses.replace(result, reused=True,
+                                 manifest=dataclasses.replace(result.manifest, note="a synthetic sample"))
+    lines = render.build_lines(result)
+    assert lines[:2] == ["out: already holds this build (same source, config and tokenizer); nothing to do",
+                         "note: a synthetic sample"]
+    assert lines[4].endswith("packing removes 0.0% of them")
+
+
+def test_summary_lines_without_colour_carry_no_escapes(flan_batch):
+    view = inspect_.summary(flan_batch)
+    plain, styled = render.summary_lines(view, color=False), render.summary_lines(view, color=True)
+    assert [line for line in plain if "\x1b[" in line] == []
+    assert any("\x1b[" in line for line in styled) and len(plain) == len(styled)
+    s = view["stats"]
+    assert plain[1] == (f"{flan_batch}: {s['rows']:,} rows (batch of 4), tokenizer bundled")
+
+
+def test_row_lines_fit_the_width(flan_batch):
+    view = inspect_.row(flan_batch, 0, load_tokenizer(tokenizer_path(None)), elide=None)
+    lines = render.row_lines(view, show_ids=True, color=False, width=60)
+    body = [line for line in lines if line.startswith("│ ") and not line.startswith("│ segment")]
+    assert body and max(len(line) for line in body) <= 2 + 60  # the bar and a space, then at most `width`
+    numbers = [int(t) for line in body for t in line[2:].replace("«", " ").replace("»", " ").split()]
+    assert numbers == [i for seg in view["segments"] for i in seg["ids"]]
+
+
+def test_verify_lines_are_the_verdict_then_each_problem(flan_batch):
+    report = verify(flan_batch, quick=True)
+    assert render.verify_lines(report) == [report.verdict()]
+    report.add("files", "x.arrow", "missing")
+    assert render.verify_lines(report) == [report.verdict(), "  x.arrow: missing"]
