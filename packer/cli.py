@@ -91,8 +91,8 @@ def main() -> None:
 @click.option("--on-error", type=click.Choice(ON_ERROR), default=DEFAULTS["on_error"], show_default=True,
               help="A bad record stops the build, or is skipped and counted in the manifest by reason.")
 @click.option("--num-proc", "-j", type=int, default=DEFAULTS["num_proc"], show_default=True,
-              help="Processes for formatting and tokenizing (1: one process whose tokenizer threads use every "
-                   "core; N: N single-threaded workers). The bytes do not depend on it.")
+              help="Processes for formatting and tokenizing (0: one per core, the fastest measured; 1: one process "
+                   "whose tokenizer threads use every core; N: N workers). The bytes do not depend on it.")
 @click.option("--engine", type=click.Choice(ENGINES), default=DEFAULTS["engine"], show_default=True,
               help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")

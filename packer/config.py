@@ -45,7 +45,9 @@ class BuildConfig:
     limit: int | None = None
     shard_size_mb: int = 256
     on_error: str = "raise"
-    num_proc: int = 1
+    # 0: one tokenizing process per core, the measured fastest (2 processes on 2 cores: 1.85-1.90x one
+    # process, against 1.73-1.79x for one process whose Rust tokenizer threads use both cores)
+    num_proc: int = 0
     engine: str = "local"
     overwrite: bool = False
 
@@ -64,8 +66,10 @@ class BuildConfig:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
-        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "num_proc"):
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb"):
             positive(name, getattr(self, name))
+        if self.num_proc < 0:
+            raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:
             raise ConfigError(f"--max-len must be at least 2 tokens (BOS and EOS), got {self.max_len}")
         if self.pack == "batch":

@@ -68,7 +68,7 @@ class LocalEngine:
 
 def for_config(config: BuildConfig) -> Engine:
     """The engine ``config.engine`` names."""
-    return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc)
+    return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc or os.cpu_count() or 1)
 
 
 _WORKER: dict[str, Any] = {}
