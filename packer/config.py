@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-PACK_MODES = ("batch", "bfd", "wrap")
+PACK_MODES = ("batch", "bfd", "optimal", "wrap")
 OVERLONG_POLICIES = ("truncate", "split", "drop")
 BALANCE_BY = ("tokens", "attention")
 ON_ERROR = ("raise", "skip")
@@ -84,7 +84,7 @@ class BuildConfig:
                 )
             if self.max_tokens is None:
                 object.__setattr__(self, "max_tokens", self.max_len)
-            if self.pack == "bfd" and self.max_len > self.max_tokens:
+            if self.pack in ("bfd", "optimal") and self.max_len > self.max_tokens:
                 raise ConfigError(
                     f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
                     "example that long could never be placed; lower --max-len or raise --max-tokens"

@@ -72,10 +72,11 @@ from typing import Any
 import numpy as np
 
 from packer.errors import ConfigError
+from packer.repack import fewer_rows
 
 __all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "plan", "rank_work_ratio"]
 
-MODES = ("batch", "bfd", "wrap")
+MODES = ("batch", "bfd", "optimal", "wrap")
 OVERLONG = ("truncate", "split", "drop")
 BALANCE = ("tokens", "attention")
 
@@ -304,9 +305,11 @@ def _bfd_bins(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int]
     return order, bin_of_sorted, nbins
 
 
-def _pack_bfd(example, start, length, cap, rng, world_size, balance):
-    """BFD, then rows in shuffled order (or balanced steps); one grouping sort, one gather."""
+def _pack_bfd(example, start, length, cap, rng, world_size, balance, repack):
+    """BFD (then the repack, for mode "optimal"), then rows in shuffled order (or balanced steps)."""
     order, bin_of_sorted, nbins = _bfd_bins(length, cap)
+    if repack:
+        bin_of_sorted, nbins = fewer_rows(length[order], bin_of_sorted, nbins, cap)
     if balance is None:
         row_order = rng.permutation(nbins)
     else:
@@ -426,7 +429,7 @@ def plan(
 ) -> Plan:
     """Plan rows from example lengths; see the module docstring for the algorithms."""
     if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd or wrap")
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd, optimal or wrap")
     if overlong not in OVERLONG:
         raise ConfigError(
             f"overlong must be one of {OVERLONG}, got {overlong!r}; use truncate, split or drop"
@@ -455,7 +458,7 @@ def plan(
         if max_tokens is None:
             max_tokens = max_len
         max_tokens = _as_int("max_tokens", max_tokens, 1, "set max_tokens to the tokens per row")
-        if mode == "bfd" and max_len > max_tokens:
+        if mode in ("bfd", "optimal") and max_len > max_tokens:
             raise ConfigError(
                 f"max_len ({max_len}) exceeds max_tokens ({max_tokens}): an example could not fit a row; "
                 f"lower max_len to <= {max_tokens} or raise max_tokens"
@@ -491,9 +494,9 @@ def plan(
             example, start, length = example[idx], start[idx], length[idx]
     else:
         example, start, length, acct = _segments(lengths, max_len, overlong)
-        if mode == "bfd":
+        if mode in ("bfd", "optimal"):
             example, start, length, row_splits = _pack_bfd(
-                example, start, length, budget_cap, rng, world_size, balance
+                example, start, length, budget_cap, rng, world_size, balance, mode == "optimal"
             )
         else:  # batch
             p = rng.permutation(example.size)
