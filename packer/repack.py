@@ -27,47 +27,43 @@ import numpy as np
 __all__ = ["fewer_rows"]
 
 MAX_SIZES = 48  # distinct sizes offered to one row's subset-sum: plenty of ways to hit the budget
-MAX_LOOSE_ROWS = 1 << 15  # bounds the Python work at any input size
+WINDOW = 4096  # loose rows refilled together
+MAX_REFILLED = 1 << 14  # loose rows refilled at most: bounds the cost at any input size
 
 
-def _chunks(sizes: np.ndarray, counts: np.ndarray, room: int) -> tuple[list[int], list[int], list[int]]:
-    """Binary splitting of ``counts[i]`` copies of ``sizes[i]`` (at most what fits ``room``)."""
-    size_of: list[int] = []
-    mult: list[int] = []
-    owner: list[int] = []
-    for i, (s, c) in enumerate(zip(sizes.tolist(), counts.tolist(), strict=True)):
+def _best_subset(sizes: list[int], counts: list[int], room: int) -> list[tuple[int, int]]:
+    """Copies of ``sizes`` (at most ``counts`` each) with the largest total <= ``room``: [(size, copies)].
+
+    Bounded subset-sum over a bitset (bit t of ``reach`` set when t tokens are reachable), the counts
+    split in binary chunks 1, 2, 4, ...; it stops at the first chunk that makes ``room`` reachable.
+    Walking back, a chunk is taken only when the total was not reachable without it, so the sizes
+    offered first (the largest) are preferred.
+    """
+    mask = (1 << (room + 1)) - 1
+    reach = 1
+    history: list[int] = []
+    chunks: list[tuple[int, int]] = []
+    for s, c in zip(sizes, counts, strict=True):
         c = min(c, room // s)
         j = 1
         while c > 0:
             t = min(j, c)
-            size_of.append(s * t)
-            mult.append(t)
-            owner.append(i)
+            history.append(reach)
+            chunks.append((s, t))
+            reach |= (reach << (s * t)) & mask
             c -= t
             j <<= 1
-    return size_of, mult, owner
-
-
-def _best_subset(chunk_size: list[int], room: int) -> tuple[int, list[int]]:
-    """The largest total <= ``room`` of a subset of chunks, and which chunks give it."""
-    mask = (1 << (room + 1)) - 1
-    reach = 1
-    history = []
-    for v in chunk_size:
-        history.append(reach)
-        reach |= (reach << v) & mask
-        if reach >> room:  # the row is full: no later chunk can do better
+        if reach >> room:  # full: nothing offered later does better
             break
-    best = reach.bit_length() - 1
+    t = reach.bit_length() - 1
     taken = []
-    t = best
-    for k in range(len(history) - 1, -1, -1):
+    for k in range(len(chunks) - 1, -1, -1):
         if t == 0:
             break
         if not (history[k] >> t) & 1:  # t was reached only with chunk k
-            taken.append(k)
-            t -= chunk_size[k]
-    return best, taken
+            taken.append(chunks[k])
+            t -= chunks[k][0] * chunks[k][1]
+    return taken
 
 
 def _refill(counts: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,23 +88,35 @@ def _refill(counts: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.nd
         if offer.size:
             if offer.size > MAX_SIZES:
                 offer = offer[np.linspace(0, offer.size - 1, MAX_SIZES).round().astype(np.int64)]
-            size_of, mult, owner = _chunks(offer, counts[offer], room)
-            _, taken = _best_subset(size_of, room)
-            for k in taken:
-                s = int(offer[owner[k]])
-                counts[s] -= mult[k]
+            offer = offer[::-1]  # largest first: a row fills with the big ones, small ones only to finish
+            for size, copies in _best_subset(offer.tolist(), counts[offer].tolist(), room):
+                counts[size] -= copies
                 t_row.append(r)
-                t_size.append(s)
-                t_count.append(mult[k])
+                t_size.append(size)
+                t_count.append(copies)
         r += 1
+
+
+def _deal(items: np.ndarray, sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
+    """Refill ``items`` into rows: (local row of each item, number of rows)."""
+    t_row, t_size, t_count = _refill(np.bincount(sizes[items], minlength=cap + 1), cap)
+    by_size = np.argsort(sizes[items], kind="stable")  # the items by size, then position
+    o = np.lexsort((t_row, t_size))  # the (row, size, count) triples by size, then row: the same order
+    row = np.empty(items.size, np.int64)
+    row[by_size] = np.repeat(t_row[o], t_count[o])
+    return row, int(t_row[-1]) + 1
 
 
 def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> tuple[np.ndarray, int]:
     """Move items between bins so that fewer bins are used, when refilling the loose bins finds how.
 
     ``bin_of[i]`` is the bin of item ``i`` (size ``sizes[i]`` <= ``cap``) in a feasible packing into
-    ``nbins`` bins. Returns ``(bin_of, nbins)``; the bins kept whole keep their order and come first,
-    the refilled ones follow. Unchanged when ``nbins`` is already ⌈sum / cap⌉ or nothing is won.
+    ``nbins`` bins. Returns ``(bin_of, nbins)`` with the bins renumbered ``0..nbins-1`` (emptied bins
+    removed, the others in their order). Unchanged when nothing is won.
+
+    The loose bins, largest gap first, are refilled a window of ``WINDOW`` bins at a time, the bins
+    a window leaves with a gap joining the next window; a window's refill is kept only when it
+    needs fewer bins. It stops at ⌈sum / cap⌉, at the last window, or after ``MAX_REFILLED`` bins.
     """
     if nbins == 0:
         return bin_of, nbins
@@ -118,22 +126,32 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
         return bin_of, nbins
     gaps = cap - loads
     loose = np.flatnonzero(gaps > 0)
-    if loose.size > MAX_LOOSE_ROWS:
-        loose = loose[np.argsort(-gaps[loose], kind="stable")[:MAX_LOOSE_ROWS]]
-    is_loose = np.zeros(nbins, bool)
-    is_loose[loose] = True
-    items = np.flatnonzero(is_loose[bin_of])
-    counts = np.bincount(sizes[items], minlength=cap + 1)
-    t_row, t_size, t_count = _refill(counts, cap)
-    nrows = int(t_row[-1]) + 1
-    if nrows >= loose.size:
-        return bin_of, nbins
+    loose = loose[np.argsort(-gaps[loose], kind="stable")][:MAX_REFILLED]
+    # the items of each loose bin, bin by bin in that order
+    rank = np.full(nbins, -1, np.int64)
+    rank[loose] = np.arange(loose.size)
+    items = np.flatnonzero(rank[bin_of] >= 0)
+    items = items[np.argsort(rank[bin_of[items]], kind="stable")]
+    splits = np.searchsorted(rank[bin_of[items]], np.arange(loose.size + 1))
 
-    # the kept bins, renumbered in order; then the new rows, whose items are dealt out by size
-    keep = ~is_loose
-    new_bin = (np.cumsum(keep) - 1)[bin_of]
-    first = int(keep.sum())
-    by_size = items[np.argsort(sizes[items], kind="stable")]  # loose items by size, then id
-    o = np.lexsort((t_row, t_size))  # the triples by size, then row: the same order
-    new_bin[by_size] = first + np.repeat(t_row[o], t_count[o])
-    return new_bin, first + nrows
+    bin_of = bin_of.copy()
+    nb = nbins
+    carry_bins = carry_items = np.zeros(0, np.int64)
+    for w in range(0, loose.size, WINDOW):
+        if nb <= lower:
+            break
+        win = np.concatenate([carry_bins, loose[w : w + WINDOW]])
+        work = np.concatenate([carry_items, items[splits[w] : splits[min(w + WINDOW, loose.size)]]])
+        row, nrows = _deal(work, sizes, cap)
+        if nrows >= win.size:
+            carry_bins = carry_items = np.zeros(0, np.int64)
+            continue
+        bin_of[work] = win[row]  # the new rows take the first bin ids of the window; the rest empty
+        nb -= win.size - nrows
+        short = np.bincount(row, weights=sizes[work], minlength=nrows) < cap
+        carry_bins, carry_items = win[:nrows][short], work[short[row]]
+    if nb == nbins:
+        return bin_of, nbins
+    used = np.zeros(nbins, bool)
+    used[bin_of] = True
+    return (np.cumsum(used) - 1)[bin_of], nb
