@@ -22,6 +22,8 @@ than BFD.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 __all__ = ["fewer_rows"]
@@ -41,60 +43,67 @@ def _best_subset(sizes: list[int], counts: list[int], room: int) -> list[tuple[i
     """
     mask = (1 << (room + 1)) - 1
     reach = 1
-    history: list[int] = []
-    chunks: list[tuple[int, int]] = []
+    steps: list[tuple[int, int, int]] = []  # (reach before, size, copies) per chunk
     for s, c in zip(sizes, counts, strict=True):
-        c = min(c, room // s)
+        fit = room // s
+        if c > fit:
+            c = fit
         j = 1
         while c > 0:
-            t = min(j, c)
-            history.append(reach)
-            chunks.append((s, t))
+            t = j if j < c else c
+            steps.append((reach, s, t))
             reach |= (reach << (s * t)) & mask
+            if reach >> room:  # full: nothing offered later does better
+                break
             c -= t
             j <<= 1
-        if reach >> room:  # full: nothing offered later does better
-            break
+        else:
+            continue
+        break
     t = reach.bit_length() - 1
     taken = []
-    for k in range(len(chunks) - 1, -1, -1):
+    for before, s, copies in reversed(steps):
         if t == 0:
             break
-        if not (history[k] >> t) & 1:  # t was reached only with chunk k
-            taken.append(chunks[k])
-            t -= chunks[k][0] * chunks[k][1]
+        if not (before >> t) & 1:  # t was reached only with this chunk
+            taken.append((s, copies))
+            t -= s * copies
     return taken
 
 
 def _refill(counts: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Minimum-bin-slack rows over the multiset ``counts[size]``: (row, size, count) triples."""
-    counts = counts.copy()
+    """Minimum-bin-slack rows over the multiset ``counts[size]``: (row, size, copies) triples."""
+    count = counts.tolist()
+    present = np.flatnonzero(counts).tolist()  # sizes left, ascending
     t_row: list[int] = []
     t_size: list[int] = []
     t_count: list[int] = []
     r = 0
-    while True:
-        present = np.flatnonzero(counts)
-        if present.size == 0:
-            return np.asarray(t_row, np.int64), np.asarray(t_size, np.int64), np.asarray(t_count, np.int64)
-        largest = int(present[-1])
-        counts[largest] -= 1
+    while present:
+        largest = present[-1]
         t_row.append(r)
         t_size.append(largest)
         t_count.append(1)
+        count[largest] -= 1
+        if not count[largest]:
+            present.pop()
         room = cap - largest
-        offer = present[: np.searchsorted(present, room, side="right")]
-        offer = offer[counts[offer] > 0]
-        if offer.size:
-            if offer.size > MAX_SIZES:
-                offer = offer[np.linspace(0, offer.size - 1, MAX_SIZES).round().astype(np.int64)]
-            offer = offer[::-1]  # largest first: a row fills with the big ones, small ones only to finish
-            for size, copies in _best_subset(offer.tolist(), counts[offer].tolist(), room):
-                counts[size] -= copies
+        k = bisect_right(present, room)  # present[:k] fit the room
+        if k:
+            if k <= MAX_SIZES:
+                offer = present[k - 1 :: -1]
+            else:  # spread evenly from the largest that fits down to the smallest
+                step = (k - 1) / (MAX_SIZES - 1)
+                offer = [present[round(k - 1 - i * step)] for i in range(MAX_SIZES)]
+            for size, copies in _best_subset(offer, [count[x] for x in offer], room):
+                count[size] -= copies
+                if not count[size]:
+                    del present[bisect_right(present, size) - 1]
                 t_row.append(r)
                 t_size.append(size)
                 t_count.append(copies)
         r += 1
+    return np.asarray(t_row, np.int64), np.asarray(t_size, np.int64), np.asarray(t_count, np.int64)
 
 
 def _deal(items: np.ndarray, sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
@@ -116,7 +125,8 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
 
     The loose bins, largest gap first, are refilled a window of ``WINDOW`` bins at a time, the bins
     a window leaves with a gap joining the next window; a window's refill is kept only when it
-    needs fewer bins. It stops at ⌈sum / cap⌉, at the last window, or after ``MAX_REFILLED`` bins.
+    needs fewer bins. It stops at ⌈sum / cap⌉, at a window that wins nothing (the later ones have
+    smaller gaps still), or after ``MAX_REFILLED`` bins.
     """
     if nbins == 0:
         return bin_of, nbins
@@ -143,9 +153,8 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
         win = np.concatenate([carry_bins, loose[w : w + WINDOW]])
         work = np.concatenate([carry_items, items[splits[w] : splits[min(w + WINDOW, loose.size)]]])
         row, nrows = _deal(work, sizes, cap)
-        if nrows >= win.size:
-            carry_bins = carry_items = np.zeros(0, np.int64)
-            continue
+        if nrows >= win.size:  # the windows after it have smaller gaps still: stop here
+            break
         bin_of[work] = win[row]  # the new rows take the first bin ids of the window; the rest empty
         nb -= win.size - nrows
         short = np.bincount(row, weights=sizes[work], minlength=nrows) < cap
