@@ -13,10 +13,15 @@ reachable). Sizes are offered largest first and the subset is read back preferri
 is made of big examples and only finished with small ones: the small ones stay for the rows that
 need an exact filler. Rows filled exactly push the slack into the last rows, which empty.
 
-Windows. The loose rows, largest gap first, are refilled ``WINDOW`` at a time; the rows a window
+Windows. The loose rows are refilled ``WINDOW`` at a time; window k takes every nwin-th of them
+in order of gap, from the k-th largest, so that every window holds the whole spread of gaps and
+examples (a window of only the largest gaps is the hardest to win a row from). The rows a window
 leaves short join the next window. A window's refill is kept only when it needs fewer rows than it
-had, else the search stops (later windows have smaller gaps still): never more rows than BFD. It
-also stops at the lower bound and after ``MAX_REFILLED`` rows.
+had: never more rows than BFD. The search stops at the lower bound and after ``MAX_REFILLED`` rows.
+
+Where it misses: lengths uniform over [16, budget / 2) at 1M (BFD's loose rows there are triples
+and pairs of near-equal examples, each short of one exact filler that no longer exists): BFD's
+rows stay. Measured figures: README, Planning; ``benchmarks/bench_plan.py``.
 
 Cost. One subset-sum per new row over at most ``MAX_SIZES`` distinct sizes (spread evenly from the
 largest that fits to the smallest), their counts in binary chunks 1, 2, 4, ...; it stops at the
@@ -34,7 +39,7 @@ import numpy as np
 __all__ = ["fewer_rows"]
 
 MAX_SIZES = 48  # distinct sizes offered to one row's subset-sum: plenty of ways to hit the budget
-WINDOW = 4096  # loose rows refilled together
+WINDOW = 8192  # loose rows refilled together: more rows, more ways to fill each one exactly
 MAX_REFILLED = 1 << 14  # loose rows refilled at most: bounds the cost at any input size
 
 
@@ -128,10 +133,9 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
     ``nbins`` bins. Returns ``(bin_of, nbins)`` with the bins renumbered ``0..nbins-1`` (emptied bins
     removed, the others in their order). Unchanged when nothing is won.
 
-    The loose bins, largest gap first, are refilled a window of ``WINDOW`` bins at a time, the bins
-    a window leaves with a gap joining the next window; a window's refill is kept only when it
-    needs fewer bins. It stops at ⌈sum / cap⌉, at a window that wins nothing (the later ones have
-    smaller gaps still), or after ``MAX_REFILLED`` bins.
+    The loose bins are refilled a window of at most ``WINDOW`` bins at a time, the bins a window
+    leaves with a gap joining the next window; a window's refill is kept only when it needs fewer
+    bins. It stops at ⌈sum / cap⌉ or after ``MAX_REFILLED`` bins.
     """
     if nbins == 0:
         return bin_of, nbins
@@ -141,7 +145,12 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
         return bin_of, nbins
     gaps = cap - loads
     loose = np.flatnonzero(gaps > 0)
-    loose = loose[np.argsort(-gaps[loose], kind="stable")][:MAX_REFILLED]
+    # windows alike: window k takes every nwin-th loose bin from the k-th largest gap down, so each
+    # holds the whole spread of gaps and examples (a window of only the largest gaps is the hardest)
+    nwin = -(-loose.size // WINDOW)
+    loose = loose[np.argsort(-gaps[loose], kind="stable")]
+    loose = np.concatenate([loose[k::nwin] for k in range(nwin)])
+    ends = np.cumsum([loose[k::nwin].size for k in range(nwin)])
     # the items of each loose bin, bin by bin in that order
     rank = np.full(nbins, -1, np.int64)
     rank[loose] = np.arange(loose.size)
@@ -152,14 +161,17 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
     bin_of = bin_of.copy()
     nb = nbins
     carry_bins = carry_items = np.zeros(0, np.int64)
-    for w in range(0, loose.size, WINDOW):
-        if nb <= lower:
+    begin = 0
+    for end in ends.tolist():
+        if nb <= lower or begin >= MAX_REFILLED:
             break
-        win = np.concatenate([carry_bins, loose[w : w + WINDOW]])
-        work = np.concatenate([carry_items, items[splits[w] : splits[min(w + WINDOW, loose.size)]]])
+        win = np.concatenate([carry_bins, loose[begin:end]])
+        work = np.concatenate([carry_items, items[splits[begin] : splits[end]]])
+        begin = end
         row, nrows = _deal(work, sizes, cap)
-        if nrows >= win.size:  # the windows after it have smaller gaps still: stop here
-            break
+        if nrows >= win.size:  # nothing won: keep these bins as they are
+            carry_bins = carry_items = np.zeros(0, np.int64)
+            continue
         bin_of[work] = win[row]  # the new rows take the first bin ids of the window; the rest empty
         nb -= win.size - nrows
         short = np.bincount(row, weights=sizes[work], minlength=nrows) < cap

@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import ROOT, make_build
+from conftest import make_build
 from test_plan import _rows_as_sets, check_plan, flan_like, random_lengths, reference_bfd_loads
 
 from packer import BuildConfig, sources
@@ -131,5 +131,4 @@ def test_deterministic_and_seed_moves_rows_only():
 def test_build_and_verify_with_pack_optimal(tmp_path):
     out = make_build(tmp_path / "o", limit=600, pack="optimal", max_len=512, overlong="split", seed=3)
     report = verify(out)
-    assert report.ok, report
-    assert (ROOT / "data").is_dir()
+    assert report.ok, report  # verify replans the build from its manifest's config, mode included
