@@ -39,7 +39,7 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
      exact subset sums (:mod:`packer.repack`), kept only where that needs fewer rows: never more
      rows than ``bfd``, and ⌈tokens / max_tokens⌉ (+ 1 at most) on real data where ``bfd`` is a
      few rows over (GSM8K with Llama 2 at 2,048 tokens: 739 rows where ``bfd`` needs 745). The
-     refill is bounded (at most 16k rows, ~1-2 s); 1M FLAN-like lengths take ~2x ``bfd``'s time.
+     refill is bounded (at most 16k rows, 1-3 s); 1M FLAN-like lengths take 1.4-1.8x ``bfd``'s time.
      It is a mode of its own, not a change to ``bfd``: ``bfd`` stays exact best-fit-decreasing (the
      textbook algorithm the tests and TRL's ``pack_dataset`` are compared with), and a finished
      build's manifest names its mode, which ``packer verify`` replans to check the rows.

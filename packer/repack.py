@@ -26,7 +26,7 @@ rows stay. Measured figures: README, Planning; ``benchmarks/bench_plan.py``.
 Cost. One subset-sum per new row over at most ``MAX_SIZES`` distinct sizes (spread evenly from the
 largest that fits to the smallest), their counts in binary chunks 1, 2, 4, ...; it stops at the
 first chunk that fills the row. That is O(MAX_SIZES * log(budget)) shifts of a budget-bit integer
-per row, ~20-150 µs here, and at most ``MAX_REFILLED`` rows whatever the input size (~1-2 s at
+per row, ~20-150 µs here, and at most ``MAX_REFILLED`` rows whatever the input size (1-3 s at
 most on this machine; 1M FLAN-like lengths refill ~2-3k rows).
 """
 
