@@ -78,7 +78,7 @@ def main() -> None:
 @click.option("--max-len", type=int, default=DEFAULTS["max_len"], show_default=True, help="Longest example, in tokens; longer ones follow --overlong.")
 @click.option("--pack", type=click.Choice(PACK_MODES), default=DEFAULTS["pack"], show_default=True,
               help="batch: B examples per row, same optimizer steps as padded training. "
-                   "bfd: fill rows up to --max-tokens, fewest rows. wrap: concatenate and cut (plain text).")
+                   "bfd: fill rows up to --max-tokens. optimal: bfd, then refilled to fewer rows. wrap: concatenate and cut (plain text).")
 @click.option("--batch-size", "-b", type=int, help="Examples per row in --pack batch (default 8).")
 @click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/wrap (default: --max-len).")
 @click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,

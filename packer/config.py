@@ -88,7 +88,7 @@ class BuildConfig:
                 )
             if self.max_tokens is None:
                 object.__setattr__(self, "max_tokens", self.max_len)
-            if self.pack == "bfd" and self.max_len > self.max_tokens:
+            if self.pack in ("bfd", "optimal") and self.max_len > self.max_tokens:
                 raise ConfigError(
                     f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
                     "example that long could never be placed; lower --max-len or raise --max-tokens"
