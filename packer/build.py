@@ -206,7 +206,7 @@ def _build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     out = Path(config.out)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     tokenizer_name = tokenizer_path(config.tokenizer)
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = load_tokenizer(tokenizer_name, config.chat_template)
     tok_info = tokenizer_info(tokenizer, config.tokenizer or BUNDLED)
     identity = {"config": config.identity(), "tokenizer": tok_info, "source": source_info(source)}
     previous = _check_output(out, identity, config.overwrite)

@@ -420,11 +420,11 @@ def _check_totals(manifest: dict[str, Any], totals: _Totals, report: Report) -> 
 # -- tokenizer and source -------------------------------------------------------------------------------
 
 
-def _load_tok(name: str):
+def _load_tok(name: str, chat_template: str | None = None):
     from .build import tokenizer_path
     from .tokenization import load_tokenizer
 
-    return load_tokenizer(tokenizer_path(name))
+    return load_tokenizer(tokenizer_path(name), chat_template)
 
 
 def _check_tokenizer(manifest: dict[str, Any], tokenizer, name: str, report: Report) -> None:
@@ -568,7 +568,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     tok = None
     if tokenizer is not None or source is not None:
         name = tokenizer or manifest["tokenizer"].get("name_or_path") or "bundled"
-        tok = _load_tok(name)
+        tok = _load_tok(name, manifest["config"].get("chat_template"))
         if tokenizer is not None:
             _check_tokenizer(manifest, tok, tokenizer, report)
     entries = _check_files(directory, manifest, report)
