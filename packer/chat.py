@@ -171,6 +171,7 @@ class ChatTemplate:
         except RecordError:
             bare = prompted = ""
         header = prompted[len(bare):] if prompted.startswith(bare) else ""
+        header = re.sub(r"<think>\s*$", "", header)  # a prompt that opens the reasoning: the model writes it
         # heads of the generation prompt cut after a tag or newline (DeepSeek writes "<｜Assistant｜>" before a
         # turn but prompts with "<｜Assistant｜><think>\n"), never one that a user turn also writes
         cuts = {header} | {header[: m.end()] for m in re.finditer(r">|\n", header)}
@@ -182,12 +183,15 @@ class ChatTemplate:
             except RecordError:
                 continue
             after = text[text.find(_marker(0)) + len(_marker(0)):] if _marker(0) in text else ""
+            if not tail and after.strip() and not _SPECIAL_LOOKING.sub("", after).strip():
+                ends.append(after.rstrip())  # a closing run such as <|END_RESPONSE|><|END_OF_TURN_TOKEN|>
             found = _SPECIAL_LOOKING.search(after)
-            if found and found.group() not in ends:
+            if found:
                 ends.append(found.group())
         eos = self.special_tokens.get("eos_token")
-        if eos and eos not in ends:
+        if eos:
             ends.append(eos)
+        ends = list(dict.fromkeys(ends))
         return headers, ends
 
     def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[tuple[int, int]]:
@@ -199,7 +203,14 @@ class ChatTemplate:
         pos = cur = 0  # in the marked render, in the real one
         for k, i in enumerate(turns):
             where = f"assistant turn {i}"
-            mark = scaffold.find(_marker(i), pos)
+            mark, anchor = scaffold.find(_marker(i), pos), _marker(i)
+            if mark < 0:  # content a template leaves out when there are tool calls (gpt-oss): anchor on the
+                # first call after the turn's header (the tool definitions before it name the tools too)
+                heads = [found for h in headers if (found := scaffold.find(h, pos)) >= 0]
+                names = [n for n in _tool_names(messages[i]) if heads and n in scaffold[min(heads):]]
+                if names:
+                    anchor = names[0]
+                    mark = scaffold.find(anchor, min(heads))
             if mark < 0:
                 raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
                                   "chat_span_not_found")
@@ -217,31 +228,47 @@ class ChatTemplate:
             else:  # no header (DeepSeek's reply after tool outputs): the output starts where the content does
                 found = text.find(before, cur)
                 start = found + len(before) if found >= 0 else -1
-            after_mark = mark + len(_marker(i))
-            limit = scaffold.find(_marker(turns[k + 1]), after_mark) if k + 1 < len(turns) else len(scaffold)
+            after_mark = mark + len(anchor)
+            limit = scaffold.find(_marker(turns[k + 1]), after_mark) if k + 1 < len(turns) else -1
+            limit = len(scaffold) if limit < 0 else limit
             tail = scaffold[after_mark:limit]
             hits = [(tail.find(e), -len(e), e) for e in ends if e in tail]
-            if start < 0 or not hits:
+            if start < 0 or not (hits or not tail.strip()):
                 raise RecordError(f"{where}: cannot locate its output in the rendered conversation",
                                   "chat_span_not_found")
-            end_token = min(hits)[2]
-            found = text.find(end_token, start)
-            if found < 0:
-                raise RecordError(f"{where}: its end-of-turn {end_token!r} is not in the rendered conversation",
-                                  "chat_span_not_found")
-            end = found + len(end_token)
-            _check_span(messages[i], text[start:end], where)
+            if hits:
+                end_token = min(hits)[2]
+                found = text.find(end_token, start)
+                if found < 0:
+                    raise RecordError(f"{where}: its end-of-turn {end_token!r} is not in the rendered conversation",
+                                      "chat_span_not_found")
+                end = found + len(end_token)
+                next_pos = after_mark + tail.find(end_token) + len(end_token)
+            else:  # the render ends with this turn and no end-of-turn token (GLM-4): the output runs to the end
+                end = len(text.rstrip())
+                next_pos = len(scaffold)
+            _check_span(messages[i], text, start, end, where)
             spans.append((start, end))
-            pos, cur = after_mark + tail.find(end_token) + len(end_token), end
+            pos, cur = next_pos, end
         return spans
 
 
-def _check_span(message: dict, span: str, where: str) -> None:
-    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim)."""
+def _tool_names(message: dict) -> list[str]:
+    names = []
+    for call in message.get("tool_calls") or ():
+        name = (call.get("function") or call).get("name") if isinstance(call, dict) else None
+        if isinstance(name, str) and name:
+            names.append(name)
+    return names
+
+
+def _check_span(message: dict, text: str, start: int, end: int, where: str) -> None:
+    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim)
+    and the names of the tool calls the template renders."""
+    span = text[start:end]
     visible = (message.get("content") or "").split("</think>")[-1].strip()
     if visible and visible not in span:
         raise RecordError(f"{where}: the span found does not hold the assistant's text", "chat_span_not_found")
-    for call in message.get("tool_calls") or ():
-        name = (call.get("function") or call).get("name") if isinstance(call, dict) else None
-        if isinstance(name, str) and name not in span:
+    for name in _tool_names(message):
+        if name in text[start:] and name not in span:  # rendered in this turn or later, yet not in its span
             raise RecordError(f"{where}: the span found does not hold its tool call {name!r}", "chat_span_not_found")
