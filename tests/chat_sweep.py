@@ -17,6 +17,7 @@ Used whole by tests/test_chat_templates.py.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -130,13 +131,23 @@ def _reference(hf, record, source, *, tagged):
     return list(out["input_ids"]), list(out["assistant_masks"]) if tagged else None
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(folder):
+    from packer.tokenization import load_tokenizer
+
+    return load_tokenizer(str(folder))
+
+
 @functools.lru_cache(maxsize=4)
 def _encoder(folder, template_file):
+    """The build's Encoder with the template file as --chat-template (the Rust tokenizer loaded once)."""
     from packer.formatting import FormatSpec
-    from packer.tokenization import Encoder, load_tokenizer
+    from packer.tokenization import Encoder
 
+    tokenizer = copy.copy(_tokenizer(folder))
+    tokenizer.chat_template = Path(template_file).read_text()
     spec = FormatSpec(kind="chat", messages_field="messages", tools_field="tools")
-    return Encoder(load_tokenizer(str(folder), str(template_file)), spec)
+    return Encoder(tokenizer, spec)
 
 
 def _packer(folder, template_file, record):

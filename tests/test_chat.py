@@ -124,9 +124,10 @@ def test_qwen3_untagged_mask_equals_the_tagged_twins(tmp_path):
     """Qwen3's own template (not prefix-stable) against TRL's tagged twin, as --chat-template."""
     hf = hf_tokenizer(need(QWEN3))
     twin = TRL_TEMPLATES / "qwen3_training.jinja"
-    record = {"messages": MULTI["messages"][:3] + [
-        {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Rayleigh scattering.",
-                                              "reasoning_content": "Short wavelengths scatter more."}]}
+    # (one turn: the twin renders every turn's think block, the original only those after the last query)
+    record = {"messages": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "Why blue?"},
+                           {"role": "assistant", "content": "Rayleigh scattering.",
+                            "reasoning_content": "Short wavelengths scatter more."}]}
     src = str(write_jsonl(tmp_path / "c.jsonl", [record]))
     own = built(make_build(tmp_path / "own", src, tokenizer=str(QWEN3)))[0]
     tagged = built(make_build(tmp_path / "tagged", src, tokenizer=str(QWEN3), chat_template=str(twin)))[0]
@@ -134,7 +135,8 @@ def test_qwen3_untagged_mask_equals_the_tagged_twins(tmp_path):
     assert tagged[0][: len(ref_ids)] == ref_ids
     assert tagged[1][1: len(ref_ids)].tolist() == [bool(m) for m in ref_mask[1:]]
     assert own[0] == tagged[0]  # the twin renders this conversation to the same tokens
-    assert own[1].tolist() == tagged[1].tolist()
+    differ = [hf.decode(ref_ids[i]) for i in range(len(ref_ids)) if own[1][i] != tagged[1][i]]
+    assert differ == ["\n"]  # the twin also trains the newline after <|im_end|>: whitespace, allowed to differ
     manifest = schema.read_manifest(tmp_path / "tagged")
     assert manifest["tokenizer"]["chat_template_sha256"] == hashlib.sha256(twin.read_bytes()).hexdigest()
     assert manifest["config"]["chat_template"] == str(twin)
