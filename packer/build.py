@@ -102,7 +102,7 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     started = time.perf_counter()
     out = Path(config.out)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
-    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer))
+    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
                 "source": source_info(source)}
     previous = output.check(out, identity, config.overwrite)

@@ -17,7 +17,7 @@ import click
 from . import inspect_, render, schema
 from .build import build as run_build
 from .build import tokenizer_path
-from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, BuildConfig
+from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
@@ -74,7 +74,7 @@ def main() -> None:
 @click.option("--completion-field", help="Record field holding the completion (trained on).")
 @click.option("--messages-field", help="Record field holding chat turns [{role, content}], rendered by the chat template.")
 @click.option("--text-field", help="Record field holding plain text, trained on whole.")
-@click.option("--train-on-prompt", is_flag=True, help="Train on prompt / user tokens too (default: completion-only loss).")
+@click.option("--train-on-prompt", is_flag=True, help="Alias of --train-on all.")
 @click.option("--max-len", type=int, default=DEFAULTS["max_len"], show_default=True, help="Longest example, in tokens; longer ones follow --overlong.")
 @click.option("--pack", type=click.Choice(PACK_MODES), default=DEFAULTS["pack"], show_default=True,
               help="batch: B examples per row, same optimizer steps as padded training. "
@@ -96,6 +96,12 @@ def main() -> None:
 @click.option("--engine", type=click.Choice(ENGINES), default=DEFAULTS["engine"], show_default=True,
               help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
+@click.option("--train-on", type=click.Choice(TRAIN_ON), default=DEFAULTS["train_on"], show_default=True,
+              help="Chat: every assistant turn's output, only the final one, or every token. Prompt/completion "
+                   "data: assistant trains the completion, all the prompt too.")
+@click.option("--chat-template", type=click.Path(dir_okay=False),
+              help="Jinja file rendering chat data instead of the tokenizer's template (e.g. a {% generation %}-tagged one).")
+@click.option("--tools-field", help="Record field holding tool definitions passed to the chat template (default: tools, if present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def build(as_json: bool, quiet: bool, **options) -> None:

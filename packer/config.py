@@ -18,6 +18,7 @@ from .plan import OVERLONG as OVERLONG_POLICIES
 
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
+TRAIN_ON = ("assistant", "last", "all")
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -50,6 +51,11 @@ class BuildConfig:
     num_proc: int = 0
     engine: str = "local"
     overwrite: bool = False
+    # Added later: identity() leaves them out while they hold their default, so that builds which do not
+    # use them keep the manifest they had.
+    train_on: str = "assistant"  # "assistant" (completion-only for prompt/completion data), "last" or "all"
+    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
+    tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -64,6 +70,13 @@ class BuildConfig:
             raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.train_on not in TRAIN_ON:
+            raise ConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
+        if self.train_on_prompt:  # --train-on-prompt is kept as an alias of --train-on all
+            if self.train_on not in ("assistant", "all"):
+                raise ConfigError(f"--train-on-prompt means --train-on all, not {self.train_on}; drop one of the two")
+            object.__setattr__(self, "train_on", "all")
+        object.__setattr__(self, "train_on_prompt", self.train_on == "all")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
         for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb"):
@@ -108,7 +121,14 @@ class BuildConfig:
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
         skip = {"out", "overwrite", "num_proc", "engine"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in skip and not (f.name in _LATER and getattr(self, f.name) == f.default)
+        }
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
+
+
+_LATER = {"train_on", "chat_template", "tools_field"}

@@ -1,12 +1,9 @@
 """A record becomes text segments, each flagged trained or not.
 
 Three kinds of data: prompt/completion (str.format templates over the record's fields; the completion
-is trained, the prompt is not unless --train-on-prompt), chat (a list of turns rendered by the
-tokenizer's chat template; assistant turns are trained), and plain text (trained whole).
-
-For chat, the assistant spans are found by rendering prefixes of the conversation: the text that
-rendering ``turns[:i+1]`` adds to ``turns[:i]`` + generation prompt is assistant turn ``i``. That needs
-a prefix-stable template, which is checked for every record rather than assumed.
+is trained, the prompt is not unless --train-on all), chat (a list of turns rendered whole by the chat
+template through transformers' renderer; what is trained is decided in packer/chat.py), and plain text
+(trained whole).
 """
 
 from __future__ import annotations
@@ -15,10 +12,10 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from .chat import normalize_messages, normalize_tools
 from .errors import ConfigError, RecordError, TokenizerError
 
 Segments = list[tuple[str, bool]]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def template_fields(template: str) -> list[str]:
@@ -35,10 +32,12 @@ class FormatSpec:
     messages_field: str | None = None
     text_field: str | None = None
     train_on_prompt: bool = False
+    train_on: str = "assistant"  # chat: "assistant", "last" or "all"
+    tools_field: str | None = None  # chat: the record's tool definitions, passed to the template
 
     def fields(self) -> list[str]:
         if self.kind == "chat":
-            return [self.messages_field]
+            return [self.messages_field, *([self.tools_field] if self.tools_field else [])]
         if self.kind == "text":
             return [self.text_field]
         return list(dict.fromkeys(template_fields(self.prompt_template) + template_fields(self.completion_template)))
@@ -92,14 +91,24 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
         else:
             spec = FormatSpec(kind="completion", prompt_template="{" + pair[0] + "}\n\n", completion_template="{" + pair[1] + "}")
     if spec.kind == "text" and config.pack != "wrap" and train_on_prompt:
-        raise ConfigError("--train-on-prompt has no effect on plain text (it is trained whole); drop it")
+        raise ConfigError("--train-on all has no effect on plain text (it is trained whole); drop it")
+    train_on = config.train_on
+    if spec.kind != "chat" and train_on == "last":
+        raise ConfigError("--train-on last applies to chat data (the final assistant turn); this data is not chat")
+    tools_field = None
+    if spec.kind == "chat":
+        tools_field = config.tools_field or ("tools" if "tools" in columns else None)
+        spec = FormatSpec(kind="chat", messages_field=spec.messages_field, tools_field=tools_field)
+    elif config.tools_field:
+        raise ConfigError("--tools-field applies to chat data (--messages-field); this data is not chat")
     missing = [f for f in spec.fields() if f not in columns]
     if missing:
         raise ConfigError(
             f"the data has no field {missing[0]!r}; its columns are {', '.join(columns) or '(none)'}: "
             "set the field options (--prompt-field, --completion-field, --messages-field, --text-field)"
         )
-    return FormatSpec(**{**{k: getattr(spec, k) for k in spec.__slots__}, "train_on_prompt": train_on_prompt})
+    return FormatSpec(**{**{k: getattr(spec, k) for k in spec.__slots__}, "train_on_prompt": train_on_prompt,
+                         "train_on": train_on})
 
 
 def _text_field(record: dict[str, Any], name: str, *, allow_empty: bool = False) -> str:
@@ -124,15 +133,16 @@ class Formatter:
             name = getattr(tokenizer, "name_or_path", "the tokenizer")
             raise TokenizerError(
                 f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
-                "(e.g. the bundled data/tokenizer) or give --prompt-field/--completion-field"
+                "(e.g. the bundled data/tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
             )
+        self.template = tokenizer.chat() if spec.kind == "chat" else None
 
     def __call__(self, record: dict[str, Any]) -> Segments:
         kind = self.spec.kind
         if kind == "text":
             return [(_text_field(record, self.spec.text_field), True)]
         if kind == "chat":
-            return self._chat(record.get(self.spec.messages_field))
+            return self._chat(record)
         return self._completion(record)
 
     def _completion(self, record: dict[str, Any]) -> Segments:
@@ -149,46 +159,15 @@ class Formatter:
             raise RecordError("the completion is empty", "empty_completion")
         return [(prompt, spec.train_on_prompt), (completion, True)]
 
-    def _render(self, turns, *, generation_prompt: bool = False) -> str:
-        import jinja2
-
-        try:
-            return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
-        except jinja2.TemplateError as e:
-            raise RecordError(f"the chat template refused the conversation ({e})", "chat_template_error") from e
-
-    def _chat(self, turns) -> Segments:
-        if turns is None:
-            raise RecordError(f"field {self.spec.messages_field!r} is null", "null_field")
-        if not isinstance(turns, list) or not turns:
-            raise RecordError(f"field {self.spec.messages_field!r} must be a non-empty list of turns", "wrong_type")
-        for i, turn in enumerate(turns):
-            if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
-                raise RecordError(f"turn {i} is not a {{'role': str, 'content': str}} object", "wrong_type")
-            if turn["role"] not in CHAT_ROLES:
-                raise RecordError(f"turn {i} has unknown role {turn['role']!r} (known: {', '.join(CHAT_ROLES)})", "unknown_role")
-        if not any(t["role"] == "assistant" for t in turns):
-            raise RecordError("the conversation has no assistant turn, so nothing would be trained", "empty_completion")
-        turns = [{"role": t["role"], "content": t["content"]} for t in turns]
-        full = self._render(turns)
+    def _chat(self, record: dict[str, Any]) -> Segments:
+        spec = self.spec
+        messages = normalize_messages(record.get(spec.messages_field), spec.messages_field)
+        tools = normalize_tools(record.get(spec.tools_field), spec.tools_field) if spec.tools_field else None
+        rendered = self.template(messages, tools, spec.train_on)
         segments: Segments = []
         cursor = 0
-        for i, turn in enumerate(turns):
-            if turn["role"] != "assistant":
-                continue
-            before = self._render(turns[:i], generation_prompt=True) if i else ""
-            after = self._render(turns[: i + 1])
-            if not (after.startswith(before) and full.startswith(after) and len(before) >= cursor):
-                raise TokenizerError(
-                    "the tokenizer's chat template is not prefix-stable (rendering a conversation's first turns "
-                    "is not a prefix of rendering it whole), so assistant turns cannot be located; use a template "
-                    "that renders turns independently"
-                )
-            if not turn["content"].strip():
-                raise RecordError(f"assistant turn {i} is empty", "empty_completion")
-            segments.append((full[cursor : len(before)], self.spec.train_on_prompt))
-            segments.append((full[len(before) : len(after)], True))
-            cursor = len(after)
-        if cursor < len(full):
-            segments.append((full[cursor:], self.spec.train_on_prompt))
+        for start, end in rendered.spans:
+            segments += [(rendered.text[cursor:start], False), (rendered.text[start:end], True)]
+            cursor = end
+        segments.append((rendered.text[cursor:], False))
         return [s for s in segments if s[0]]

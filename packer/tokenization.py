@@ -27,12 +27,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class Tokenizer:
-    """A Hugging Face fast tokenizer read straight from its files, without `transformers`.
+    """A Hugging Face fast tokenizer read straight from its files, without `transformers`' tokenizer classes.
 
-    transformers imports torch when it is installed, and `packer build` must not; the build needs only
-    the Rust tokenizer (tokenizer.json), the special tokens and the chat template (tokenizer_config.json,
-    chat_template.jinja), rendered the way transformers renders it (a sandboxed jinja2 environment with
-    trim_blocks, lstrip_blocks and ``raise_exception``). The attribute names follow transformers'.
+    Loading a tokenizer through transformers imports torch when it is installed, and `packer build` must
+    not; the build needs only the Rust tokenizer (tokenizer.json), the special tokens and the chat
+    template (tokenizer_config.json, chat_template.jinja), which transformers' own renderer renders
+    (see packer/chat.py). The attribute names follow transformers'.
     """
 
     def __init__(self, folder: Path, name_or_path: str):
@@ -42,10 +42,15 @@ class Tokenizer:
         self.backend_tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         config.update({k: v for k, v in _read_json(folder / "special_tokens_map.json").items() if k not in config})
+        # the named special tokens a chat template sees, as transformers' special_tokens_map gives them:
+        # a null one is absent (so `{{ bos_token }}` renders nothing), model-specific ones included
+        named = {f"{role}_token": config.get(f"{role}_token") for role in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")}
+        if isinstance(config.get("extra_special_tokens"), dict):
+            named.update(config["extra_special_tokens"])
+        named = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()}
+        self.special_tokens_map = {k: v for k, v in named.items() if isinstance(v, str)}
         for role in ("bos", "eos", "pad", "unk"):
-            token = config.get(f"{role}_token")
-            if isinstance(token, dict):
-                token = token.get("content")
+            token = self.special_tokens_map.get(f"{role}_token")
             setattr(self, f"{role}_token", token)
             setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
         template = config.get("chat_template")
@@ -54,7 +59,7 @@ class Tokenizer:
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
         self.chat_template = template
-        self._compiled = None
+        self.chat_template_name = f"{name_or_path}'s chat template"
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -65,13 +70,11 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation, *, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
-        if tokenize:
-            raise ValueError("packer's Tokenizer renders chat templates to text only (tokenize=False)")
-        if self._compiled is None:
-            self._compiled = _jinja_env().from_string(self.chat_template)
-        specials = {f"{r}_token": getattr(self, f"{r}_token") for r in ("bos", "eos", "pad", "unk")}
-        return self._compiled.render(messages=conversation, add_generation_prompt=add_generation_prompt, **specials)
+    def chat(self):
+        """The chat template as a :class:`packer.chat.ChatTemplate` (compiled, so a broken one fails here)."""
+        from .chat import ChatTemplate
+
+        return ChatTemplate(self.chat_template, self.special_tokens_map, self.chat_template_name)
 
 
 def _read_json(path: Path) -> dict:
@@ -80,32 +83,12 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _jinja_env():
-    import json
-    from datetime import datetime
-
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def load_tokenizer(name_or_path: str) -> Tokenizer:
+def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Tokenizer:
     """A fast tokenizer (tokenizer.json) that has an EOS token, or a one-line TokenizerError.
 
     A folder is read as it is; anything else is taken for a Hub id and looked up in the local Hub
-    cache first, then on the Hub.
+    cache first, then on the Hub. ``chat_template`` is a Jinja file that replaces the tokenizer's own
+    template (e.g. a ``{% generation %}``-tagged training twin); the manifest records its hash.
     """
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
@@ -127,6 +110,13 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
             f"--tokenizer {name_or_path}: has no EOS token, so examples cannot be ended; set eos_token in its "
             "tokenizer_config.json"
         )
+    if chat_template is not None:
+        try:
+            tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"--chat-template {chat_template}: cannot be read ({getattr(e, 'strerror', None) or e}); "
+                                 "give a Jinja template file") from None
+        tokenizer.chat_template_name = f"--chat-template {chat_template}"
     return tokenizer
 
 

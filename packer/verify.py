@@ -382,8 +382,8 @@ def _check_totals(manifest: Manifest, totals: _Totals, report: Report) -> None:
 # -- tokenizer and source -------------------------------------------------------------------------------
 
 
-def _load_tok(name: str):
-    return load_tokenizer(tokenizer_path(name))
+def _load_tok(name: str, chat_template: str | None = None):
+    return load_tokenizer(tokenizer_path(name), chat_template)
 
 
 def _check_tokenizer(manifest: Manifest, tokenizer, name: str, report: Report) -> None:
@@ -513,7 +513,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     tok = None
     if tokenizer is not None or source is not None:
         name = tokenizer or manifest.tokenizer.get("name_or_path") or "bundled"
-        tok = _load_tok(name)
+        tok = _load_tok(name, manifest.config.get("chat_template"))
         if tokenizer is not None:
             _check_tokenizer(manifest, tok, tokenizer, report)
     entries = _check_files(directory, manifest, report)
