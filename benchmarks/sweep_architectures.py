@@ -70,7 +70,7 @@ def _small_for(cls) -> dict:
         if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)
     }  # fmt: skip
     types = getattr(default, "layer_types", None)
-    if types:  # one layer of each type, in the order the full model has them
+    if types and not isinstance(getattr(cls, "layer_types", None), property):  # one layer of each type, in the order the full model has them
         unique = list(dict.fromkeys(types))
         small.update(layer_types=unique, num_hidden_layers=len(unique))
         if hasattr(default, "full_attn_idxs"):  # LFM2 derives layer_types from it

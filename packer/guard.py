@@ -176,7 +176,7 @@ def _row(exs: list[torch.Tensor]) -> dict:
     )  # fmt: skip
 
 
-def _check_no_path_between_examples(model: Any) -> None:
+def _check_no_path_between_examples(model: Any, extra: dict) -> None:
     """Gradient of each example's outputs w.r.t. the other examples' input embeddings: exactly zero."""
     exs = [e[:PROBE_MIN_LEN + 1] for e in _probe_rows(model)[0]]  # short: only the boundary matters here
     batch = _row(exs)
@@ -190,7 +190,7 @@ def _check_no_path_between_examples(model: Any) -> None:
     handle = model.get_input_embeddings().register_forward_hook(grab)
     try:
         with torch.enable_grad():
-            logits = model(**batch).logits[0].float()
+            logits = model(**batch, **extra).logits[0].float()
             embeds = captured[0]
             weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
             bounds = batch["cu_seq_lens_q"].tolist()
@@ -211,30 +211,45 @@ def _check_no_path_between_examples(model: Any) -> None:
 
 
 @torch.no_grad()
-def _check_against_eager_alone(model: Any, implementation: str, check_calls: bool) -> None:
+def _check_against_eager_alone(model: Any, implementation: str, extra: dict) -> None:
     """Each example packed must get the logits it gets alone through the model's eager attention."""
     exs, batch = _probe_rows(model)
     model.set_attn_implementation("eager")
     alone = [model(input_ids=e.view(1, -1), use_cache=False).logits[0].float() for e in exs]
     model.set_attn_implementation(implementation)
     before = attention.calls()
-    packed = model(**batch).logits[0].float().split([len(e) for e in exs])
-    if check_calls and attention.calls() == before:
+    packed = model(**batch, **extra).logits[0].float().split([len(e) for e in exs])
+    if implementation == attention.ATTN_IMPLEMENTATION and attention.calls() == before:
         raise _refuse(model, "its forward never called the registered attention function")
     diff = max((p - a).abs().max().item() for p, a in zip(packed, alone, strict=True))
     scale = max(a.abs().max().item() for a in alone)
     tol = probe_tolerance(next(model.parameters()).dtype)
     if diff <= tol * scale:
         return
-    why = (
+    raise _refuse(
+        model,
         f"probe: an example packed in a row gets logits {diff:.3g} away from the ones it gets alone through "
-        f"eager attention (tolerance {tol * scale:.2g}), with attn_implementation={implementation!r}"
+        f"eager attention (tolerance {tol * scale:.2g}), with attn_implementation={implementation!r}",
     )
-    if implementation in MASK_FROM_POSITIONS and _uses_cache(model, {}):
-        packed = model(**batch, use_cache=False).logits[0].float().split([len(e) for e in exs])
-        if max((p - a).abs().max().item() for p, a in zip(packed, alone, strict=True)) <= tol * scale:
-            why += "; with use_cache=True transformers builds no packed mask: set model.config.use_cache=False"
-    raise _refuse(model, why)
+
+
+def _probe(model: Any, implementation: str) -> None:
+    """Both probes, as the loader's batches are called; says when a cache is the cause."""
+    try:
+        _check_no_path_between_examples(model, {})
+        _check_against_eager_alone(model, implementation, {})
+    except ConfigError as e:
+        if not (implementation in MASK_FROM_POSITIONS and _uses_cache(model, {})):
+            raise
+        try:  # the same probes without a cache: if they pass, the cache was the cause
+            _check_no_path_between_examples(model, {"use_cache": False})
+            _check_against_eager_alone(model, implementation, {"use_cache": False})
+        except ConfigError:
+            raise e from None
+        raise ConfigError(
+            f"{e}; with use_cache=True transformers builds no packed mask for {implementation!r}: "
+            "set model.config.use_cache=False"
+        ) from None
 
 
 def _uses_cache(model: Any, kwargs: dict) -> bool:
@@ -288,8 +303,9 @@ def prepare(model: Any, *, implementation: str = attention.ATTN_IMPLEMENTATION, 
     text = _text_config(model)
     if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_causal", True) is False:
         raise _refuse(model, "not a causal decoder")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise _refuse(model, "its attention does not go through AttentionInterface, so it ignores cu_seq_lens")
+    # No check of the model class's `_supports_attention_backend` flag: StableLM calls the interface
+    # without setting it, and Falcon/GPT-Neo are exact with transformers' sdpa. transformers refuses a
+    # custom implementation it cannot set, and the probes judge what the forward actually does.
     why = config_refusals(text, implementation)
     if why:
         raise _refuse(model, "; ".join(why))
@@ -307,8 +323,7 @@ def prepare(model: Any, *, implementation: str = attention.ATTN_IMPLEMENTATION, 
         if probe:
             model.eval()
             try:
-                _check_no_path_between_examples(model)
-                _check_against_eager_alone(model, implementation, implementation == attention.ATTN_IMPLEMENTATION)
+                _probe(model, implementation)
             except ConfigError:
                 raise
             except Exception as e:  # a forward that fails on a packed row cannot be vouched for
