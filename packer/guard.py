@@ -134,11 +134,15 @@ def _probe_lengths(config: Any) -> tuple[int, int]:
             limits.append(value)
     if getattr(config, "attn_temperature_tuning", False):
         limits.append(int(getattr(config, "floor_scale", 0) or 0))
+    # original_max_position_embeddings is a threshold only for the RoPE types that switch at it
+    # (dynamic, longrope: refused by config_refusals); llama3/yarn scale the same at every length, and
+    # probing past their 8,192 would cost an 8K-token eager forward for nothing.
     params = [getattr(config, "rope_parameters", None) or {}]
     while params:
         p = params.pop()
         if isinstance(p, dict):
-            limits.append(int(p.get("original_max_position_embeddings") or 0))
+            if p.get("rope_type") in LENGTH_DEPENDENT_ROPE:
+                limits.append(int(p.get("original_max_position_embeddings") or 0))
             params.extend(v for v in p.values() if isinstance(v, dict))
     n = max(limits) + 2
     return n + 3, n

@@ -188,8 +188,9 @@ def test_probe_examples_cross_every_declared_threshold():
     assert min(guard._probe_lengths(config)) > 4096
     config = Llama4TextConfig(**SMALL, attention_chunk_size=8192, floor_scale=8192, attn_temperature_tuning=True)
     assert min(guard._probe_lengths(config)) > 8192
-    config = Phi3Config(**SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                  "original_max_position_embeddings": 40})  # fmt: skip
+    config = Phi3Config(**SMALL, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 40,
+        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})  # fmt: skip
     assert min(guard._probe_lengths(config)) > 40
 
 
