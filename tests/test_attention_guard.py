@@ -16,8 +16,8 @@ from transformers import (
     Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
-    PhimoeConfig,
     Phi3Config,
+    PhimoeConfig,
 )
 
 import packer.attention as attention
