@@ -44,7 +44,7 @@ SMALL = dict(
     state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, linear_num_key_heads=2,
     linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
     # GPT-2 / OPT style names
-    n_embd=64, n_layer=2, n_head=4, n_positions=128, ffn_dim=64, word_embed_proj_dim=64, d_model=64,
+    rotary_dim=8, n_embd=64, n_layer=2, n_head=4, n_positions=128, ffn_dim=64, word_embed_proj_dim=64, d_model=64,
     decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
 )
 # Types whose default config hides the layers that matter (LFM2's defaults are all attention; its
@@ -70,6 +70,8 @@ def _small_for(cls) -> dict:
         if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)
     }  # fmt: skip
     types = getattr(default, "layer_types", None)
+    if "qk_rope_head_dim" in small:  # MLA: the rotary embedding's head_dim is the rope part; no GQA
+        small.update(head_dim=small["qk_rope_head_dim"], num_key_value_heads=small["num_attention_heads"])
     if types and not isinstance(getattr(cls, "layer_types", None), property):  # one layer of each type, in the order the full model has them
         unique = list(dict.fromkeys(types))
         small.update(layer_types=unique, num_hidden_layers=len(unique))
