@@ -188,6 +188,34 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     return Verdict(model_type, "exact", f"logits within {d_logits:.1e}, grads within {d_grads:.1e}")
 
 
+# README's table: one row per reason, the message fragment that identifies it
+REASONS = [
+    ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
+    ("non-causal", "non-causal attention module"),
+    ("not a causal decoder", "not a causal decoder"),
+    ("mix tokens outside attention", "layers that are not plain attention (`layer_types`: conv, mamba, linear or indexed attention, ...)"),
+    ("soft-capping / sinks", "attention logit soft-capping or sinks (use `implementation=\"flash_attention_2\"`)"),
+    ("rope_type=", "RoPE frequencies from the longest example in the row (`dynamic`, `longrope`)"),
+    ("attn_temperature_tuning", "query temperature from the offset in the row (Llama 4)"),
+    ("attention_chunk_size", "chunked attention (`attention_chunk_size`)"),
+    ("keep_window_size", "dynamic mask computed in the model (Doge `keep_window_size`)"),
+    ("depend on the tokens of the other examples", "probe: a non-zero gradient from one example to another"),
+    ("away from the ones it gets alone", "probe: packed logits differ from eager alone (learned positions from the row offset, masks only in the model, ...)"),
+    ("probe forward failed", "probe: the packed forward fails"),
+]
+
+
+def markdown_table(verdicts: list[Verdict]) -> str:
+    rows: dict[str, list[str]] = {}
+    for v in verdicts:
+        if v.outcome == "refused":
+            why = next((label for key, label in REASONS if key in v.detail), v.detail[:80])
+            rows.setdefault(why, []).append(f"`{v.model_type}`")
+    lines = ["| why refused (first rule that fails) | model types |", "|---|---|"]
+    lines += [f"| {why} | {', '.join(types)} |" for why, types in rows.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
@@ -204,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = {o: sum(v.outcome == o for v in verdicts) for o in ("exact", "refused", "skipped", "LEAK")}
     print(f"{len(verdicts)} types in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{n} {o}" for o, n in counts.items()))
     if args.markdown:
-        print("\n| model type | why refused |\n|---|---|")
-        for v in verdicts:
-            if v.outcome == "refused":
-                why = v.detail.split("(", 1)[-1].rsplit(")", 1)[0] if "(" in v.detail else v.detail
-                print(f"| `{v.model_type}` | {why} |")
+        print(markdown_table(verdicts))
     return 1 if counts["LEAK"] else 0
 
 
