@@ -51,6 +51,7 @@ SMALL = dict(
 # checkpoints mix short-convolution layers in).
 OVERRIDES = {
     "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=6),
 }
 MAX_PARAMS = 2_000_000
 TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
