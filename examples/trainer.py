@@ -13,6 +13,12 @@ over its ``gradient_accumulation_steps`` micro-batches, summed across ranks when
 loader's value, which is the same number (packer rows are labelled -100 at every example's first
 token, so Trainer's shifted count equals ``num_loss_tokens``). The loss is then ``sum of token losses /
 tokens of the step``: every token weighs the same, however the examples are packed or accumulated.
+
+MoE models with ``output_router_logits=True`` add ``router_aux_loss_coef * aux_loss`` to each
+micro-batch's loss; that term is a per-micro-batch mean that ``num_items_in_batch`` does not normalise,
+so a step sums it over its ``gradient_accumulation_steps`` micro-batches (and Trainer scales the loss by
+the world size when ``average_tokens_across_devices``). To keep one big batch's weight, set
+``model.config.router_aux_loss_coef = coef / (gradient_accumulation_steps * world_size)`` before training.
 """
 
 from __future__ import annotations

@@ -20,15 +20,13 @@ Sliding windows (Mistral/Qwen2 ``sliding_window``) are honoured by every backend
 not see 2-D padding masks (transformers builds none for custom implementations): it is for packed
 rows; for padded batches (e.g. generation) switch the model back with ``set_attn_implementation``.
 
-``prepare(model)`` switches a model to ``packer_varlen`` and refuses (``ConfigError``) a model on
-which packed rows would leak across examples: one whose attention does not go through transformers'
-``AttentionInterface`` (its own attention code would ignore the boundaries), one that is not a causal
-decoder, or one that fails a probe: two short examples packed in one row must give the second one the
-logits it gets alone.
+``prepare(model)`` (in ``packer.guard``, re-exported here) switches a model to ``packer_varlen`` only if
+packed rows are exact on it, judged against the model's own eager attention, and keeps a guard on it.
 
-Model families tried (tests/test_attention.py, tiny random configs, fp32, CPU): Llama, Qwen2,
-Mistral (with a sliding window shorter than the examples). Refused: Mamba (no attention layers, its
-recurrent state runs across the whole row) and a model whose attention ignores the interface.
+Refused inside the function (``ConfigError``), rather than computed wrongly: attention logit
+soft-capping and attention sinks (``s_aux``), non-causal modules. The kernel call paths (1, 2) are
+tested on CPU against reference implementations of the kernels' documented semantics
+(tests/test_varlen_kernels.py), and against the real kernels where CUDA is present.
 """
 
 from __future__ import annotations
@@ -62,6 +60,12 @@ def _varlen_attn():
     except ImportError:
         return None
     return varlen_attn
+
+
+def _flash_attn_varlen_func():
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
 
 
 def backend_for(query: torch.Tensor, dropout: float = 0.0) -> str:
@@ -112,7 +116,7 @@ def _sdpa_segments(q, k, v, cu_q, cu_k, scaling, dropout, window):
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, dropout_p=dropout, scale=scaling)
         outs.append(o)
-    return torch.cat(outs, dim=1).transpose(0, 1)
+    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
 
 
 def packed_attention(
@@ -169,14 +173,15 @@ def packed_attention(
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H, D]
     backend = backend_for(query, dropout)
     if backend == "flash_attn":
-        from flash_attn import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
+        # window_size=(left, right): keys i-left .. i+right; transformers' sliding_window W lets a token
+        # see itself and the W-1 before it, so left = W-1; causal=True makes right 0.
+        out = _flash_attn_varlen_func()(
             q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k),
             dropout_p=dropout, softmax_scale=scaling, causal=True,
             window_size=(window - 1, 0) if window else (-1, -1),
         )  # fmt: skip
     elif backend == "varlen_attn":
+        # no causal flag here: causal is window_size (-1, 0), a sliding window (W-1, 0)
         out = _varlen_attn()(
             q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k),
             scale=scaling, window_size=(window - 1, 0) if window else (-1, 0),
@@ -184,7 +189,8 @@ def packed_attention(
         )  # fmt: skip
     else:
         out = _sdpa_segments(query[0], key[0], value[0], cu_q, cu_k, scaling, dropout, window)
-    return out.unsqueeze(0), None
+    # contiguous: some models (JetMoe, AFMoE, Dory) `.view` the output, which a transposed tensor refuses
+    return out.unsqueeze(0).contiguous(), None
 
 
 def _gqa(query, key, value):
@@ -201,96 +207,11 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
 
 
-def _refuse(model: Any, why: str) -> ConfigError:
-    name = type(model).__name__
-    return ConfigError(
-        f"{name}: packed rows would let examples attend to each other ({why}); "
-        "use a decoder whose attention goes through transformers' AttentionInterface (Llama, Qwen2, Mistral, ...) "
-        "or train it on padded batches"
-    )
+def calls() -> int:
+    """How many times ``packed_attention`` ran (prepare's probe checks the model routes through it)."""
+    return _calls
 
 
-def prepare(model: Any, *, implementation: str = ATTN_IMPLEMENTATION, probe: bool = True) -> Any:
-    """Switch a transformers causal LM to ``implementation`` and check it keeps packed examples apart.
-
-    ``implementation`` is ``"packer_varlen"`` (default) or any transformers one to vet instead (e.g.
-    ``"flash_attention_2"``, which takes the loader's ``cu_seq_lens`` kwargs, or ``"sdpa"``, which
-    builds a packed mask from ``position_ids`` only when no cache is used: ``config.use_cache=False``).
-
-    Raises ``ConfigError`` (and leaves the model's attention setting as it was) when the model does not
-    route its attention through transformers' ``AttentionInterface``, is not a causal decoder, or, with
-    ``probe``, when a probe row of two examples, called as the loader's batches are, gives the second
-    one other logits than it gets alone. Returns the model.
-    """
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise _refuse(model, "not a transformers PreTrainedModel, its attention cannot be replaced")
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_causal", True) is False:
-        raise _refuse(model, "not a causal decoder")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise _refuse(
-            model, "its attention does not go through AttentionInterface, so it ignores cu_seq_lens"
-        )
-    register()
-    previous = config._attn_implementation
-    try:
-        model.set_attn_implementation(implementation)
-    except (ValueError, KeyError, ImportError) as e:
-        raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
-    if config._attn_implementation != implementation:
-        raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
-    if probe:
-        try:
-            _probe(model, check_calls=implementation == ATTN_IMPLEMENTATION)
-        except ConfigError:
-            model.set_attn_implementation(previous)
-            raise
-    return model
-
-
-@torch.no_grad()
-def _probe(model: Any, check_calls: bool) -> None:
-    """Two examples in one row must give the second the logits it has alone; the function must run."""
-    device = next(model.parameters()).device
-    vocab = (
-        model.config.get_text_config().vocab_size
-        if hasattr(model.config, "get_text_config")
-        else model.config.vocab_size
-    )
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(0, vocab, (1, 6), generator=gen)
-    b = torch.randint(0, vocab, (1, 5), generator=gen)
-    row = torch.cat([a, b], dim=1).to(device)
-    pos = torch.cat([torch.arange(6), torch.arange(5)]).view(1, -1).to(device)
-    cu = torch.tensor([0, 6, 11], dtype=torch.int32, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        before = _calls
-        packed = model(
-            input_ids=row,
-            position_ids=pos,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=6,
-            max_length_k=6,
-        ).logits[0, 6:]
-        if check_calls and _calls == before:
-            raise _refuse(model, "its forward never called the registered attention function")
-        alone = model(input_ids=b.to(device), use_cache=False).logits[0]
-    finally:
-        model.train(was_training)
-    diff = (packed.float() - alone.float()).abs().max().item()
-    scale = alone.float().abs().max().item() + 1.0
-    tol = 1e-4 if packed.dtype == torch.float32 else 2e-2
-    if not diff <= tol * scale:
-        hint = (
-            " (with use_cache=True transformers builds no packed mask)"
-            if getattr(model.config, "use_cache", False)
-            else ""
-        )
-        raise _refuse(
-            model,
-            f"probe: an example's logits change by {diff:.3g} when packed after another one with "
-            f"attn_implementation={model.config._attn_implementation!r}{hint}",
-        )
+# prepare() and its guard live in packer.guard (which imports this module); re-exported here, where
+# users and examples look for it.
+from .guard import prepare  # noqa: E402

@@ -1,0 +1,241 @@
+"""Every causal-LM type of the installed transformers through ``packer.attention.prepare``: refused, or exact.
+
+    python benchmarks/sweep_architectures.py [TYPE ...] [--markdown]
+
+For each model type in transformers' causal-LM mapping it builds a tiny random config (fp32, CPU, two
+layers, small windows and chunks, so the probe's examples cross them), calls ``prepare``, and:
+
+- refused (``ConfigError``): prints the reason; the model must be left as it was (attention
+  implementation and config), which is checked;
+- accepted: three examples packed in one row must give, independently of ``prepare``'s own probe,
+  the logits each example gets alone through the model's eager attention, and the packed row's summed
+  loss the same parameter gradients as the examples' losses summed alone. A mismatch is a false
+  accept, the one outcome the guard must never give.
+
+Types whose tiny config or model cannot be built (needs a checkpoint, a vision tower, ...) are listed
+as skipped. tests/test_architecture_sweep.py runs a deterministic sample of the types through the same
+``judge`` function; this script runs them all (a few minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+VOCAB = 256
+# Small windows, chunks and thresholds so that prepare's probe (longer than each of them) stays short.
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, is_decoder=True, keep_window_size=8, sliding_window=6, attention_chunk_size=8, floor_scale=16,
+    # MoE
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_shared_experts=1, shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+    # multi-head latent attention
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, qk_head_dim=16, v_head_dim=16,
+    # state-space / recurrent mixers of hybrid models
+    state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, linear_num_key_heads=2,
+    linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    # GPT-2 / OPT style names
+    rotary_dim=8, n_embd=64, n_layer=2, n_head=4, n_positions=128, ffn_dim=64, word_embed_proj_dim=64, d_model=64,
+    decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+)
+# Types whose default config hides the layers that matter (LFM2's defaults are all attention; its
+# checkpoints mix short-convolution layers in).
+OVERRIDES = {
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=6),
+}
+MAX_PARAMS = 2_000_000
+TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _small_for(cls) -> dict:
+    """SMALL restricted to what the config class has and can set, with a representative layer_types."""
+    default = cls()
+    small = {
+        k: v for k, v in SMALL.items()
+        if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)
+    }  # fmt: skip
+    types = getattr(default, "layer_types", None)
+    if "qk_rope_head_dim" in small:  # MLA: the rotary embedding's head_dim is the rope part; no GQA
+        small.update(head_dim=small["qk_rope_head_dim"], num_key_value_heads=small["num_attention_heads"])
+    if types and not isinstance(getattr(cls, "layer_types", None), property):  # one layer of each type, in the order the full model has them
+        unique = list(dict.fromkeys(types))
+        small.update(layer_types=unique, num_hidden_layers=len(unique))
+        if hasattr(default, "full_attn_idxs"):  # LFM2 derives layer_types from it
+            small["full_attn_idxs"] = [i for i, t in enumerate(unique) if t == "full_attention"]
+        if "sliding_window" in small and "attention_chunk_size" in small:
+            del small["attention_chunk_size"]  # some configs refuse both on one layer
+    return {**small, **OVERRIDES.get(getattr(cls, "model_type", ""), {})}
+
+
+def tiny_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = cls(**_small_for(cls))
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config:  # a multimodal wrapper: shrink its text model the same way
+            config = cls(text_config={**text.to_dict(), **_small_for(type(text))})
+    config.use_cache = False
+    return config
+
+
+def tiny_model(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):  # sized first: some configs keep large parts (vision towers, byte encoders)
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if n > MAX_PARAMS:
+            raise ValueError(f"the tiny config still has {n:,} parameters")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    model_type: str
+    outcome: str  # "exact", "refused", "skipped" or "LEAK" (a false accept)
+    detail: str
+
+
+def _examples(lens: list[int]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lens]
+
+
+def _row(exs: list[torch.Tensor]) -> dict:
+    lens = [len(e) for e in exs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(
+        input_ids=torch.cat(exs).view(1, -1),
+        position_ids=torch.cat([torch.arange(n) for n in lens]).view(1, -1),
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens),
+    )  # fmt: skip
+
+
+def _loss_and_grads(model, batches: list[dict]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Logits and parameter gradients of the summed token loss over ``batches``."""
+    model.zero_grad(set_to_none=True)
+    logits = []
+    for batch in batches:
+        out = model(**batch).logits
+        labels = batch["input_ids"].clone()
+        labels[0, 0] = -100
+        if "position_ids" in batch:  # no label across an example boundary
+            labels[batch["position_ids"] == 0] = -100
+        loss = torch.nn.functional.cross_entropy(
+            out[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum"
+        )
+        loss.backward()
+        logits.append(out.detach()[0])
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits, grads
+
+
+def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
+    """Refused (and left unchanged), or exact against eager alone (logits and gradients); else LEAK."""
+    from packer.attention import prepare
+    from packer.errors import ConfigError
+
+    try:
+        model = tiny_model(model_type)
+    except Exception as e:
+        return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:160])
+    before = (model.config._attn_implementation, model.config.to_json_string())
+    exs = _examples([13, 5, 10])
+    # the reference: each example alone, through the model's own eager attention, no cache
+    try:
+        ref_logits, ref_grads = _loss_and_grads(model, [dict(input_ids=e.view(1, -1)) for e in exs])
+    except Exception as e:
+        return Verdict(model_type, "skipped", f"eager forward fails alone: {type(e).__name__}: {e}"[:160])
+    try:
+        prepare(model, implementation=implementation)
+    except ConfigError as e:
+        after = (model.config._attn_implementation, model.config.to_json_string())
+        if after != before:
+            return Verdict(model_type, "LEAK", f"refused but left changed: {e}")
+        return Verdict(model_type, "refused", str(e))
+    model.config.use_cache = False
+    logits, grads = _loss_and_grads(model, [_row(exs)])
+    got = logits[0].split([len(e) for e in exs])
+    d_logits = max((g - r).abs().max().item() for g, r in zip(got, ref_logits, strict=True))
+    d_grads = max(
+        ((grads[n] - g).abs().max() / (g.abs().max() + 1)).item() for n, g in ref_grads.items()
+    ) if ref_grads else 0.0  # fmt: skip
+    if set(grads) != set(ref_grads) or not (d_logits <= TOL and d_grads <= TOL):
+        return Verdict(model_type, "LEAK", f"accepted, but logits differ by {d_logits:.3g}, grads by {d_grads:.3g}")
+    return Verdict(model_type, "exact", f"logits within {d_logits:.1e}, grads within {d_grads:.1e}")
+
+
+# README's table: one row per reason, the message fragment that identifies it
+REASONS = [
+    ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
+    ("non-causal", "non-causal attention module"),
+    ("not a causal decoder", "not a causal decoder"),
+    ("mix tokens outside attention", "layers that are not plain attention (`layer_types`: conv, mamba, linear or indexed attention, ...)"),
+    ("soft-capping / sinks", "attention logit soft-capping or sinks (use `implementation=\"flash_attention_2\"`)"),
+    ("rope_type=", "RoPE frequencies from the longest example in the row (`dynamic`, `longrope`)"),
+    ("attn_temperature_tuning", "query temperature from the offset in the row (Llama 4)"),
+    ("attention_chunk_size", "chunked attention (`attention_chunk_size`)"),
+    ("keep_window_size", "dynamic mask computed in the model (Doge `keep_window_size`)"),
+    ("depend on the tokens of the other examples", "probe: a non-zero gradient from one example to another"),
+    ("away from the ones it gets alone", "probe: packed logits differ from eager alone (learned positions from the row offset, masks only in the model, ...)"),
+    ("probe forward failed", "probe: the packed forward fails"),
+]
+
+
+def markdown_table(verdicts: list[Verdict]) -> str:
+    rows: dict[str, list[str]] = {}
+    for v in verdicts:
+        if v.outcome == "refused":
+            why = next((label for key, label in REASONS if key in v.detail), v.detail[:80])
+            rows.setdefault(why, []).append(f"`{v.model_type}`")
+    lines = ["| why refused (first rule that fails) | model types |", "|---|---|"]
+    lines += [f"| {why} | {', '.join(types)} |" for why, types in rows.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
+    p.add_argument("--implementation", default="packer_varlen")
+    p.add_argument("--markdown", action="store_true", help="print the refused ones as README's table")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    verdicts = []
+    t0 = time.perf_counter()
+    for t in args.types or causal_lm_types():
+        v = judge(t, args.implementation)
+        verdicts.append(v)
+        print(f"{v.outcome:8s} {t:28s} {v.detail}", flush=True)
+    counts = {o: sum(v.outcome == o for v in verdicts) for o in ("exact", "refused", "skipped", "LEAK")}
+    print(f"{len(verdicts)} types in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{n} {o}" for o, n in counts.items()))
+    if args.markdown:
+        print(markdown_table(verdicts))
+    return 1 if counts["LEAK"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""prepare() decides against the model's own eager attention, refuses row-dependent settings by name,
+leaves a refused model as it was, and stays on guard after it accepted. Tiny random configs, fp32, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DogeConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GraniteConfig,
+    Lfm2Config,
+    Llama4TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PhimoeConfig,
+)
+
+import packer.attention as attention
+import packer.guard as guard
+from packer.attention import packed_attention, prepare
+from packer.errors import ConfigError
+
+VOCAB = 97
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0,
+)  # fmt: skip
+
+
+def tiny(config, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def row(lens=(7, 5)) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(
+        input_ids=torch.randint(1, VOCAB, (1, sum(lens)), generator=gen),
+        position_ids=torch.cat([torch.arange(n) for n in lens]).view(1, -1),
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens),
+    )  # fmt: skip
+
+
+def assert_refused_unchanged(model, match: str, **kwargs) -> str:
+    before = [(c._attn_implementation_internal, c.to_json_string()) for c in guard._configs(model)]
+    with pytest.raises(ConfigError, match=match) as e:
+        prepare(model, **kwargs)
+    after = [(c._attn_implementation_internal, c.to_json_string()) for c in guard._configs(model)]
+    assert after == before, "a refused model is left exactly as it was"
+    assert getattr(model, "_packer_guard", None) is None
+    return str(e.value)
+
+
+# --- the false accepts of the old self-comparing probe --------------------------------------------------
+
+
+def test_refuses_chunked_attention_and_row_offset_temperature_tuning():
+    config = Llama4TextConfig(**SMALL, attention_chunk_size=8, attn_temperature_tuning=False, floor_scale=16,
+                              num_local_experts=2, intermediate_size_mlp=64)  # fmt: skip
+    assert_refused_unchanged(tiny(config), r"attention_chunk_size=8: chunked attention is not implemented")
+    config = Llama4TextConfig(**SMALL, attention_chunk_size=None, attn_temperature_tuning=True, floor_scale=16,
+                              no_rope_layers=[1, 0], num_local_experts=2, intermediate_size_mlp=64)  # fmt: skip
+    assert_refused_unchanged(tiny(config), r"attn_temperature_tuning scales queries by the token's offset in the row")
+
+
+def test_refuses_a_window_that_exists_only_in_the_mask():
+    """PhiMoE's sliding window is only in the mask it builds (packer_varlen never sees it): the eager
+    reference, with probe examples longer than the window, shows it."""
+    config = PhimoeConfig(**SMALL, sliding_window=4, num_local_experts=2)
+    message = assert_refused_unchanged(tiny(config), r"gets logits .* away from the ones it gets alone through eager")
+    assert "use_cache" not in message, "the cache hint only when the cache is the cause"
+
+
+def test_refuses_dynamic_masks_and_length_dependent_rope():
+    assert_refused_unchanged(tiny(DogeConfig(**SMALL, keep_window_size=8)), r"keep_window_size: a dynamic mask")
+    dynamic = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert_refused_unchanged(tiny(dynamic), r"rope_type='dynamic' takes its frequencies from the longest example")
+    longrope = Phi3Config(**{**SMALL, "max_position_embeddings": 64}, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})  # fmt: skip
+    assert_refused_unchanged(tiny(longrope), r"rope_type='longrope'")
+
+
+def test_refuses_non_attention_mixers_by_structure_and_by_exact_gradient(monkeypatch):
+    """LFM2's short convolution runs across the row. With a small init its leak is ~1e-5 at the probe
+    (it grows with training): refused by the layer_types rule, and, without it, by the gradient rule,
+    which asks for exactly zero, not for a small difference."""
+    config = Lfm2Config(**{k: v for k, v in SMALL.items() if k != "head_dim"}, layer_types=["conv", "full_attention"],
+                        full_attn_idxs=[1], initializer_range=1e-3)  # fmt: skip
+    assert_refused_unchanged(tiny(config), r"layer_types \['conv'\] mix tokens outside attention")
+    monkeypatch.setattr(guard, "config_refusals", lambda config, implementation: [])
+    assert_refused_unchanged(tiny(config), r"outputs depend on the tokens of the other examples .*must be exactly 0")
+
+
+# --- mutations of packer_varlen that the reference must catch ------------------------------------------
+
+
+def _mutated(monkeypatch, **overrides):
+    """packer_varlen with some of the arguments the model passes replaced (e.g. scaling ignored)."""
+
+    def mutant(module, query, key, value, attention_mask, **kwargs):
+        return packed_attention(module, query, key, value, attention_mask, **{**kwargs, **overrides})
+
+    monkeypatch.setattr(attention, "packed_attention", mutant)
+
+
+@pytest.fixture
+def restore_registry():
+    yield
+    attention.register()  # the real function back in transformers' registry
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Gemma3TextConfig(**SMALL, query_pre_attn_scalar=64, sliding_window=4),  # scaling 64**-0.5, not 8**-0.5
+        GraniteConfig(**SMALL, attention_multiplier=0.5),
+    ],
+    ids=["gemma3-query_pre_attn_scalar", "granite-attention_multiplier"],
+)
+def test_a_packer_varlen_that_ignores_scaling_is_refused(config, monkeypatch, restore_registry):
+    prepare(tiny(config))  # the real function is exact
+    _mutated(monkeypatch, scaling=None)
+    assert_refused_unchanged(tiny(config), r"gets logits .* away from the ones it gets alone through eager")
+
+
+def test_a_packer_varlen_that_ignores_the_window_is_refused(monkeypatch, restore_registry):
+    config = MistralConfig(**SMALL, sliding_window=4)
+    prepare(tiny(config))
+    _mutated(monkeypatch, sliding_window=None)
+    assert_refused_unchanged(tiny(config), r"gets logits .* away from the ones it gets alone through eager")
+
+
+@pytest.mark.parametrize("kind", ["softcap", "sinks"])
+def test_soft_capping_and_sinks_are_refused_and_ignoring_them_is_caught(kind, monkeypatch, restore_registry):
+    if kind == "softcap":
+        config = Gemma2Config(**SMALL, attn_logit_softcapping=1.0, initializer_range=1.0, final_logit_softcapping=None, sliding_window=4)
+        ignore = dict(softcap=None)
+    else:
+        config = GptOssConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)
+        ignore = dict(s_aux=None)
+    assert_refused_unchanged(tiny(config, "eager"), r"soft-capping / sinks are not supported")
+    _mutated(monkeypatch, **ignore)
+    assert_refused_unchanged(tiny(config, "eager"), r"gets logits .* away from the ones it gets alone through eager")
+
+
+# --- the guard that stays on ---------------------------------------------------------------------------
+
+
+def test_guard_raises_when_the_attention_implementation_changes_after_prepare():
+    model = prepare(tiny(LlamaConfig(**SMALL)))
+    with torch.no_grad():
+        model(**row())
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ConfigError, match="attn_implementation changed from 'packer_varlen' to 'sdpa'"):
+            model(**row())
+        without_cu = {k: v for k, v in row().items() if not k.startswith(("cu_", "max_"))}
+        with pytest.raises(ConfigError, match="changed from 'packer_varlen' to 'sdpa'"):
+            model(**without_cu)  # packed by its position_ids alone
+        model(input_ids=row()["input_ids"])  # an unpacked forward (generation) is left alone
+        model.config._attn_implementation = "eager"
+        with pytest.raises(ConfigError, match="changed from 'packer_varlen' to 'eager'"):
+            model(**row())
+        prepare(model)  # prepared again: packed rows run
+        model(**row())
+
+
+def test_guard_raises_when_a_cache_comes_back_on_a_model_prepared_with_sdpa():
+    model = tiny(LlamaConfig(**SMALL, use_cache=False))
+    prepare(model, implementation="sdpa")
+    with torch.no_grad():
+        model(**row())
+        with pytest.raises(ConfigError, match="use_cache is on, so transformers builds no packed mask"):
+            model(**row(), use_cache=True)
+        model.config.use_cache = True
+        with pytest.raises(ConfigError, match="use_cache is on"):
+            model(**row())
+
+
+def test_probe_examples_cross_every_declared_threshold():
+    config = MistralConfig(**SMALL, sliding_window=4096)
+    assert min(guard._probe_lengths(config)) > 4096
+    config = Llama4TextConfig(**SMALL, attention_chunk_size=8192, floor_scale=8192, attn_temperature_tuning=True)
+    assert min(guard._probe_lengths(config)) > 8192
+    config = Phi3Config(**SMALL, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 40,
+        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})  # fmt: skip
+    assert min(guard._probe_lengths(config)) > 40
+
+
+def test_tolerance_follows_the_dtype():
+    assert guard.probe_tolerance(torch.float32) == pytest.approx(torch.finfo(torch.float32).eps ** 0.5)
+    assert guard.probe_tolerance(torch.float32) < guard.probe_tolerance(torch.float16) < guard.probe_tolerance(
+        torch.bfloat16
+    )
