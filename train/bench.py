@@ -18,7 +18,9 @@ from the Hub (online only; skipped with a line when it cannot be read). ``--shar
 a ``batch``-mode build of your own instead.
 
 Defaults, CPU: the ``cpu`` model (hidden 512, 4 layers: its matmuls, not per-call overhead, dominate a
-step), fp32, batch of 4, max-len 512, 1 + 10 steps. CUDA (needs flash-attn): the ``1b`` model, bf16,
+step), fp32, batch of 4, max-len 512, 1 + 6 steps, one torch thread per run (on a shared machine a
+second thread mostly waits for its descheduled twin: measured 4.7 s a step with one thread, 11.9 s
+with two, under load). CUDA (needs flash-attn): the ``1b`` model, bf16,
 batch of 16, max-len 2,048, 5 + 40 steps; peak memory is ``torch.cuda.max_memory_allocated``.
 """
 
@@ -44,7 +46,7 @@ LLAMA2 = SHARED / "llama2-tokenizer"
 
 # per device: model size, batch size, max-len, timed steps, warm-up steps, learning rate
 DEFAULTS = {
-    "cpu": dict(size="cpu", batch_size=4, max_len=512, steps=10, warmup=1, lr=1e-3),
+    "cpu": dict(size="cpu", batch_size=4, max_len=512, steps=6, warmup=1, lr=1e-3),
     "cuda": dict(size="1b", batch_size=16, max_len=2048, steps=40, warmup=5, lr=3e-4),
 }
 
@@ -93,10 +95,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(SIZES), help="model size (default: cpu on CPU, 1b on CUDA)")
     p.add_argument("--batch-size", type=int, help="examples per optimizer step (default 4 CPU, 16 CUDA)")
     p.add_argument("--max-len", type=int, help="longer examples are truncated (default 512 CPU, 2048 CUDA)")
-    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 10 CPU, 40 CUDA)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 6 CPU, 40 CUDA)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 1 CPU, 5 CUDA)")
     p.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3 CPU, 3e-4 CUDA)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per CPU run (default 1: steadier on a shared machine)")
     p.add_argument("--plot", default=None, help="write the loss curves and tokens/s to this PNG")
     p.add_argument("--work", default="shards/bench", help="where the builds go (default shards/bench)")
     p.add_argument("--no-loader", action="store_true", help="skip the loader comparison")
@@ -116,7 +119,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, value in DEFAULTS[kind].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("batch_size", 1), ("max_len", 2)):
+    for name, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("threads", 1), ("batch_size", 1), ("max_len", 2)):
         if getattr(args, name) < least:
             raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}")
     if args.plot and not args.plot.endswith(".png"):
@@ -145,7 +148,7 @@ def loader_build(args: argparse.Namespace) -> Path:
 
 def run_side(shards: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of one side in a fresh process; its result is the last line it prints (JSON)."""
-    spec = dict(shards=str(shards), mode=mode, steps=args.steps, warmup=args.warmup, size=args.size,
+    spec = dict(threads=args.threads, shards=str(shards), mode=mode, steps=args.steps, warmup=args.warmup, size=args.size,
                 device=args.device, lr=args.lr)
     cmd = [sys.executable, "-m", "train.bench", "--child", json.dumps(spec)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -169,9 +172,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         args = parse(argv)
         if args.child:
+            import torch
+
             from train.measure import run
 
-            print(json.dumps(run(**json.loads(args.child))))
+            spec = json.loads(args.child)
+            torch.set_num_threads(spec.pop("threads"))
+            print(json.dumps(run(**spec)))
             return {}
         return _bench(args)
     except (BenchError, PackerError) as e:
