@@ -216,10 +216,9 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         results[name] = {"runs": runs, "summary": report.summary(runs)}
         lines += report.table(name, results[name]["summary"], memory_kind)
     if results:
-        first = next(iter(results.values()))["summary"]
         shape = SIZES[args.size]
-        head = (f"padded vs packed: {args.size} Llama ({first['params'] / 1e6:,.1f}M parameters, hidden "
-                f"{shape.hidden}, {shape.layers} layers), {args.device} {'bf16' if cuda else 'fp32'}, "
+        head = (f"padded vs packed: {args.size} Llama (hidden {shape.hidden}, {shape.layers} layers, the vocabulary "
+                f"of each build's tokenizer), {args.device} {'bf16' if cuda else 'fp32'}, "
                 f"batch of {args.batch_size}, max-len {args.max_len}, {args.warmup} untimed + {args.steps} "
                 f"timed steps; {args.repeats} runs per side, interleaved; median [min–max]")
         print("\n".join([head, *lines]))

@@ -54,8 +54,9 @@ def table(name: str, s: dict[str, Any], memory_kind: str) -> list[str]:
     """One dataset's block of the table."""
     comp = s["computed"]
     lines = [
-        f"{name}: {s['steps']} timed optimizer steps, {s['tokens']:,} non-padding tokens; padded minibatches "
-        f"compute {comp['padded']:,} ({1 - comp['packed'] / comp['padded']:.1%} padding)",
+        f"{name}: model {s['params'] / 1e6:,.1f}M parameters, {s['steps']} timed optimizer steps, "
+        f"{s['tokens']:,} non-padding tokens; padded minibatches compute {comp['padded']:,} "
+        f"({1 - comp['packed'] / comp['padded']:.1%} padding)",
         f"  {'':8}{'non-padding tokens/s':>28}{'peak MiB (' + memory_kind + ')':>32}{'final loss':>12}",
     ]
     for m in ("padded", "packed"):
