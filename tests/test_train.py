@@ -142,10 +142,14 @@ def test_bench_refuses_in_one_line(argv, message, capsys):
 def test_padded_and_packed_train_alike_and_the_table_says_so(shards, tmp_path):
     """The padded side (transformers' own sdpa with a padding mask) is the reference: the packed
     rows give the same loss at every step. Then the table and the figure from these runs."""
-    runs = {m: [measure.run(shards, m, steps=3, warmup=1) for _ in range(2)] for m in measure.MODES}
+    runs = {m: [measure.run(shards, m, steps=3, warmup=1)] for m in measure.MODES}
     pad, pack = runs["padded"][0], runs["packed"][0]
     assert len(pad["losses"]) == len(pack["losses"]) == 4
-    np.testing.assert_allclose(pad["losses"], pack["losses"], atol=1e-5)
+    pad_l, pack_l = np.array(pad["losses"]), np.array(pack["losses"])
+    # a row whose trained tokens were all cut at max-len 128 has no loss: 0/0 = nan padded, 0 packed
+    empty = np.isnan(pad_l)
+    assert (pack_l[empty] == 0).all() and (~empty).sum() >= 2
+    np.testing.assert_allclose(pad_l[~empty], pack_l[~empty], atol=1e-5)
     assert pack["computed_tokens"] == pack["tokens"] < pad["computed_tokens"]  # packed computes no padding
     s = report.summary(runs)
     tps = {m: [r["tokens_per_s"] for r in runs[m]] for m in measure.MODES}

@@ -29,8 +29,10 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     pad, pack = runs["padded"], runs["packed"]
     tps = {m: [r["tokens_per_s"] for r in rs] for m, rs in runs.items()}
     mem = {m: [r["peak_mib"] for r in rs] for m, rs in runs.items()}
-    # every run of both sides, step by step: the curves should lie on each other
+    # every run of both sides, step by step: the curves should lie on each other. A row without a
+    # trained token has no loss (padded: 0/0 = nan, packed: 0); such steps are left out.
     all_losses = np.array([r["losses"] for r in pad + pack])
+    all_losses = all_losses[:, np.isfinite(all_losses).all(axis=0) & (all_losses != 0).all(axis=0)]
     return {
         "steps": pack[0]["steps"],
         "tokens": pack[0]["tokens"],
