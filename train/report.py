@@ -20,7 +20,10 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 
 
 def ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
-    """Ratio of medians, and the smallest and largest ratio any two runs give."""
+    """Ratio of medians, and the smallest and largest ratio any two runs give (nan where a figure is 0:
+    a max RSS that did not rise, e.g. in a process that peaked before the run)."""
+    if min(den) <= 0:
+        return float("nan"), float("nan"), float("nan")
     return statistics.median(num) / statistics.median(den), min(num) / max(den), max(num) / min(den)
 
 
