@@ -1,31 +1,26 @@
-"""Shared by the examples: a tiny random Llama sized for a shard folder's tokenizer (CPU, seconds), and
-the endless stream of batches over epochs."""
+"""Shared by the examples: the random Llama and the epoch stream come from train/ (one copy of each);
+this module makes ``train`` importable when an example runs as a script from anywhere."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+import sys
+from pathlib import Path
 
 from packer import schema
 from packer.attention import prepare
 
+try:
+    from train.model import random_llama
+    from train.train import batches_over_epochs
+except ModuleNotFoundError:  # `python examples/x.py`: sys.path holds examples/, not the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from train.model import random_llama
+    from train.train import batches_over_epochs
 
-def tiny_llama(directory, *, seed: int = 0, hidden: int = 64, layers: int = 2):
-    """A randomly initialised Llama whose vocabulary fits the build's tokenizer, attention switched to
-    ``packer_varlen`` (``packer.attention.prepare`` refuses a model that would leak across examples)."""
-    vocab = schema.read_manifest(directory).tokenizer["vocab_size"]
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, use_cache=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return prepare(model)
+__all__ = ["batches_over_epochs", "tiny_llama"]
 
 
-def batches_over_epochs(loader) -> Iterator[dict]:
-    """Batch after batch, epoch after epoch, with ``set_epoch`` so each epoch has its own order."""
-    for epoch in itertools.count():
-        loader.set_epoch(epoch)
-        yield from loader
+def tiny_llama(directory, *, seed: int = 0):
+    """train.model's tiny Llama for the build in ``directory``, attention switched to ``packer_varlen``
+    (``packer.attention.prepare`` refuses a model that would leak across examples)."""
+    return prepare(random_llama(schema.read_manifest(directory), "tiny", seed=seed))

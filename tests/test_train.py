@@ -1,5 +1,6 @@
 """End to end on real `packer build` output: loader rows into a tiny Llama, gradient accumulation
-normalisation, and `python -m train.train` lowering the loss on the bundled sample."""
+normalisation, `python -m train.train` lowering the loss on the bundled sample, and the CPU parts of
+the padded-vs-packed benchmark (its GPU run needs CUDA and flash-attn)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.image as plt_image
+import numpy as np
 import pytest
 import torch
 
 from packer import schema
 from packer.attention import prepare
 from packer.loader import make_dataloader
+from train import bench, measure, report
+from train.bench import BenchError, check_cuda
+from train.loader_bench import bench_loader
+from train.model import SIZES, random_llama
 from train.train import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +46,7 @@ def shards(tmp_path_factory) -> Path:
 
 
 def test_loader_batches_feed_the_model(shards):
-    model = prepare(load_model(schema.read_manifest(shards).to_json(), None, torch.device("cpu"), seed=0))
+    model = prepare(load_model(schema.read_manifest(shards), None, torch.device("cpu"), seed=0))
     batch = next(iter(make_dataloader(shards)))
     out = model(**batch)
     assert out.logits.shape[:2] == batch["input_ids"].shape
@@ -49,7 +56,7 @@ def test_loader_batches_feed_the_model(shards):
 def test_grad_accum_normalisation_equals_the_big_batch(shards):
     """G micro-batches with num_items_in_batch give the loss and gradient of all G rows at once."""
     g = 3
-    model = prepare(load_model(schema.read_manifest(shards).to_json(), None, torch.device("cpu"), seed=0))
+    model = prepare(load_model(schema.read_manifest(shards), None, torch.device("cpu"), seed=0))
     micro = [b for _, b in zip(range(g), make_dataloader(shards, grad_accum=g, seed=1), strict=False)]
     assert len({b["num_items_in_batch"] for b in micro}) == 1
     total = sum(float(b["num_items_in_batch"]) for b in micro[:1])
@@ -81,3 +88,96 @@ def test_train_cli_lowers_the_loss(shards, tmp_path):
     first, last = map(float, re.search(r"loss first ([\d.]+) last ([\d.]+)", out).groups())
     assert last < first - 0.1, out
     assert (save / "config.json").is_file() and (save / "loader_state.json").is_file()
+
+
+# --- the padded-vs-packed benchmark (train/bench.py): every part that does not need CUDA ---------------
+
+
+def test_model_sizes_fit_the_build(shards):
+    """One constructor for every size: the vocabulary and special ids come from the build; the GPU
+    size is ~1B parameters (counted on the meta device, no memory)."""
+    manifest = schema.read_manifest(shards)
+    tiny = random_llama(manifest, "tiny")
+    assert tiny.config.vocab_size == manifest.tokenizer["vocab_size"]
+    assert tiny.config.eos_token_id == manifest.tokenizer["eos_token_id"]
+    assert tiny.config.hidden_size == SIZES["tiny"].hidden and not tiny.config.use_cache
+    same = random_llama(manifest, "tiny")  # the same seed gives the same weights (both bench sides)
+    assert all(torch.equal(a, b) for a, b in zip(tiny.parameters(), same.parameters()))
+    llama2 = {"tokenizer": {"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2}, "stats": {}}
+    big = random_llama(llama2, "1b", device="meta")
+    assert 0.95e9 < sum(p.numel() for p in big.parameters()) < 1.1e9
+    with pytest.raises(ValueError, match="unknown model size"):
+        random_llama(manifest, "7b")
+
+
+def test_bench_cuda_refusals():
+    check_cuda(True, True)
+    with pytest.raises(BenchError, match="CUDA is not available"):
+        check_cuda(False, True)
+    with pytest.raises(BenchError, match=r"pip install -e '\.\[train,flash\]'"):
+        check_cuda(True, False)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps 0: must be at least 1"),
+        (["--repeats", "0"], "--repeats 0: must be at least 1"),
+        (["--plot", "curves.svg"], "give a .png file name"),
+        pytest.param(
+            ["--device", "cuda"],
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present"),
+        ),
+    ],
+)
+def test_bench_refuses_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--device", "cpu", *argv] if "--device" not in argv else argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_padded_and_packed_train_alike_and_the_table_says_so(shards, tmp_path):
+    """The padded side (transformers' own sdpa with a padding mask) is the reference: the packed
+    rows give the same loss at every step. Then the table and the figure from these runs."""
+    runs = {m: [measure.run(shards, m, steps=3, warmup=1)] for m in measure.MODES}
+    pad, pack = runs["padded"][0], runs["packed"][0]
+    assert len(pad["losses"]) == len(pack["losses"]) == 4
+    pad_l, pack_l = np.array(pad["losses"]), np.array(pack["losses"])
+    # a row whose trained tokens were all cut at max-len 128 has no loss: 0/0 = nan padded, 0 packed
+    empty = np.isnan(pad_l)
+    assert (pack_l[empty] == 0).all() and (~empty).sum() >= 2
+    np.testing.assert_allclose(pad_l[~empty], pack_l[~empty], atol=1e-5)
+    assert pack["computed_tokens"] == pack["tokens"] < pad["computed_tokens"]  # packed computes no padding
+    s = report.summary(runs)
+    tps = {m: [r["tokens_per_s"] for r in runs[m]] for m in measure.MODES}
+    assert s["speedup"][0] == pytest.approx(np.median(tps["packed"]) / np.median(tps["padded"]))
+    assert s["speedup"][1] <= s["speedup"][0] <= s["speedup"][2]
+    assert s["max_loss_diff"] < 1e-5
+    lines = report.table("flan", s, "max RSS rise")
+    assert f"packed/padded: {s['speedup'][0]:.2f}x tokens/s [{s['speedup'][1]:.2f}–{s['speedup'][2]:.2f}]" in lines[-1]
+    padding = 1 - pack["computed_tokens"] / pad["computed_tokens"]
+    assert f"({padding:.1%} padding)" in lines[0]
+    png = tmp_path / "curves.png"
+    report.plot({"flan": {"runs": runs, "summary": s}}, png, "tiny")
+    image = plt_image.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 900  # one dataset row: loss curves + tokens/s
+
+
+def test_loader_bench_counts_the_same_tokens(shards):
+    r = bench_loader(shards, repeats=2)
+    assert r["tokens"] == schema.read_manifest(shards).stats.tokens
+    assert r["packer"][1] <= r["packer"][0] <= r["packer"][2] and r["ratio"][0] > 0
+
+
+def test_bench_command_end_to_end(shards, tmp_path, capsys):
+    """The command itself on a tiny run: children in fresh processes, interleaved, table and plot."""
+    png = tmp_path / "bench.png"
+    argv = ["--shards", str(shards), "--device", "cpu", "--size", "tiny", "--steps", "2", "--warmup", "0"]
+    results = bench.main([*argv, "--repeats", "1", "--no-loader", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert "padded vs packed: tiny Llama" in out and "packed/padded:" in out
+    (name,) = results
+    assert results[name]["summary"]["max_loss_diff"] < 1e-5 and png.stat().st_size > 10_000

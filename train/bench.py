@@ -1,206 +1,234 @@
-"""Padded minibatches vs packer rows on the same examples and optimizer steps, and loader vs collator.
+"""Padded minibatches vs packer rows, the published table reproduced: FLAN-like and OrcaMath-like data.
 
-    python -m train.bench [--shards DIR] [--steps N] [--device cuda]
+    python -m train.bench [--plot docs/train-bench.png]                   # CPU: minutes
+    python -m train.bench --device cuda                                   # one GPU: bf16, ~1B Llama
 
-1. Training. A ``batch``-mode build holds, per row, the B examples of one minibatch. The same
-   randomly initialised model (seed 0), optimizer (AdamW) and rows (in order) are trained twice, each
-   in a fresh process so peak memory is its own:
-   - padded: the row's examples padded to the longest, attention mask, sdpa (the usual collator);
-   - packed: the row as it is, ``packer_varlen`` attention (flash-attn / varlen on CUDA, per-segment
-     SDPA on CPU).
-   Both losses are token means over the same label tokens, so the curves should coincide. Reported:
-   non-padding tokens/s, peak memory, final loss, and packed/padded ratios. Peak memory: on CUDA
-   ``torch.cuda.max_memory_allocated`` above the memory held after the model is made; on CPU the rise
-   of the process's max RSS (``resource.getrusage``) over the same point (allocator caching included).
-2. Loader. Tokens/s of packer's loader (memory-mapped rows to the model batch, no workers) against
-   transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` on the same rows' examples,
-   given to it as ready Python lists (its dataset fetch is not timed, which favours it).
+Per dataset, a ``batch``-mode build (B examples per row, in shuffled order) is trained twice from the
+same random Llama-shaped model, the same rows in the same order, one row per optimizer step: once as
+padded minibatches and once as packer rows (``train.measure`` says how each side runs). Each side
+runs ``--repeats`` times, each run in a fresh process (so peak memory is its own), interleaved as
+padded, packed, packed, padded, … (a drift of the machine's load hits both sides alike). The table
+gives the median and the spread [min–max] of non-padding tokens/s and peak memory, the final loss,
+the largest loss difference over all steps, and the packed/padded ratios of the medians. Then the
+loader against transformers' ``DataCollatorWithFlattening`` (``train.loader_bench``).
+
+Datasets: ``flan``, the bundled synthetic FLAN-style sample (bundled tokenizer); ``math``, GSM8K
+train from ../shared/data (Llama 2 tokenizer) where that folder exists, else the ``orcamath`` recipe
+from the Hub (online only; skipped with a line when it cannot be read). ``--shards DIR`` benchmarks
+a ``batch``-mode build of your own instead.
+
+Defaults, CPU: the ``cpu`` model (hidden 512, 4 layers: its matmuls, not per-call overhead, dominate a
+step), fp32, batch of 4, max-len 512, 1 + 6 steps, one torch thread per run (on a shared machine a
+second thread mostly waits for its descheduled twin: measured 4.7 s a step with one thread, 11.9 s
+with two, under load). CUDA (needs flash-attn): the ``1b`` model, bf16,
+batch of 16, max-len 2,048, 5 + 40 steps; peak memory is ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import resource
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from packer import BuildConfig, build, schema
+from packer.errors import PackerError
+from train.measure import MODES
+from train.model import SIZES
 
-from packer import schema
-from packer.loader import make_dataloader
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "data"
+LLAMA2 = SHARED / "llama2-tokenizer"
 
-
-def _ensure_build(shards: Path) -> None:
-    if (shards / schema.MANIFEST_NAME).is_file():
-        return
-    cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(shards), "--limit", "300"]
-    cmd += ["--pack", "batch", "--batch-size", "8", "--max-len", "512"]
-    subprocess.run(cmd, check=True)
-
-
-def _rows(shards: Path, n: int) -> list[dict[str, Any]]:
-    dl = make_dataloader(shards, shuffle=False)
-    return [b for _, b in zip(range(n), dl, strict=False)]
+# per device: model size, batch size, max-len, timed steps, warm-up steps, learning rate
+DEFAULTS = {
+    "cpu": dict(size="cpu", batch_size=4, max_len=512, steps=6, warmup=1, lr=1e-3),
+    "cuda": dict(size="1b", batch_size=16, max_len=2048, steps=40, warmup=5, lr=3e-4),
+}
 
 
-def _padded(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:
-    cu = batch["cu_seq_lens_q"].tolist()
-    ids, labels = batch["input_ids"][0], batch["labels"][0]
-    longest = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
-    n = len(cu) - 1
-    out_ids = torch.full((n, longest), pad_id, dtype=torch.int64)
-    out_lab = torch.full((n, longest), schema.IGNORE_INDEX, dtype=torch.int64)
-    mask = torch.zeros((n, longest), dtype=torch.int64)
-    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-        out_ids[i, : b - a], out_lab[i, : b - a], mask[i, : b - a] = ids[a:b], labels[a:b], 1
-    return {"input_ids": out_ids, "labels": out_lab, "attention_mask": mask}
+class BenchError(Exception):
+    """A bad argument or a missing requirement, told in one line (exit 2)."""
 
 
-def run_training(shards: Path, mode: str, steps: int, device: str, lr: float) -> dict[str, Any]:
-    """One mode in this process: returns tokens/s, peak memory and losses."""
-    from packer.attention import prepare
-    from train.train import load_model
+@dataclass(frozen=True, kw_only=True)
+class Dataset:
+    key: str
+    label: str
+    source: str
+    recipe: str | None = None
+    tokenizer: str | None = None  # None: packer's bundled tokenizer
 
-    dev = torch.device(device)
-    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
-    pad_id = int(manifest["tokenizer"].get("pad_token_id") or 0)
-    model = load_model(manifest, None, dev, seed=0)
-    if mode == "packed":
-        prepare(model)
+
+def datasets() -> dict[str, Dataset]:
+    flan = Dataset(key="flan", label="FLAN-like (bundled synthetic sample)", source="flan")
+    if (SHARED / "gsm8k_train.jsonl").is_file():
+        math = Dataset(key="math", label="OrcaMath-like (GSM8K train, Llama 2 tokenizer)",
+                       source=str(SHARED / "gsm8k_train.jsonl"), recipe="gsm8k",
+                       tokenizer=str(LLAMA2) if (LLAMA2 / "tokenizer.json").is_file() else None)
     else:
-        model.set_attn_implementation("sdpa")
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rows = _rows(shards, steps)
-    inputs = []
-    for row in rows:
-        if mode == "packed":
-            inputs.append(row)
-        else:
-            inputs.append(_padded(row, pad_id))
-    tokens = sum(int(r["cu_seq_lens_q"][-1]) for r in rows)
-    padded_tokens = sum(int(p["input_ids"].numel()) for p in inputs) if mode == "padded" else tokens
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    losses = []
-    start = time.perf_counter()
-    for batch in inputs:
-        batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    if dev.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        how = "cuda max_memory_allocated"
-    else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
-        how = "max RSS rise"
-    return {
-        "mode": mode,
-        "steps": len(inputs),
-        "tokens": tokens,
-        "computed_tokens": padded_tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "peak_mib": peak,
-        "memory": how,
-        "losses": [float(x) for x in losses],
-    }
+        math = Dataset(key="math", label="OrcaMath-like (orcamath recipe, Hub)", source="orcamath")
+    return {"flan": flan, "math": math}
 
 
-def bench_loader(shards: Path, repeats: int = 3) -> dict[str, float]:
-    from transformers import DataCollatorWithFlattening
-
-    dl = make_dataloader(shards, shuffle=False)
-    tokens = 0
-    best_packer = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = 0
-        for batch in dl:
-            tokens += batch["input_ids"].shape[1]
-        best_packer = min(best_packer, time.perf_counter() - start)
-    features = []
-    for batch in dl:
-        cu = batch["cu_seq_lens_q"].tolist()
-        ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
-        features.append(
-            [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(cu[:-1], cu[1:], strict=True)]
+def check_cuda(cuda_available: bool, flash_attn_available: bool) -> None:
+    """The CUDA run needs both; refuse in one line otherwise (the facts are arguments so tests can
+    check each refusal on a CPU machine)."""
+    if not cuda_available:
+        raise BenchError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False)")
+    if not flash_attn_available:
+        raise BenchError(
+            "--device cuda needs flash-attn (padded: flash_attention_2, packed: flash_attn_varlen_func): "
+            "pip install -e '.[train,flash]'"
         )
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
-    best_collator = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for f in features:
-            collator(f)
-        best_collator = min(best_collator, time.perf_counter() - start)
-    return {
-        "rows": len(features),
-        "tokens": tokens,
-        "packer_tokens_per_s": tokens / best_packer,
-        "collator_tokens_per_s": tokens / best_collator,
-    }
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--datasets", nargs="+", choices=["flan", "math"], default=["flan", "math"])
+    p.add_argument("--shards", default=None, help="a batch-mode build of your own instead of --datasets")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--size", choices=list(SIZES), help="model size (default: cpu on CPU, 1b on CUDA)")
+    p.add_argument("--batch-size", type=int, help="examples per optimizer step (default 4 CPU, 16 CUDA)")
+    p.add_argument("--max-len", type=int, help="longer examples are truncated (default 512 CPU, 2048 CUDA)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 6 CPU, 40 CUDA)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 1 CPU, 5 CUDA)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3 CPU, 3e-4 CUDA)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per CPU run (default 1: steadier on a shared machine)")
+    p.add_argument("--plot", default=None, help="write the loss curves and tokens/s to this PNG")
+    p.add_argument("--work", default="shards/bench", help="where the builds go (default shards/bench)")
+    p.add_argument("--no-loader", action="store_true", help="skip the loader comparison")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run, in a fresh process
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    if kind == "cuda":
+        import torch
+
+        check_cuda(torch.cuda.is_available(), importlib.util.find_spec("flash_attn") is not None)
+    for name, value in DEFAULTS[kind].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("threads", 1), ("batch_size", 1), ("max_len", 2)):
+        if getattr(args, name) < least:
+            raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}")
+    if args.plot and not args.plot.endswith(".png"):
+        raise BenchError(f"--plot {args.plot}: give a .png file name")
+    return args
+
+
+def prepare_build(ds: Dataset, args: argparse.Namespace) -> Path:
+    """The ``batch``-mode build this comparison needs: exactly warmup + steps rows (rebuilt only when
+    absent, since the same config gives the same folder)."""
+    rows = args.warmup + args.steps
+    out = Path(args.work) / f"{ds.key}-b{args.batch_size}-m{args.max_len}-r{rows}"
+    build(BuildConfig(source=ds.source, recipe=ds.recipe, tokenizer=ds.tokenizer, out=str(out), pack="batch",
+                      batch_size=args.batch_size, max_len=args.max_len, limit=rows * args.batch_size,
+                      overwrite=True))
+    return out
+
+
+def loader_build(args: argparse.Namespace) -> Path:
+    """2,400 bundled records, rows of 8 (300 rows): enough for a pass to take milliseconds, not microseconds."""
+    out = Path(args.work) / "loader-b8-m512"
+    build(BuildConfig(source="flan", out=str(out), pack="batch", batch_size=8, max_len=512, limit=2400,
+                      overwrite=True))
+    return out
+
+
+def run_side(shards: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one side in a fresh process; its result is the last line it prints (JSON)."""
+    spec = dict(threads=args.threads, shards=str(shards), mode=mode, steps=args.steps, warmup=args.warmup, size=args.size,
+                device=args.device, lr=args.lr)
+    cmd = [sys.executable, "-m", "train.bench", "--child", json.dumps(spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BenchError(f"the {mode} run on {shards} failed: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(shards: Path, args: argparse.Namespace, progress) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` runs per side, in the order padded, packed, packed, padded, padded, packed, …"""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            runs[mode].append(run_side(shards, mode, args))
+            progress(f"  run {r + 1}/{args.repeats} {mode}: {runs[mode][-1]['tokens_per_s']:,.0f} tokens/s")
+    return runs
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--shards", default="shards/bench", help="a batch-mode build (made here if absent)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (rows) per mode")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--mode", choices=["padded", "packed"], help=argparse.SUPPRESS)  # child process
-    args = p.parse_args(argv)
-    shards = Path(args.shards)
-    if args.mode:
-        print(json.dumps(run_training(shards, args.mode, args.steps, args.device, args.lr)))
-        return {}
-    _ensure_build(shards)
-    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
-    if manifest["config"].get("pack") != "batch":
-        raise SystemExit(
-            f"{shards}: built with --pack {manifest['config'].get('pack')}; the comparison needs batch"
-        )
-    results = {}
-    for mode in ("padded", "packed"):
-        cmd = [sys.executable, "-m", "train.bench", "--shards", str(shards), "--steps", str(args.steps)]
-        cmd += ["--device", args.device, "--lr", str(args.lr), "--mode", mode]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[mode] = json.loads(out.strip().splitlines()[-1])
-    pad, pack = results["padded"], results["packed"]
-    print(
-        f"training: {pack['steps']} optimizer steps, {pack['tokens']:,} non-padding tokens, device {args.device}"
-    )
-    print(f"  {'':8} {'tokens/s':>10} {'peak MiB':>9} {'final loss':>10} {'computed tokens':>16}")
-    for r in (pad, pack):
-        print(
-            f"  {r['mode']:8} {r['tokens_per_s']:>10,.0f} {r['peak_mib']:>9.1f} "
-            f"{r['losses'][-1]:>10.4f} {r['computed_tokens']:>16,}"
-        )
-    diff = float(np.max(np.abs(np.array(pad["losses"]) - np.array(pack["losses"]))))
-    print(
-        f"  packed/padded: {pack['tokens_per_s'] / pad['tokens_per_s']:.2f}x tokens/s, "
-        f"{pack['peak_mib'] / max(pad['peak_mib'], 1e-9):.2f}x peak memory ({pack['memory']}); "
-        f"max |loss diff| over the steps {diff:.2e}"
-    )
-    loader = bench_loader(shards)
-    results["loader"] = loader
-    print(f"loader: {loader['rows']} rows, {loader['tokens']:,} tokens")
-    print(f"  packer loader            {loader['packer_tokens_per_s']:>14,.0f} tokens/s")
-    print(f"  DataCollatorWithFlattening {loader['collator_tokens_per_s']:>12,.0f} tokens/s")
-    print(f"  packer/collator: {loader['packer_tokens_per_s'] / loader['collator_tokens_per_s']:.1f}x")
+    try:
+        args = parse(argv)
+        if args.child:
+            import torch
+
+            from train.measure import run
+
+            spec = json.loads(args.child)
+            torch.set_num_threads(spec.pop("threads"))
+            print(json.dumps(run(**spec)))
+            return {}
+        return _bench(args)
+    except (BenchError, PackerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from train import report
+    from train.loader_bench import bench_loader, loader_lines
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.shards:
+        manifest = schema.read_manifest(args.shards)
+        if manifest.config.get("pack") != "batch":
+            raise BenchError(f"{args.shards}: built with --pack {manifest.config.get('pack')}; this needs batch")
+        targets = {f"{args.shards}": Path(args.shards)}
+    else:
+        targets = {}
+        for key in args.datasets:
+            ds = datasets()[key]
+            try:
+                targets[ds.label] = prepare_build(ds, args)
+            except PackerError as e:
+                print(f"{ds.label}: skipped, it cannot be built here: {e}")
+    cuda = args.device.startswith("cuda")
+    memory_kind = "max_memory_allocated" if cuda else "max RSS rise"
+    results: dict[str, Any] = {}
+    lines = []
+    for name, shards in targets.items():
+        progress(f"{name}: {args.repeats} runs per side")
+        runs = compare(shards, args, progress)
+        results[name] = {"runs": runs, "summary": report.summary(runs)}
+        lines += report.table(name, results[name]["summary"], memory_kind)
+    if results:
+        shape = SIZES[args.size]
+        head = (f"padded vs packed: {args.size} Llama (hidden {shape.hidden}, {shape.layers} layers, the vocabulary "
+                f"of each build's tokenizer), {args.device} {'bf16' if cuda else 'fp32'}, "
+                f"batch of {args.batch_size}, max-len {args.max_len}, {args.warmup} untimed + {args.steps} "
+                f"timed steps; {args.repeats} runs per side, interleaved; median [min–max]")
+        print("\n".join([head, *lines]))
+        if args.plot:
+            report.plot(results, args.plot, head.split(";")[0])
+            print(f"plot: {args.plot}")
+    if not args.no_loader:
+        loader = bench_loader(Path(args.shards) if args.shards else loader_build(args))
+        results["loader"] = loader
+        print("\n".join(loader_lines(loader)))
     return results
 
 

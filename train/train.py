@@ -4,8 +4,8 @@
     python -m train.train --shards shards --steps 20 [--grad-accum 2] [--model PATH] [--save DIR]
 
 By default a tiny randomly initialised Llama sized to the build's tokenizer (the manifest's vocab size
-and special ids); ``--model`` takes any local Hugging Face causal LM directory. The model is switched
-to ``packer_varlen`` attention by ``packer.attention.prepare`` (flash-attn / torch varlen on CUDA,
+and special ids; ``--size`` picks another shape from train/model.py); ``--model`` takes any local
+Hugging Face causal LM directory. The model is switched to ``packer_varlen`` attention by ``packer.attention.prepare`` (flash-attn / torch varlen on CUDA,
 per-segment SDPA on CPU), which refuses a model that would let examples see each other.
 
 One optimizer step is ``--grad-accum`` micro-batches (rows) per rank. Every micro-batch carries
@@ -18,9 +18,11 @@ the step's token-mean loss; tokens/s counts the rows' tokens, all of them real (
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,44 +32,31 @@ from tqdm import tqdm
 from packer import schema
 from packer.attention import prepare
 from packer.loader import make_dataloader
+from train.model import SIZES, random_llama
 
 
-def tiny_llama(manifest: dict[str, Any], *, hidden: int = 64, layers: int = 2, heads: int = 4):
-    """A small random Llama sized to the build's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = manifest["tokenizer"]
-    max_len = max(4096, int(manifest["stats"].get("max_row_tokens") or 0))
-    config = LlamaConfig(
-        vocab_size=int(tok["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=max_len,
-        bos_token_id=tok.get("bos_token_id"),
-        eos_token_id=tok.get("eos_token_id"),
-        pad_token_id=tok.get("pad_token_id"),
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+def batches_over_epochs(loader) -> Iterator[dict[str, Any]]:
+    """Batch after batch, epoch after epoch, with ``set_epoch`` so each epoch has its own order."""
+    for epoch in itertools.count():
+        loader.set_epoch(epoch)
+        yield from loader
 
 
-def load_model(manifest: dict[str, Any], model_path: str | None, device: torch.device, seed: int):
-    torch.manual_seed(seed)
+def load_model(
+    manifest: schema.Manifest, model_path: str | None, device: torch.device, seed: int, size: str = "tiny"
+):
+    """``model_path`` (a local Hugging Face causal LM), else a random Llama of ``size`` (train.model)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if model_path is None:
-        model = tiny_llama(manifest)
-    else:
-        from transformers import AutoModelForCausalLM
+        return random_llama(manifest, size, seed=seed, device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM
 
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        if model.config.vocab_size < int(manifest["tokenizer"]["vocab_size"]):
-            raise SystemExit(
-                f"{model_path}: vocab size {model.config.vocab_size} < the build tokenizer's "
-                f"{manifest['tokenizer']['vocab_size']}; build the shards with this model's tokenizer"
-            )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if model.config.vocab_size < int(manifest.tokenizer["vocab_size"]):
+        raise SystemExit(
+            f"{model_path}: vocab size {model.config.vocab_size} < the build tokenizer's "
+            f"{manifest.tokenizer['vocab_size']}; build the shards with this model's tokenizer"
+        )
     model.config.use_cache = False  # training: no KV cache
     return model.to(device)
 
@@ -94,6 +83,7 @@ def train(
     grad_accum: int = 1,
     lr: float | None = None,
     model_path: str | None = None,
+    size: str = "tiny",
     save: str | None = None,
     seed: int = 0,
     device: str | None = None,
@@ -102,8 +92,8 @@ def train(
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps; returns {"losses": [...], "tokens_per_s": ..., "tokens": ...}."""
     dev, rank, world = _setup_distributed(device)
-    manifest = schema.read_manifest(shards).to_json()  # train/ reads the manifest as its JSON
-    model = prepare(load_model(manifest, model_path, dev, seed))
+    manifest = schema.read_manifest(shards)
+    model = prepare(load_model(manifest, model_path, dev, seed, size))
     if lr is None:
         lr = 3e-3 if model_path is None else 2e-5
     loader = make_dataloader(
@@ -115,14 +105,7 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
 
-    def batches():
-        epoch = 0
-        while True:
-            loader.set_epoch(epoch)
-            yield from loader
-            epoch += 1
-
-    stream = batches()
+    stream = batches_over_epochs(loader)
     losses: list[float] = []
     tokens = 0
     bar = tqdm(total=steps, desc="train", unit="step", disable=not progress or rank != 0)
@@ -163,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--lr", type=float, default=None, help="AdamW learning rate (3e-3 tiny model, 2e-5 --model)"
     )
     p.add_argument("--model", default=None, help="local Hugging Face causal LM (default: tiny random Llama)")
+    p.add_argument("--size", choices=list(SIZES), default="tiny", help="random Llama size (train/model.py)")
     p.add_argument("--save", default=None, help="save the model, loader and optimizer state here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -174,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         grad_accum=args.grad_accum,
         lr=args.lr,
         model_path=args.model,
+        size=args.size,
         save=args.save,
         seed=args.seed,
         device=args.device,
