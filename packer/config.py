@@ -19,6 +19,9 @@ from .plan import OVERLONG as OVERLONG_POLICIES
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
 DEFAULT_BATCH_SIZE = 8
+# Fields added after the first manifests: recorded only when they differ from their default, so a
+# build that does not use them keeps the bytes (and the identity) it had before they existed.
+_RECORDED_WHEN_SET = ("epochs",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +53,7 @@ class BuildConfig:
     num_proc: int = 0
     engine: str = "local"
     overwrite: bool = False
+    epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -66,7 +70,7 @@ class BuildConfig:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
-        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb"):
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
             positive(name, getattr(self, name))
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
@@ -93,6 +97,11 @@ class BuildConfig:
                     f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
                     "example that long could never be placed; lower --max-len or raise --max-tokens"
                 )
+        if self.epochs > 1 and self.pack == "wrap":
+            raise ConfigError(
+                f"--epochs {self.epochs} with --pack wrap: wrap keeps source order, so every epoch would hold the "
+                "same rows; build one epoch (the loader replays it each epoch) or use --pack batch or bfd"
+            )
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
         if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
@@ -108,7 +117,8 @@ class BuildConfig:
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
         skip = {"out", "overwrite", "num_proc", "engine"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)}
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
