@@ -32,8 +32,8 @@ workers.
 Epochs. A build made with ``--epochs E`` holds E planned epochs one after another (rows
 ``[e*R, (e+1)*R)`` are epoch ``e``'s, each its own shuffle of the examples): epoch ``e`` plays
 epoch ``e``'s rows, shuffled as above inside that epoch. Past the planned epochs, epoch ``e`` replays
-planned epoch ``e % E`` (so a one-epoch build replays its rows every epoch, as it always did) and
-``set_epoch`` warns once that the groupings now repeat.
+planned epoch ``e % E``: a one-epoch build replays its rows every epoch, as it always did; a build of
+E > 1 epochs warns once (``set_epoch``) that the groupings now repeat.
 
 Loss normalisation. Every micro-batch carries ``num_items_in_batch``: the loss tokens of its whole
 optimizer step, ``grad_accum`` micro-batches on ``world_size`` ranks, summed from the rows'
@@ -252,11 +252,11 @@ class PackedDataset(IterableDataset):
         if epoch != self.epoch:
             self._resume_at = 0
         self.epoch = epoch
-        if epoch >= self.epochs and not self._warned_past:
+        if 1 < self.epochs <= epoch and not self._warned_past:  # a one-epoch build replays silently, as ever
             self._warned_past = True
-            warnings.warn(f"{self.directory} holds {self.epochs} planned epoch{'s' * (self.epochs > 1)}; epoch {epoch} "
-                          f"replays planned epoch {epoch % self.epochs} (its groupings of examples repeat); rebuild "
-                          "with --epochs to give every epoch its own", stacklevel=2)
+            warnings.warn(f"{self.directory} holds {self.epochs} planned epochs; epoch {epoch} replays planned epoch "
+                          f"{epoch % self.epochs} (its groupings of examples repeat); rebuild with a larger --epochs "
+                          "to give every epoch its own", stacklevel=2)
 
     def _epoch_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
