@@ -23,7 +23,9 @@ from packer import BuildConfig, inspect_, render, schema, sources
 from packer.build import open_source
 from packer.cli import main
 from packer.engines import LocalEngine
+from packer.errors import ConfigError
 from packer.loader import PackedDataset
+from packer.plan import plan_epochs
 from packer.tokenization import load_tokenizer
 from packer.verify import verify
 
@@ -180,3 +182,36 @@ def test_bad_epochs_is_one_line_exit_2(tmp_path, args, needle):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+@pytest.mark.parametrize("overlong", ["split", "truncate-left"])
+def test_plan_epochs_batch_is_one_permutation_per_epoch_from_one_generator(overlong):
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 700, 1000)
+    answers = np.minimum(lengths, 50)
+    p = plan_epochs(lengths, epochs=4, mode="batch", batch_size=5, max_len=300, overlong=overlong, seed=11,
+                    answers=answers if overlong == "truncate-left" else None)
+    # the segments in example order, written out by hand
+    segs = []
+    for k, n in enumerate(lengths.tolist()):
+        if n <= 300:
+            segs.append((k, 0, n))
+        elif overlong == "split":
+            segs += [(k, s, min(300, n - s)) for s in range(0, n, 300)]
+        else:
+            segs.append((k, n - 300, 300))
+    segs = np.array(segs)
+    gen = np.random.default_rng(11)
+    want = np.concatenate([segs[gen.permutation(len(segs))] for _ in range(4)])
+    assert np.array_equal(np.stack([p.example, p.start, p.length], 1), want)
+    rows = -(-len(segs) // 5)
+    assert p.num_rows == 4 * rows and np.array_equal(np.diff(p.row_splits)[:rows], np.diff(p.row_splits)[rows:2 * rows])
+    assert p.stats["epochs"] == 4 and p.stats["segments"] == 4 * len(segs)
+    assert p.stats["tokens"] == 4 * (p.stats["tokens_in"] - p.stats["tokens_truncated"])
+
+
+def test_plan_epochs_refuses_wrap_and_zero():
+    with pytest.raises(ConfigError, match="wrap keeps source order"):
+        plan_epochs([5, 6], epochs=2, mode="wrap", max_len=8)
+    with pytest.raises(ConfigError, match="epochs must be >= 1"):
+        plan_epochs([5, 6], epochs=0, mode="batch", batch_size=2, max_len=8)
