@@ -332,6 +332,7 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     _, inverse = np.unique(ex, return_inverse=True)
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
+    example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
     config = manifest.config
     return {
         "directory": str(directory),
