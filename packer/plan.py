@@ -66,9 +66,9 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    ``[e*R, (e+1)*R)``, every epoch has the same R). In ``batch`` mode epoch ``e`` is cut from the
    ``e``-th permutation that generator draws, as a reshuffling sampler (torch's ``RandomSampler``
    with a ``generator``) draws a fresh permutation from its generator every epoch; epoch 0 is
-   exactly :func:`plan`. In ``bfd`` mode epochs ``e >= 1`` first permute the examples, so BFD
-   breaks its ties between equal lengths differently and the rows group other examples (same row
-   count, same row loads). ``wrap`` keeps source order, so its epochs would be identical: refused.
+   exactly :func:`plan`. In ``bfd`` mode (and any mode that packs from the lengths alone) epochs
+   ``e >= 1`` first permute the examples, so BFD breaks its ties between equal lengths differently
+   and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order, so its epochs would be identical: refused.
 
 Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
 Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
@@ -601,7 +601,9 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
     rng = np.random.default_rng(_as_int("seed", seed, 0, "use a non-negative integer seed"))
     plans = []
     for e in range(epochs):
-        if mode == "bfd" and e:  # new ties for BFD: equal lengths meet other partners than in the epochs before
+        # A packing mode other than batch is a function of the lengths (only its row order is shuffled), so
+        # its later epochs first permute the examples: equal lengths fall in other rows than before.
+        if mode != "batch" and e:
             order = rng.permutation(lengths.size)
             p = plan(lengths[order], mode=mode, answers=None if answers is None else np.asarray(answers)[order],
                      rng=rng, **options)
