@@ -68,7 +68,8 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    with a ``generator``) draws a fresh permutation from its generator every epoch; epoch 0 is
    exactly :func:`plan`. In ``bfd`` mode (and any mode that packs from the lengths alone) epochs
    ``e >= 1`` first permute the examples, so BFD breaks its ties between equal lengths differently
-   and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order, so its epochs would be identical: refused.
+   and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order,
+   so its epochs would be identical: refused. Cost: E times one plan.
 
 Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
 Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
@@ -235,8 +236,10 @@ def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndar
 def answer_lengths(trained, lengths: np.ndarray, max_len: int) -> np.ndarray:
     """int64[n]: for each example longer than ``max_len``, its tokens from the first trained one to
     the end (the answer ``truncate-left`` keeps whole; all of it when nothing is trained); 0 for
-    the others, which no policy touches. ``trained`` holds every example's loss flags, concatenated
-    (an array or a memory map of the token spill's flags: only the over-long examples' bytes are read).
+    the others, which no policy touches. ``trained`` holds every example's 0/1 loss flags,
+    concatenated (an array or a memory map of the token spill's flags: only the over-long examples'
+    bytes are read, up to their first trained token). Cost: one ``argmax`` per over-long example,
+    which stops at the first flag set (a vectorised gather would read every token of them).
     """
     lengths = np.asarray(lengths, np.int64)
     answers = np.zeros(lengths.size, np.int64)
@@ -244,8 +247,10 @@ def answer_lengths(trained, lengths: np.ndarray, max_len: int) -> np.ndarray:
     np.cumsum(lengths, out=offsets[1:])
     for k in np.flatnonzero(lengths > max_len).tolist():
         lo, hi = int(offsets[k]), int(offsets[k + 1])
-        first = np.flatnonzero(np.asarray(trained[lo:hi]))
-        answers[k] = hi - lo - int(first[0]) if first.size else hi - lo
+        flags = np.asarray(trained[lo:hi])
+        flags = flags.view(np.bool_) if flags.dtype.itemsize == 1 else flags != 0
+        first = int(flags.argmax())
+        answers[k] = hi - lo - first if flags[first] else hi - lo
     return answers
 
 
