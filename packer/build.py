@@ -20,7 +20,8 @@ from .config import BuildConfig
 from .errors import ConfigError, SourceError
 from .formatting import make_spec
 from .fs import file_sha256
-from .plan import Plan, answer_lengths, plan_epochs
+from .plan import Plan, answer_lengths
+from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
@@ -78,7 +79,7 @@ def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
     answers = None
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
-    return plan_epochs(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
+    return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
                        max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
                        seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
 
