@@ -80,8 +80,8 @@ def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
     return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
-                       max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
-                       seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
+                     max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
+                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
