@@ -462,6 +462,9 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     if dropped != s.examples_dropped or (dropped and config.overlong != "drop"):
         report.add("source", where, f"{dropped:,} examples placed nowhere, the manifest says examples_dropped "
                    f"{s.examples_dropped!r} under --overlong {config.overlong}")
+    for key in ("examples_truncated_left", "examples_answer_too_long"):  # truncate-left's two cases
+        if p.stats.get(key) != getattr(s, key):
+            report.add("source", where, f"{p.stats.get(key)!r} {key} here, the manifest says {getattr(s, key)!r}")
     if int(trunc.sum()) != s.examples_truncated and config.overlong in ("truncate", "truncate-left"):
         report.add("source", where, f"{int(trunc.sum()):,} examples truncated, the manifest says "
                    f"{s.examples_truncated!r}")

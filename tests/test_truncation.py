@@ -8,6 +8,8 @@ of it still trained; the others must be what --overlong truncate makes of them.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -90,6 +92,13 @@ def test_left_truncation_keeps_the_answer_whole(tmp_path, case):
     assert f"truncated    {n_left:,} at the prompt's start" in summary
     report = verify(left, source=CASES[case]["source"])
     assert report.ok, report.problems
+    # a manifest that miscounts the two cases is caught against the source
+    data = json.loads((left / schema.MANIFEST_NAME).read_text())
+    data["stats"]["examples_truncated_left"] -= 1
+    data["stats"]["examples_answer_too_long"] += 1
+    (left / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest(data))
+    problems = [str(p) for p in verify(left, source=CASES[case]["source"]).problems]
+    assert any("examples_truncated_left here" in p for p in problems), problems
 
 
 def _build(out, **options):
