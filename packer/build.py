@@ -20,8 +20,8 @@ from .config import BuildConfig
 from .errors import ConfigError, SourceError
 from .formatting import make_spec
 from .fs import file_sha256
-from .plan import Plan
-from .plan import plan as make_plan
+from .plan import Plan, answer_lengths
+from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
@@ -72,11 +72,16 @@ def open_source(config: BuildConfig, source: sources.Source, tokenizer, *, skip_
     return Opened(dataset, Encoder(tokenizer, spec, skip_errors=skip_errors), where)
 
 
-def plan_rows(config: BuildConfig, lengths) -> Plan:
-    """The rows of the config's pack mode, from the examples' lengths alone."""
-    return make_plan(lengths, mode=config.pack, max_len=config.max_len, max_tokens=config.max_tokens,
-                     batch_size=config.batch_size, overlong=config.overlong, seed=config.seed,
-                     world_size=config.world_size, balance=config.balance)
+def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
+    """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
+    ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
+    flags concatenated: where each answer starts)."""
+    answers = None
+    if config.overlong == "truncate-left" and config.pack != "wrap":
+        answers = answer_lengths(trained, lengths, config.max_len)
+    return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
+                     max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
+                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
@@ -119,7 +124,7 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     if len(lengths) == 0:
         raise SourceError(f"{source.name}: every record was skipped ({skipped}); nothing to pack")
 
-    plan = plan_rows(config, lengths)
+    plan = plan_rows(config, lengths, tokens.trained_flags())
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "

@@ -82,7 +82,9 @@ def main() -> None:
 @click.option("--batch-size", "-b", type=int, help="Examples per row in --pack batch (default 8).")
 @click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/wrap (default: --max-len).")
 @click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,
-              help="What happens to an example longer than --max-len; every case is counted in the manifest.")
+              help="What happens to an example longer than --max-len; every case is counted in the manifest. "
+                   "truncate keeps the first --max-len tokens; truncate-left drops prompt tokens from the start so "
+                   "the answer and EOS stay whole (an answer longer than --max-len is cut as by truncate).")
 @click.option("--world-size", type=int, default=DEFAULTS["world_size"], show_default=True, help="Data-parallel ranks the rows are planned for.")
 @click.option("--balance", type=click.Choice(BALANCE_BY), help="Even out work across --world-size ranks in each step.")
 @click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True, help="Seed of the shuffle; the same seed gives the same bytes.")
@@ -104,6 +106,10 @@ def main() -> None:
 @click.option("--tools-field", help="Record field holding tool definitions passed to the chat template (default: tools, if present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--epochs", type=int, default=DEFAULTS["epochs"], show_default=True,
+              help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
+                   "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
+                   "plays epoch e's rows in epoch e.")
 def build(as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 

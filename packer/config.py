@@ -20,6 +20,9 @@ ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
 TRAIN_ON = ("assistant", "last", "all")
 DEFAULT_BATCH_SIZE = 8
+# Fields added after the first manifests: recorded only when they differ from their default, so a
+# build that does not use them keeps the bytes (and the identity) it had before they existed.
+_RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,11 +54,11 @@ class BuildConfig:
     num_proc: int = 0
     engine: str = "local"
     overwrite: bool = False
-    # Added later: identity() leaves them out while they hold their default, so that builds which do not
-    # use them keep the manifest they had.
+    # Added later (see _RECORDED_WHEN_SET)
     train_on: str = "assistant"  # "assistant" (completion-only for prompt/completion data), "last" or "all"
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
+    epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -79,7 +82,7 @@ class BuildConfig:
         object.__setattr__(self, "train_on_prompt", self.train_on == "all")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
-        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb"):
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
             positive(name, getattr(self, name))
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
@@ -106,6 +109,11 @@ class BuildConfig:
                     f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
                     "example that long could never be placed; lower --max-len or raise --max-tokens"
                 )
+        if self.epochs > 1 and self.pack == "wrap":
+            raise ConfigError(
+                f"--epochs {self.epochs} with --pack wrap: wrap keeps source order, so every epoch would hold the "
+                "same rows; build one epoch (the loader replays it each epoch) or use --pack batch or bfd"
+            )
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
         if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
@@ -121,14 +129,9 @@ class BuildConfig:
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
         skip = {"out", "overwrite", "num_proc", "engine"}
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in skip and not (f.name in _LATER and getattr(self, f.name) == f.default)
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)}
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
 
-
-_LATER = {"train_on", "chat_template", "tools_field"}

@@ -70,6 +70,10 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
         "stats": manifest.stats.to_json(),
         "shards": [dataclasses.asdict(e) for e in manifest.shards],
     }
+    # what holding every planned epoch costs on disk (--epochs E: E times one epoch's rows)
+    size = sum(e.bytes for e in manifest.shards)
+    view["disk"] = {"bytes": size, "epochs": manifest.stats.epoch_count,
+                    "bytes_per_epoch": size // manifest.stats.epoch_count}
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
         view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
@@ -251,12 +255,20 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
                         "length": int(lens[h]),
                     })
             first_row += len(chunk_ids)
-    tokens = sum(p["length"] for p in pieces)
+    if stats.epoch_count > 1:  # a build of E epochs holds every example once per epoch
+        for p in pieces:
+            p["epoch"] = p["row"] // (stats.rows // stats.epoch_count)
+    first_epoch = [p for p in pieces if p.get("epoch", 0) == 0]
+    tokens = sum(p["length"] for p in first_epoch)
     eos = manifest.tokenizer.get("eos_token_id")
     truncated = False
-    if len(pieces) == 1 and config.get("overlong") == "truncate" and config.get("pack") != "wrap":
-        p = pieces[0]
-        truncated = p["length"] == config.get("max_len") and not _ends_with(directory, manifest, p, eos)
+    if len(first_epoch) == 1 and config.get("overlong") in ("truncate", "truncate-left") and config.get("pack") != "wrap":
+        p = first_epoch[0]
+        # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
+        truncated = p["length"] == config.get("max_len") and (
+            not _ends_with(directory, manifest, p, eos)
+            or (config.get("overlong") == "truncate-left"
+                and not _starts_with(directory, manifest, p, manifest.tokenizer.get("bos_token_id"))))
     if not pieces:
         dropped = stats.dropped_by_reason
         why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
@@ -268,7 +280,8 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
         "found": bool(pieces),
         "pieces": pieces,
         "tokens": tokens,
-        "split": len(pieces) > 1,
+        "split": len(first_epoch) > 1,
+        "epochs": stats.epoch_count,
         "truncated": truncated,
         "why_missing": why,
         "pack": config.get("pack"),
@@ -277,10 +290,18 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     }
 
 
+def _starts_with(directory: PathLike, manifest: Manifest, piece: dict, token: int | None) -> bool:
+    """Whether a piece's first token is ``token`` (a whole example starts with BOS; one cut at its start not)."""
+    return token is None or _token(directory, manifest, piece, 0) == token
+
+
 def _ends_with(directory: PathLike, manifest: Manifest, piece: dict, token: int | None) -> bool:
     """Whether a piece's last token is ``token`` (a whole example ends in EOS; a truncated one rarely)."""
-    if token is None:
-        return False
+    return token is not None and _token(directory, manifest, piece, piece["length"] - 1) == token
+
+
+def _token(directory: PathLike, manifest: Manifest, piece: dict, at: int) -> int:
+    """The token at offset ``at`` of a piece."""
     shard_start = 0  # the piece's row is global; find it inside its shard
     for entry in manifest.shards:
         if entry.file == piece["shard"]:
@@ -288,7 +309,7 @@ def _ends_with(directory: PathLike, manifest: Manifest, piece: dict, token: int 
         shard_start += entry.rows
     table = schema.open_shard(join(directory, piece["shard"]))
     ids = table.column("input_ids")[piece["row"] - shard_start].values
-    return ids[piece["offset"] + piece["length"] - 1].as_py() == token
+    return ids[piece["offset"] + at].as_py()
 
 
 # -- the numbers behind --plot ----------------------------------------------------------------------
@@ -311,6 +332,7 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     _, inverse = np.unique(ex, return_inverse=True)
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
+    example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
     config = manifest.config
     return {
         "directory": str(directory),

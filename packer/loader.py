@@ -29,6 +29,12 @@ makes the same number of steps, and every optimizer step has ``grad_accum`` micr
 is the order in which the DataLoader hands them out, so the stream does not depend on the number of
 workers.
 
+Epochs. A build made with ``--epochs E`` holds E planned epochs one after another (rows
+``[e*R, (e+1)*R)`` are epoch ``e``'s, each its own shuffle of the examples): epoch ``e`` plays
+epoch ``e``'s rows, shuffled as above inside that epoch. Past the planned epochs, epoch ``e`` replays
+planned epoch ``e % E``: a one-epoch build replays its rows every epoch, as it always did; a build of
+E > 1 epochs warns once (``set_epoch``) that the groupings now repeat.
+
 Loss normalisation. Every micro-batch carries ``num_items_in_batch``: the loss tokens of its whole
 optimizer step, ``grad_accum`` micro-batches on ``world_size`` ranks, summed from the rows'
 ``num_loss_tokens`` column (no communication: every rank knows the whole order). A transformers
@@ -51,6 +57,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -198,6 +205,12 @@ class PackedDataset(IterableDataset):
             )
         if self.num_rows == 0:
             raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
+        self.epochs = self.manifest.stats.epoch_count  # planned epochs the rows hold, in order
+        self.epoch_rows = self.num_rows // self.epochs
+        if self.epoch_rows * self.epochs != self.num_rows:
+            raise ShardFormatError(f"{self.directory}: {self.num_rows} rows do not split into {self.epochs} equal "
+                                   "epochs; rebuild the folder")
+        self._warned_past = False
 
     # -- opening ------------------------------------------------------------------------------
     def _check_files(self, verify: bool) -> None:
@@ -239,10 +252,15 @@ class PackedDataset(IterableDataset):
         if epoch != self.epoch:
             self._resume_at = 0
         self.epoch = epoch
+        if 1 < self.epochs <= epoch and not self._warned_past:  # a one-epoch build replays silently, as ever
+            self._warned_past = True
+            warnings.warn(f"{self.directory} holds {self.epochs} planned epochs; epoch {epoch} replays planned epoch "
+                          f"{epoch % self.epochs} (its groupings of examples repeat); rebuild with a larger --epochs "
+                          "to give every epoch its own", stacklevel=2)
 
     def _epoch_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
-        n, w, g = self.num_rows, self.world_size, self.grad_accum
+        n, w, g = self.epoch_rows, self.world_size, self.grad_accum
         n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
         slots = np.arange(n_groups * w, dtype=np.int64).reshape(n_groups, w)
         if self.shuffle:
@@ -252,7 +270,7 @@ class PackedDataset(IterableDataset):
             extra = g - n_groups % g  # whole filler groups so the last optimizer step has g micro-batches
             slots = np.concatenate([slots, np.arange(n, n + extra * w, dtype=np.int64).reshape(extra, w)])
         filler = slots >= n
-        rows = slots % n
+        rows = slots % n + (self.epoch % self.epochs) * n  # the planned epoch's rows
         loss = np.where(filler, 0, self._open().num_loss_tokens[rows])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
@@ -260,7 +278,7 @@ class PackedDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Steps (batches) per epoch on this rank, the same on every rank."""
-        n, w, g = self.num_rows, self.world_size, self.grad_accum
+        n, w, g = self.epoch_rows, self.world_size, self.grad_accum
         if self.remainder == "drop":
             return (n // (w * g)) * g
         groups = -(-n // w)

@@ -13,7 +13,10 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
 1. **Over-long examples** (``length > max_len``; not in ``wrap`` mode) follow ``overlong``:
    ``truncate`` keeps one segment ``[0, max_len)``; ``split`` cuts consecutive pieces
    ``[0, max_len), [max_len, 2*max_len), ...``, each its own segment; ``drop`` places the example
-   nowhere. Vectorised, O(n + m).
+   nowhere; ``truncate-left`` keeps the *last* ``max_len`` tokens ``[length - max_len, length)``
+   when the example's answer (``answers``: its tokens from the first trained one to EOS) fits in
+   ``max_len``, so only prompt tokens are lost, and otherwise falls back to ``truncate``; both cases
+   are counted (``examples_truncated_left``, ``examples_answer_too_long``). Vectorised, O(n + m).
 2. **Modes**
 
    - ``batch``: the segments are shuffled (``np.random.default_rng(seed).permutation``) and every
@@ -66,6 +69,16 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    ``stats["rank_work_max_over_mean"]`` is :func:`rank_work_ratio` of the plan as produced, by
    ``balance`` (``"tokens"`` when ``balance`` is None).
 
+4. **Epochs** (:func:`plan_epochs`): E plans drawn one after another from one generator,
+   ``np.random.default_rng(seed)``, concatenated into one :class:`Plan` (epoch ``e`` is rows
+   ``[e*R, (e+1)*R)``, every epoch has the same R). In ``batch`` mode epoch ``e`` is cut from the
+   ``e``-th permutation that generator draws, as a reshuffling sampler (torch's ``RandomSampler``
+   with a ``generator``) draws a fresh permutation from its generator every epoch; epoch 0 is
+   exactly :func:`plan`. In ``bfd`` mode (and any mode that packs from the lengths alone) epochs
+   ``e >= 1`` first permute the examples, so BFD breaks its ties between equal lengths differently
+   and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order,
+   so its epochs would be identical: refused. Cost: E times one plan.
+
 Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
 Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
 """
@@ -82,10 +95,10 @@ import numpy as np
 from packer.errors import ConfigError
 from packer.repack import fewer_rows
 
-__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "plan", "rank_work_ratio"]
+__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "plan", "plan_epochs", "rank_work_ratio"]
 
 MODES = ("batch", "bfd", "optimal", "wrap")
-OVERLONG = ("truncate", "split", "drop")
+OVERLONG = ("truncate", "split", "drop", "truncate-left")
 BALANCE = ("tokens", "attention")
 
 
@@ -198,8 +211,10 @@ def rank_work_ratio(plan: Plan, world_size: int, by: str = "tokens") -> float:
 # over-long policy
 
 
-def _segments(lengths: np.ndarray, max_len: int, overlong: str):
+def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndarray | None = None):
     """Segments (example, start, length) in example order, and the accounting counts."""
+    if overlong == "truncate-left":
+        return _truncate_left(lengths, answers, max_len)
     n = lengths.size
     idx = np.arange(n, dtype=np.int64)
     over = lengths > max_len
@@ -225,6 +240,51 @@ def _segments(lengths: np.ndarray, max_len: int, overlong: str):
         length = np.minimum(max_len, lengths[example] - start)
         acct.update(examples_split=n_over)
     return example, start, length, acct
+
+
+def answer_lengths(trained, lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """int64[n]: for each example longer than ``max_len``, its tokens from the first trained one to
+    the end (the answer ``truncate-left`` keeps whole; all of it when nothing is trained); 0 for
+    the others, which no policy touches. ``trained`` holds every example's 0/1 loss flags,
+    concatenated (an array or a memory map of the token spill's flags: only the over-long examples'
+    bytes are read, up to their first trained token). Cost: one ``argmax`` per over-long example,
+    which stops at the first flag set (a vectorised gather would read every token of them).
+    """
+    lengths = np.asarray(lengths, np.int64)
+    answers = np.zeros(lengths.size, np.int64)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    for k in np.flatnonzero(lengths > max_len).tolist():
+        lo, hi = int(offsets[k]), int(offsets[k + 1])
+        flags = np.asarray(trained[lo:hi])
+        flags = flags.view(np.bool_) if flags.dtype.itemsize == 1 else flags != 0
+        first = int(flags.argmax())
+        answers[k] = hi - lo - first if flags[first] else hi - lo
+    return answers
+
+
+def _truncate_left(lengths: np.ndarray, answers: np.ndarray | None, max_len: int):
+    """``truncate-left``: an over-long example keeps its last ``max_len`` tokens when its answer fits
+    (prompt tokens are dropped from the start, BOS included, as TRL's ``keep_end`` truncation does:
+    segments stay contiguous); an answer longer than ``max_len`` is cut on the right, as ``truncate``."""
+    n = lengths.size
+    if answers is None or np.shape(answers) != (n,):
+        raise ConfigError(
+            f"overlong 'truncate-left' needs answers (int[{n}]: each example's tokens from its first trained "
+            "token to the end); compute them with packer.plan.answer_lengths"
+        )
+    answers = np.asarray(answers, np.int64)
+    over = lengths > max_len
+    # An answer of exactly max_len fits: the segment then starts at its first token, whose label is -100
+    # like every segment start's (nothing before it in the row to predict it from).
+    left = over & (answers <= max_len)
+    start = np.where(left, lengths - max_len, 0)
+    acct = dict(
+        examples_split=0, examples_truncated=int(over.sum()), examples_dropped=0,
+        tokens_truncated=int((lengths[over] - max_len).sum()), tokens_dropped=0,
+        examples_truncated_left=int(left.sum()), examples_answer_too_long=int((over & ~left).sum()),
+    )
+    return np.arange(n, dtype=np.int64), start, np.minimum(lengths, max_len), acct
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,13 +494,18 @@ def plan(
     seed: int = 0,
     world_size: int = 1,
     balance: str | None = None,
+    answers=None,
+    rng: np.random.Generator | None = None,
 ) -> Plan:
-    """Plan rows from example lengths; see the module docstring for the algorithms."""
+    """Plan rows from example lengths; see the module docstring for the algorithms.
+
+    ``answers`` (``overlong="truncate-left"`` only): see :func:`answer_lengths`. ``rng``: draw the
+    shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd, optimal or wrap")
     if overlong not in OVERLONG:
         raise ConfigError(
-            f"overlong must be one of {OVERLONG}, got {overlong!r}; use truncate, split or drop"
+            f"overlong must be one of {OVERLONG}, got {overlong!r}; use truncate, split, drop or truncate-left"
         )
     if balance is not None and balance not in BALANCE:
         raise ConfigError(f"balance must be one of {BALANCE} or None, got {balance!r}; pick one")
@@ -475,7 +540,7 @@ def plan(
 
     lengths = _as_lengths(lengths)
     n = lengths.size
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed) if rng is None else rng
 
     if mode == "wrap":
         if n:
@@ -501,7 +566,7 @@ def plan(
             idx, row_splits = _row_gather(row_splits, order)
             example, start, length = example[idx], start[idx], length[idx]
     else:
-        example, start, length, acct = _segments(lengths, max_len, overlong)
+        example, start, length, acct = _segments(lengths, max_len, overlong, answers)
         if mode in ("bfd", "optimal"):
             example, start, length, row_splits = _pack_bfd(
                 example, start, length, budget_cap, rng, world_size, balance, mode == "optimal"
@@ -525,6 +590,74 @@ def plan(
     # The ratio is measured on the finished rows; the frozen Plan is then made once, stats complete.
     ratio = rank_work_ratio(Plan(*arrays, stats={}), world_size, balance or "tokens")
     return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio})
+
+
+# --------------------------------------------------------------------------------------------------
+# epochs
+
+
+def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=None, **options: Any) -> Plan:
+    """``epochs`` plans one after another (module docstring, step 4), as one :class:`Plan` whose rows
+    are epoch 0's, then epoch 1's, ...; ``options`` are :func:`plan`'s. ``epochs=1`` is :func:`plan`.
+
+    Stats: what the rows hold (``segments``, ``tokens``, ``rows``, ``padded_tokens``) is summed over the
+    epochs, ``max_row_tokens`` is the largest, ``fill`` and ``lower_bound`` are of all the rows, and
+    ``rank_work_max_over_mean`` is the epochs' mean; the accounting of examples (read, truncated,
+    split, dropped, ``tokens_in``) is one epoch's, the same in every epoch, and ``epochs`` says E.
+    """
+    epochs = _as_int("epochs", epochs, 1, "plan at least one epoch")
+    if epochs == 1:
+        return plan(lengths, mode=mode, seed=seed, answers=answers, **options)
+    if mode == "wrap":
+        raise ConfigError(
+            f"epochs={epochs} with mode 'wrap': wrap keeps source order, so every epoch would hold the same rows; "
+            "build one epoch and let the loader replay it (set_epoch), or use mode 'batch' or 'bfd'"
+        )
+    lengths = _as_lengths(lengths)
+    rng = np.random.default_rng(_as_int("seed", seed, 0, "use a non-negative integer seed"))
+    plans = []
+    for e in range(epochs):
+        # A packing mode other than batch is a function of the lengths (only its row order is shuffled), so
+        # its later epochs first permute the examples: equal lengths fall in other rows than before.
+        if mode != "batch" and e:
+            order = rng.permutation(lengths.size)
+            p = plan(lengths[order], mode=mode, answers=None if answers is None else np.asarray(answers)[order],
+                     rng=rng, **options)
+            p = Plan(order[p.example], p.start, p.length, p.row_splits, p.stats)
+        else:
+            p = plan(lengths, mode=mode, answers=answers, rng=rng, **options)
+        plans.append(p)
+    return _concat_epochs(plans)
+
+
+# one epoch's accounting (equal in every epoch) and what the rows of all epochs hold, summed
+_PER_EPOCH = ("examples", "examples_packed", "examples_split", "examples_truncated", "examples_dropped", "tokens_in",
+              "tokens_truncated", "tokens_dropped", "world_size", "examples_truncated_left", "examples_answer_too_long")
+_SUMMED = ("segments", "tokens", "rows", "padded_tokens")
+
+
+def _concat_epochs(plans: list[Plan]) -> Plan:
+    first = plans[0]
+    for p in plans[1:]:
+        assert p.num_rows == first.num_rows, "every epoch plans the same number of rows"
+        assert all(p.stats.get(k) == first.stats.get(k) for k in _PER_EPOCH), "every epoch accounts the same"
+    arrays = [np.concatenate([getattr(p, name) for p in plans]) for name in ("example", "start", "length")]
+    shift = np.cumsum([0] + [int(p.row_splits[-1]) for p in plans[:-1]])
+    row_splits = np.concatenate([first.row_splits[:1]] + [p.row_splits[1:] + s for p, s in zip(plans, shift, strict=True)])
+    stats = {k: first.stats[k] for k in _PER_EPOCH if k in first.stats}
+    stats.update({k: sum(p.stats[k] for p in plans) for k in _SUMMED if k in first.stats})
+    stats["max_row_tokens"] = max(p.stats["max_row_tokens"] for p in plans)
+    # batch rows have no budget but their largest row (plan's rule), bfd's budget is the same in every epoch
+    stats["row_budget"] = max(p.stats["row_budget"] for p in plans)
+    budget, rows = stats["row_budget"], stats["rows"]
+    stats["lower_bound"] = -(-stats["tokens"] // budget) if budget else 0
+    stats["fill"] = stats["tokens"] / (rows * budget) if rows and budget else 0.0
+    stats["rank_work_max_over_mean"] = float(np.mean([p.stats["rank_work_max_over_mean"] for p in plans]))
+    stats["epochs"] = len(plans)
+    out = [np.ascontiguousarray(a, dtype=np.int64) for a in (*arrays, row_splits)]
+    for a in out:
+        a.flags.writeable = False
+    return Plan(*out, stats=stats)
 
 
 def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance) -> dict:
@@ -552,6 +685,7 @@ def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_s
         "fill": tokens / (rows * budget) if rows and budget else 0.0,
         "world_size": int(world_size),
     }
+    s.update({k: int(acct[k]) for k in ("examples_truncated_left", "examples_answer_too_long") if k in acct})
     if mode == "batch":
         counts = np.diff(row_splits)
         if rows:

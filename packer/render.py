@@ -19,6 +19,17 @@ def padding_removed(tokens: int, padded_tokens: int) -> float:
     return 1 - tokens / max(1, padded_tokens)
 
 
+def truncation_text(left: int, too_long: int) -> str:
+    """What --overlong truncate-left did, in words."""
+    return (f"{left:,} at the prompt's start (answer and EOS whole) · {too_long:,} whose answer alone exceeds "
+            "--max-len, cut at the end")
+
+
+def disk_cost_text(epochs: int, size: int) -> str:
+    """What holding every planned epoch costs on disk."""
+    return f"{epochs} epochs × {size / epochs / 1e6:,.1f} MB: the tokens are read once and written {epochs} times"
+
+
 def build_lines(result: BuildResult) -> list[str]:
     """The summary of ``packer build``."""
     m = result.manifest
@@ -34,11 +45,16 @@ def build_lines(result: BuildResult) -> list[str]:
     size = sum(sh.bytes for sh in m.shards)
     lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
                  f"{s.examples_split:,} split · {s.examples_truncated:,} truncated · dropped: {dropped}")
-    lines.append(f"tokens    {s.tokens:,} in rows ({s.loss_tokens:,} trained) · "
+    if s.examples_truncated_left is not None:
+        lines.append(f"truncated {truncation_text(s.examples_truncated_left, s.examples_answer_too_long)}")
+    over = f" over {s.epochs} epochs" if s.epochs else ""
+    lines.append(f"tokens    {s.tokens:,} in rows{over} ({s.loss_tokens:,} trained) · "
                  f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.segments_without_loss:
         lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token (prompts cut before their "
                      "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
+    if s.epochs:
+        mode += f"; {s.epochs} epochs × {s.rows // s.epochs:,} rows, each its own shuffle"
     if cfg["pack"] == "batch":
         # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
         lines.append(f"rows      {s.rows:,} ({mode}) · padded batches would hold {s.padded_tokens:,} tokens: "
@@ -46,7 +62,8 @@ def build_lines(result: BuildResult) -> list[str]:
     else:
         lines.append(f"rows      {s.rows:,} ({mode}) · fill {s.fill:.1%} · "
                      f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
-    lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB)")
+    lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
+                 + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s")
     return lines
 
@@ -74,8 +91,14 @@ def summary_lines(view: dict, color: bool) -> list[str]:
           f"· {s['segments']:,} segments in rows")
     lines.append(f"  tokens       {s['tokens']:,} in rows ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})"
           f" · {s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped")
+    if s.get("examples_truncated_left") is not None:
+        lines.append(f"  truncated    {truncation_text(s['examples_truncated_left'], s['examples_answer_too_long'])}")
     lines.append(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
           f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})")
+    if s.get("epochs"):
+        size = sum(sh["bytes"] for sh in view["shards"])
+        lines.append(f"  epochs       {s['epochs']} planned, each its own shuffle: {s['rows']:,} rows = {s['epochs']} × "
+                     f"{s['rows'] // s['epochs']:,} · {size / 1e6:,.1f} MB on disk = {disk_cost_text(s['epochs'], size)}")
     for sh in view["shards"]:
         lines.append(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}")
     modes = view.get("modes")
@@ -83,7 +106,8 @@ def summary_lines(view: dict, color: bool) -> list[str]:
         return _plain(lines, color)
     world = s.get("world_size", 1)
     lines.append("")
-    lines.append(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens), "
+    lines.append(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens"
+                      + (f", all {s['epochs']} epochs" if s.get("epochs") else "") + "), "
                       f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True))
     head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
     lines.append(click.style(head, dim=True))
@@ -115,12 +139,16 @@ def example_lines(view: dict, directory: str, color: bool) -> list[str]:
         what.append(f"split into {len(pieces)} pieces (--overlong {view['overlong']}, --max-len {view['max_len']})"
                     if view["pack"] != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
     if view["truncated"]:
-        what.append(f"truncated to --max-len {view['max_len']} (its last token is not EOS)")
-    lines.append(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(pieces)} segment{'s' if len(pieces) > 1 else ''}"
+        what.append(f"truncated to --max-len {view['max_len']} " + (
+            "(its last token is not EOS)" if view["overlong"] == "truncate" else "(--overlong truncate-left)"))
+    epochs = view.get("epochs", 1)
+    per_epoch = [p for p in pieces if p.get("epoch", 0) == 0]
+    lines.append(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(per_epoch)} segment{'s' if len(per_epoch) > 1 else ''}"
+                      + (f" in each of {epochs} epochs" if epochs > 1 else "")
                       + (f", {'; '.join(what)}" if what else ", whole"), bold=True))
     for p in pieces:
         lines.append(f"  row {p['row']:>6,}  segment {p['segment']:>3}  tokens {p['offset']:,}..{p['offset'] + p['length']:,} "
-              f"({p['length']:,})  {p['shard']}")
+              f"({p['length']:,})  {p['shard']}" + (f"  epoch {p['epoch']}" if epochs > 1 else ""))
     lines.append(click.style(f"  see it: packer inspect {directory} --row {pieces[0]['row']}", dim=True))
     return _plain(lines, color)
 

@@ -123,12 +123,20 @@ class Stats:
     loss_tokens: int
     segments_without_loss: int  # segments that hold no trained token (a completion cut away)
     padded_tokens: int | None = None  # batch mode only: the tokens padded batches would hold
+    # Added later, so absent (None) where they do not apply, which keeps older builds' bytes:
+    epochs: int | None = None  # the epochs the rows hold (--epochs E > 1): rows, tokens, segments, loss
+    # tokens and padded_tokens then count all of them; the examples' accounting is one epoch's
+    examples_truncated_left: int | None = None  # --overlong truncate-left: of examples_truncated, those
+    # cut at the start of the prompt (the answer whole) ...
+    examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if out["padded_tokens"] is None:  # absent outside batch mode, as it always was
-            del out["padded_tokens"]
-        return out
+        # the optional fields are absent where they do not apply, as padded_tokens always was outside batch mode
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def epoch_count(self) -> int:
+        return self.epochs or 1
 
 
 # Types the parser checks each manifest key against (bool is not an int here).

@@ -75,6 +75,10 @@ class Spill:
     def tokens(self) -> int:
         return int(self.lengths.sum(dtype=np.int64))
 
+    def trained_flags(self) -> np.ndarray:
+        """Every example's loss flags, concatenated, memory-mapped (read where indexed)."""
+        return _memmap(self.folder / "trained.bin", np.uint8, self.tokens)
+
     def store(self) -> TokenStore:
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=offsets[1:])

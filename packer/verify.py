@@ -132,8 +132,8 @@ def _check_stats_arithmetic(manifest: Manifest, report: Report) -> None:
     parts = s.examples_packed + s.examples_split + s.examples_truncated + s.examples_dropped
     if parts != s.examples:
         report.add("stats", where, f"packed + split + truncated + dropped = {parts:,}, but examples = {s.examples:,}")
-    if s.tokens + s.tokens_truncated + s.tokens_dropped != s.tokens_in:
-        report.add("stats", where, "tokens + tokens_truncated + tokens_dropped differs from tokens_in")
+    if s.tokens != s.epoch_count * (s.tokens_in - s.tokens_truncated - s.tokens_dropped):  # every epoch holds them all
+        report.add("stats", where, "tokens differs from epochs × (tokens_in − tokens_truncated − tokens_dropped)")
     if s.examples + s.records_skipped != s.examples_read:
         report.add("stats", where, f"examples {s.examples:,} + records_skipped {s.records_skipped:,} differs from "
                    f"examples_read {s.examples_read:,}: records are unaccounted for")
@@ -373,7 +373,7 @@ def _check_totals(manifest: Manifest, totals: _Totals, report: Report) -> None:
         report.add("stats", where, f"the rows hold {unique.size:,} distinct examples, the stats account for "
                    f"{expected:,} (examples − examples_dropped)")
     if manifest.config.get("pack") != "wrap":
-        split = int((counts > 1).sum())
+        split = int((counts > s.epoch_count).sum())  # a whole example appears once per epoch
         if split != s.examples_split:
             report.add("stats", where, f"{split:,} examples appear in pieces, examples_split says "
                        f"{s.examples_split!r}")
@@ -433,14 +433,17 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     if recorded_reasons != skipped:
         report.add("source", where, f"skipped records by reason {skipped} here, the manifest records {recorded_reasons}")
 
-    p = plan_rows(config, lengths)
+    p = plan_rows(config, lengths, trained)
     # Every kept record is accounted for: its pieces tile it, or it is truncated / dropped as the policy says.
     ex, st, ln = np.asarray(p.example), np.asarray(p.start), np.asarray(p.length)
-    order = np.lexsort((st, ex))
+    one = int(p.row_splits[p.num_rows // config.epochs])  # epoch 0's segments (every epoch places them alike)
+    order = np.lexsort((st[:one], ex[:one]))
     ex_s, st_s, ln_s = ex[order], st[order], ln[order]
     first = np.ones(ex_s.size, bool)
     first[1:] = ex_s[1:] != ex_s[:-1]
-    contiguous = np.where(first, st_s == 0, np.r_[True, st_s[1:] == (st_s + ln_s)[:-1]])
+    left = config.overlong == "truncate-left"  # a left-truncated example's one segment ends where it does
+    contiguous = np.where(first, (st_s == 0) | (left & (st_s + ln_s == lengths[ex_s])),
+                          np.r_[True, st_s[1:] == (st_s + ln_s)[:-1]])
     covered = np.zeros(lengths.size, np.int64)
     np.add.at(covered, ex_s, ln_s)
     placed = np.zeros(lengths.size, bool)
@@ -449,7 +452,7 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     trunc = placed & ~whole
     if not contiguous.all():
         report.add("source", where, f"{int((~contiguous).sum()):,} pieces do not tile their example")
-    if config.overlong == "truncate" and config.pack != "wrap":
+    if config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
         bad = trunc & (covered != config.max_len)
         if bad.any():
             report.add("source", where, f"{int(bad.sum()):,} examples cut at another length than max_len")
@@ -459,7 +462,10 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     if dropped != s.examples_dropped or (dropped and config.overlong != "drop"):
         report.add("source", where, f"{dropped:,} examples placed nowhere, the manifest says examples_dropped "
                    f"{s.examples_dropped!r} under --overlong {config.overlong}")
-    if int(trunc.sum()) != s.examples_truncated and config.overlong == "truncate":
+    for key in ("examples_truncated_left", "examples_answer_too_long"):  # truncate-left's two cases
+        if p.stats.get(key) != getattr(s, key):
+            report.add("source", where, f"{p.stats.get(key)!r} {key} here, the manifest says {getattr(s, key)!r}")
+    if int(trunc.sum()) != s.examples_truncated and config.overlong in ("truncate", "truncate-left"):
         report.add("source", where, f"{int(trunc.sum()):,} examples truncated, the manifest says "
                    f"{s.examples_truncated!r}")
 
