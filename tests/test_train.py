@@ -4,6 +4,7 @@ the padded-vs-packed benchmark (its GPU run needs CUDA and flash-attn)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_model_sizes_fit_the_build(shards):
     assert tiny.config.hidden_size == SIZES["tiny"].hidden and not tiny.config.use_cache
     same = random_llama(manifest, "tiny")  # the same seed gives the same weights (both bench sides)
     assert all(torch.equal(a, b) for a, b in zip(tiny.parameters(), same.parameters()))
-    llama2 = {"tokenizer": {"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2}, "stats": {}}
+    llama2 = dataclasses.replace(manifest, tokenizer={"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2})
     big = random_llama(llama2, "1b", device="meta")
     assert 0.95e9 < sum(p.numel() for p in big.parameters()) < 1.1e9
     with pytest.raises(ValueError, match="unknown model size"):
