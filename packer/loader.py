@@ -81,32 +81,43 @@ def _dist_rank_world() -> tuple[int, int] | None:
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
-    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...]) -> None:
+    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
+                 vocab_size: int) -> None:
         self.tables = []  # keeps the memory maps alive
-        self.batches: list[dict[str, np.ndarray]] = []
+        self.batches: list[dict[str, Any]] = []
         self.starts: list[int] = []
+        self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
-            table = schema.open_shard(fs.join(directory, entry.file))
+            path = fs.join(directory, entry.file)
+            table = schema.open_shard(path)
             if table.num_rows != entry.rows:
                 raise ShardFormatError(
-                    f"{fs.join(directory, entry.file)}: {table.num_rows} rows, the manifest records {entry.rows}; "
+                    f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
                     "the folder mixes builds, rebuild it"
                 )
             self.tables.append(table)
+            tokens = 0
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                cols: dict[str, np.ndarray] = {}
+                cols: dict[str, Any] = {"file": str(path), "first": n, "checked": False}
                 for name in ("input_ids", "position_ids", "labels", "seq_lens"):
                     arr = batch.column(name)
                     cols[name] = arr.values.to_numpy(zero_copy_only=True)
                     cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
                 cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
                 cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
+                off = cols["input_ids.offsets"]
+                tokens += int(off[-1]) - int(off[0])
                 self.batches.append(cols)
                 self.starts.append(n)
                 n += batch.num_rows
+            if tokens != entry.tokens:
+                raise ShardFormatError(
+                    f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
+                    "build or damaged, rebuild the folder"
+                )
         self.num_rows = n
         self.num_loss_tokens = (
             np.concatenate([b["num_loss_tokens"] for b in self.batches]).astype(np.int64)
@@ -117,6 +128,15 @@ class _Shards:
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
         cols, j = self.batches[b], index - self.starts[b]
+        if not cols["checked"]:  # once per row batch and process, on its first row read
+            problem = check_rows(cols, self.vocab_size)
+            if problem is not None:
+                row, what = problem
+                raise ShardFormatError(
+                    f"{cols['file']} row {cols['first'] + row}: {what}; the shard is damaged, rebuild the folder "
+                    "(`packer verify DIR` lists every problem)"
+                )
+            cols["checked"] = True
         o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
         s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
         cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
@@ -137,6 +157,71 @@ class _Shards:
             "max_length_k": max_len,
             "num_items_in_batch": num_items,
         }
+
+
+def check_rows(cols: dict[str, Any], vocab_size: int) -> tuple[int, str] | None:
+    """The first damaged row of a row batch and what is wrong with it, or None.
+
+    The structure that the attention kernel and the loss index with, in a few vectorised passes over
+    the batch's tokens: Arrow's validation at open keeps the offsets in bounds, this keeps every
+    ``cu_seq_lens`` inside its row and every id inside the embedding. Rows are contiguous, so once each
+    row's ``seq_lens`` sum to its length the batch's cumulative ``seq_lens`` are the segment starts.
+    (``benchmarks/bench_loader.py`` measures the cost.)"""
+    off = cols["input_ids.offsets"].astype(np.int64)
+    for name in ("position_ids", "labels"):
+        bad = cols[name + ".offsets"] != cols["input_ids.offsets"]
+        if bad.any():
+            return max(int(np.argmax(bad)) - 1, 0), f"{name} is not aligned with input_ids"
+    soff = cols["seq_lens.offsets"].astype(np.int64)
+    seq = cols["seq_lens"][soff[0] : soff[-1]].astype(np.int64)
+    soff -= soff[0]
+    nseg = np.diff(soff)
+    if (nseg == 0).any():
+        return int(np.argmax(nseg == 0)), "no segments in seq_lens"
+    if (seq <= 0).any():
+        return _row_of(np.argmax(seq <= 0), soff), "a segment length ≤ 0 in seq_lens"
+    cs = np.zeros(seq.size + 1, np.int64)
+    np.cumsum(seq, out=cs[1:])
+    row_len = np.diff(off)
+    sums = cs[soff[1:]] - cs[soff[:-1]]
+    if (sums != row_len).any():
+        r = int(np.argmax(sums != row_len))
+        return r, f"seq_lens sum to {int(sums[r])}, the row holds {int(row_len[r])} tokens"
+    true_max = np.maximum.reduceat(seq, soff[:-1])
+    if (true_max != cols["max_seqlen"]).any():
+        r = int(np.argmax(true_max != cols["max_seqlen"]))
+        return r, f"max_seqlen {int(cols['max_seqlen'][r])} is not max(seq_lens) = {int(true_max[r])}"
+    lo, hi = int(off[0]), int(off[-1])
+    rel = off - lo
+    ids, pos, labels = cols["input_ids"][lo:hi], cols["position_ids"][lo:hi], cols["labels"][lo:hi]
+    if int(ids.view(np.uint32).max()) >= vocab_size:  # as unsigned, a negative id is huge too
+        bad = ids.view(np.uint32) >= vocab_size
+        return _row_of(np.argmax(bad), rel), f"a token id outside [0, {vocab_size}) (the tokenizer's vocab size)"
+    starts = cs[:-1]
+    # positions: 0 at every segment start, +1 everywhere else
+    step = np.subtract(pos[1:], pos[:-1])
+    step[starts[1:] - 1] = 1
+    if pos[starts].any() or not (step == 1).all():
+        at = np.argmax(pos != np.arange(hi - lo) - np.repeat(starts, seq))  # the rare path: say where
+        return _row_of(at, rel), "position_ids do not restart at 0 at each segment start and count up"
+    ignored = labels == schema.IGNORE_INDEX
+    if not ignored[starts].all():
+        return _row_of(starts[np.argmin(ignored[starts])], rel), \
+            "a label is not -100 at a segment start (it would cross an example boundary)"
+    ok = labels == ids
+    ok |= ignored
+    if not ok.all():
+        return _row_of(np.argmin(ok), rel), "a label is neither -100 nor the input id at its position"
+    loss = row_len - np.add.reduceat(ignored, rel[:-1], dtype=np.int64)
+    if (loss != cols["num_loss_tokens"]).any():
+        r = int(np.argmax(loss != cols["num_loss_tokens"]))
+        return r, f"num_loss_tokens {int(cols['num_loss_tokens'][r])} is not the count of trained labels {int(loss[r])}"
+    return None
+
+
+def _row_of(index, offsets: np.ndarray) -> int:
+    """The row holding flat element ``index``, from the batch's offsets (starting at 0)."""
+    return int(np.searchsorted(offsets, int(index), side="right")) - 1
 
 
 class PackedDataset(IterableDataset):
@@ -198,6 +283,12 @@ class PackedDataset(IterableDataset):
             )
         if self.num_rows == 0:
             raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
+        loss_tokens = int(shards.num_loss_tokens.sum())
+        if loss_tokens != self.manifest.stats.loss_tokens:
+            raise ShardFormatError(
+                f"{self.directory}: the rows' num_loss_tokens sum to {loss_tokens}, the manifest's stats say "
+                f"{self.manifest.stats.loss_tokens}; rebuild the folder"
+            )
 
     # -- opening ------------------------------------------------------------------------------
     def _check_files(self, verify: bool) -> None:
@@ -223,9 +314,18 @@ class PackedDataset(IterableDataset):
                     f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
                 )
 
+    def _vocab_size(self) -> int:
+        vocab = self.manifest.tokenizer.get("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ShardFormatError(
+                f"{fs.join(self.directory, schema.MANIFEST_NAME)} tokenizer.vocab_size: {vocab!r} is not a positive "
+                "integer; the manifest is damaged, rebuild the folder"
+            )
+        return vocab
+
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest.shards)
+            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size())
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
