@@ -161,6 +161,14 @@ def _check_folder_contents(directory: Path, manifest: Manifest | None, report: R
             continue  # no manifest: already reported; the shards are not "extra"
         report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
                    "file); remove it or rebuild the folder")
+    if manifest is None:
+        return
+    for name, expected in schema.datasets_files(manifest).items():  # what datasets.load_from_disk reads
+        path = directory / name
+        if not path.is_file():
+            report.add("files", str(path), "missing: `datasets.load_from_disk` needs it; rebuild the folder")
+        elif path.stat().st_size != len(expected) or path.read_bytes() != expected:
+            report.add("files", str(path), "differs from what the manifest implies; rebuild the folder")
 
 
 # -- files --------------------------------------------------------------------------------------------
