@@ -243,7 +243,7 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
             problems.append((f"shards[{i}]", f"file {entry['file']!r} is not a shard name in this folder"))
         elif set(entry) - set(entry_types):
             problems.append((f"shards[{i}]", f"unknown keys {', '.join(sorted(set(entry) - set(entry_types)))}"))
-    names = [e.get("file") for e in data["shards"] if isinstance(e, dict)]
+    names = [e.get("file") for e in data["shards"] if isinstance(e, dict) and isinstance(e.get("file"), str)]
     if len(set(names)) != len(names):
         problems.append(("shards", "lists a shard twice"))
     if problems:

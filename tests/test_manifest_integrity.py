@@ -117,3 +117,87 @@ def test_single_digit_edits_are_all_found(copy):
             continue
         manifest, problems = schema.parse_manifest(data)
         assert problems, f"an edit at character {i} went unnoticed"
+
+
+def _leaves(node, path=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(node, list) and node and isinstance(node[0], dict):
+        yield from _leaves(node[0], (*path, 0))
+    else:
+        yield path
+
+
+def test_mistyped_values_anywhere_give_packer_errors(small, tmp_path):
+    """Every value of the manifest mistyped in turn (and re-hashed, as a tool rewriting it consistently
+    would): verify returns a report, inspect and the loader raise a one-line PackerError or work; never
+    a TypeError, KeyError or ValueError (the adversarial pass found 10 in verify, 28 in the loader)."""
+    from packer import inspect_
+    from packer.errors import PackerError
+
+    original = json.loads((small / schema.MANIFEST_NAME).read_text())
+    out = tmp_path / "out"
+    shutil.copytree(small, out)
+    views = {
+        "verify": lambda: verify.verify(out, quick=False),
+        "inspect": lambda: inspect_.summary(out),
+        "inspect --row": lambda: inspect_.row(out, 0),
+        "inspect --example": lambda: inspect_.find_example(out, 0),
+        "loader": lambda: next(iter(PackedDataset(out, shuffle=False))),
+    }
+    failures = []
+    for path in _leaves(original):
+        if path == (schema.CONTENT_HASH,):
+            continue
+        for value in (None, "x", -1, [], 10**12):
+            manifest = json.loads(json.dumps(original))
+            node = manifest
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
+            (out / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest(manifest))
+            for name, view in views.items():
+                try:
+                    view()
+                except PackerError as e:
+                    assert "\n" not in str(e)
+                except Exception as e:  # what this test looks for
+                    failures.append(f"{name} with {'.'.join(map(str, path))} = {value!r}: {type(e).__name__}: {e}")
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_a_huge_seq_len_allocates_nothing_in_inspect_or_verify(copy):
+    """A seq_len of 10^9 in a shard (same size, manifest as built): inspect and verify, under a 3 GiB
+    address-space limit, answer with a ShardFormatError or a report; they never size anything by it."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    path = copy / schema.shard_name(0)
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
+    seq = table.column("seq_lens").chunk(0)
+    values = seq.values.to_numpy().copy()
+    values[0] = 10**9
+    columns = [pa.ListArray.from_arrays(seq.offsets, pa.array(values, pa.int32())) if name == "seq_lens"
+               else table.column(name).chunk(0) for name in schema.COLUMNS]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+    code = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from packer import inspect_, verify
+from packer.errors import ShardFormatError
+report = verify.verify({str(copy)!r})
+assert any("seq_lens" in p.message for p in report.problems), report.problems
+for view in (lambda: inspect_.summary({str(copy)!r}), lambda: inspect_.row({str(copy)!r}, 0),
+             lambda: inspect_.find_example({str(copy)!r}, 0), lambda: inspect_.plot_data({str(copy)!r})):
+    try:
+        view()
+        sys.exit("a view accepted the damaged row")
+    except ShardFormatError as e:
+        assert "seq_lens" in str(e), e
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
