@@ -24,8 +24,11 @@ When the rows do not fill a whole optimizer step (``world_size * grad_accum`` ro
 whole groups, by *filler* rows: copies of real rows whose labels are all -100, so they add zero loss
 and zero loss tokens. One epoch then yields every real row exactly once over all ranks, every rank
 makes the same number of steps, and every optimizer step has ``grad_accum`` micro-batches. With
-``remainder="drop"`` the rows of the incomplete optimizer step are left out of the epoch instead
-(they are in other epochs when shuffling). DataLoader workers take a rank's steps round-robin, which
+``remainder="drop"`` the rows of an incomplete optimizer step are left out of the epoch instead: with
+shuffling, the kept groups are drawn afresh every epoch from all whole groups, so what is dropped
+changes from epoch to epoch; without shuffling the same last groups are dropped every epoch. The last
+``num_rows % world_size`` rows (an incomplete group) are never in a dropped epoch. A setting that
+leaves no whole optimizer step is refused (ConfigError), not an empty loop. DataLoader workers take a rank's steps round-robin, which
 is the order in which the DataLoader hands them out, so the stream does not depend on the number of
 workers.
 
@@ -283,6 +286,13 @@ class PackedDataset(IterableDataset):
             )
         if self.num_rows == 0:
             raise ShardFormatError(f"{self.directory}: the build has no rows, nothing to train on")
+        if len(self) == 0:  # only remainder="drop" can leave an epoch empty
+            step = world_size * grad_accum
+            raise ConfigError(
+                f"remainder='drop' with world_size {world_size} × grad_accum {grad_accum} = {step} rows per "
+                f"optimizer step, but the build has {self.num_rows} rows: every epoch would be empty; use "
+                "remainder='pad', fewer ranks or a smaller grad_accum"
+            )
         loss_tokens = int(shards.num_loss_tokens.sum())
         if loss_tokens != self.manifest.stats.loss_tokens:
             raise ShardFormatError(
@@ -344,10 +354,13 @@ class PackedDataset(IterableDataset):
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
         n, w, g = self.num_rows, self.world_size, self.grad_accum
         n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
-        slots = np.arange(n_groups * w, dtype=np.int64).reshape(n_groups, w)
+        # drop: the kept groups are drawn from all whole groups, so what is dropped changes every epoch
+        pool = n // w if self.remainder == "drop" else n_groups
+        slots = np.arange(pool * w, dtype=np.int64).reshape(pool, w)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch])
-            slots = slots[rng.permutation(n_groups)]
+            slots = slots[rng.permutation(pool)]
+        slots = slots[:n_groups]
         if self.remainder == "pad" and n_groups % g:
             extra = g - n_groups % g  # whole filler groups so the last optimizer step has g micro-batches
             slots = np.concatenate([slots, np.arange(n, n + extra * w, dtype=np.int64).reshape(extra, w)])
@@ -406,30 +419,57 @@ class PackedDataset(IterableDataset):
         return self.state_at(self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ConfigError(
-                f"loader state version {state.get('version') if isinstance(state, dict) else state!r}, "
-                f"this packer reads version {STATE_VERSION}"
-            )
-        if state["manifest_sha256"] != self.fingerprint:
-            raise ShardFormatError(
-                f"{self.directory}: the loader state was saved on another shard directory (manifest sha256 "
-                f"{state['manifest_sha256'][:12]}…, this one {self.fingerprint[:12]}…); resume on the same build"
-            )
-        mine = self._identity()
-        for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
-            if state[key] != mine[key]:
-                raise ConfigError(
-                    f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
-                    "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
-                )
-        steps = int(state["steps_done"])
-        if not 0 <= steps <= len(self):
-            raise ConfigError(f"loader state at step {steps}, but an epoch has {len(self)} steps")
-        self.epoch = int(state["epoch"])
+        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order,
+        and any state that is not one this loader wrote (``check_state``)."""
+        epoch, steps = check_state(state, self._identity(), len(self), str(self.directory))
+        self.epoch = epoch
         self._resume_at = steps
         self._yielded = steps
+
+
+# The keys of a loader state and their types (bool is not an int here).
+_STATE_TYPES = {"version": int, "epoch": int, "steps_done": int, "manifest_sha256": str, "num_rows": int,
+                "world_size": int, "rank": int, "seed": int, "shuffle": bool, "grad_accum": int, "remainder": str}
+
+
+def check_state(state: Any, mine: dict[str, Any], steps_per_epoch: int, directory: str) -> tuple[int, int]:
+    """``(epoch, steps_done)`` of a resume state, after checking it is exactly what ``state_at`` writes
+    for this loader: the version, every key present with its type and nothing else, the same build
+    (manifest sha256), the same order (world size, rank, seed, ...) and a position inside an epoch.
+    A tampered or foreign state is one ConfigError (ShardFormatError for another build's), never a
+    raw TypeError/KeyError nor a silent resume at a wrong place."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"loader state is a {type(state).__name__}, not the dict state_dict() returns")
+    version = state.get("version")
+    if type(version) is not int or version != STATE_VERSION:
+        raise ConfigError(f"loader state version {version!r}, this packer reads version {STATE_VERSION}")
+    missing = sorted(set(_STATE_TYPES) - set(state))
+    unknown = sorted(map(str, set(state) - set(_STATE_TYPES)))
+    if missing or unknown:
+        raise ConfigError(f"loader state {'lacks ' + ', '.join(missing) if missing else ''}"
+                          f"{'; ' if missing and unknown else ''}{'has unknown keys ' + ', '.join(unknown) if unknown else ''}: "
+                          "it was not written by this loader's state_dict()")
+    for key, kind in _STATE_TYPES.items():
+        if type(state[key]) is not kind:
+            raise ConfigError(f"loader state {key} is {state[key]!r}, not a {kind.__name__}: it was not written by "
+                              "this loader's state_dict()")
+    if state["manifest_sha256"] != mine["manifest_sha256"]:
+        raise ShardFormatError(
+            f"{directory}: the loader state was saved on another shard directory (manifest sha256 "
+            f"{state['manifest_sha256'][:12]}…, this one {mine['manifest_sha256'][:12]}…); resume on the same build"
+        )
+    for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
+        if state[key] != mine[key]:
+            raise ConfigError(
+                f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
+                "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
+            )
+    epoch, steps = state["epoch"], state["steps_done"]
+    if not 0 <= epoch < 2**63:
+        raise ConfigError(f"loader state at epoch {epoch}: need 0 <= epoch < 2**63")
+    if not 0 <= steps <= steps_per_epoch:
+        raise ConfigError(f"loader state at step {steps}, but an epoch has {steps_per_epoch} steps")
+    return epoch, steps
 
 
 def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:

@@ -152,3 +152,82 @@ def test_mistyped_manifest_values_give_one_line_errors(copy, section, key, value
         for _ in PackedDataset(copy, shuffle=False):
             pass
     assert "\n" not in str(caught.value) and str(copy) in str(caught.value)
+
+
+# -- resume states ---------------------------------------------------------------------------------
+
+def _tamperings(state: dict) -> dict[str, object]:
+    """Every way a saved state can be wrong: types, ranges, missing or extra keys, another build or order."""
+    t = {
+        "a list": [state], "None": None, "a string": "state",
+        "no version": {k: v for k, v in state.items() if k != "version"},
+        "version 7": {**state, "version": 7}, "version '1'": {**state, "version": "1"},
+        "version True": {**state, "version": True},
+        "no manifest_sha256": {k: v for k, v in state.items() if k != "manifest_sha256"},
+        "manifest_sha256 an int": {**state, "manifest_sha256": 5},
+        "another build": {**state, "manifest_sha256": "0" * 64},
+        "no epoch": {k: v for k, v in state.items() if k != "epoch"},
+        "epoch -1": {**state, "epoch": -1}, "epoch 2**70": {**state, "epoch": 2**70},
+        "epoch 1.0": {**state, "epoch": 1.0}, "epoch '1'": {**state, "epoch": "1"},
+        "no steps_done": {k: v for k, v in state.items() if k != "steps_done"},
+        "steps_done -1": {**state, "steps_done": -1}, "steps_done past the epoch": {**state, "steps_done": 10**6},
+        "steps_done 2.5": {**state, "steps_done": 2.5}, "steps_done True": {**state, "steps_done": True},
+        "steps_done None": {**state, "steps_done": None},
+        "other world size": {**state, "world_size": 4}, "world_size '2'": {**state, "world_size": "2"},
+        "other rank": {**state, "rank": 1}, "other seed": {**state, "seed": 1},
+        "shuffle 1": {**state, "shuffle": 1}, "other shuffle": {**state, "shuffle": not state["shuffle"]},
+        "other grad_accum": {**state, "grad_accum": 3}, "other remainder": {**state, "remainder": "drop"},
+        "other num_rows": {**state, "num_rows": state["num_rows"] + 1},
+        "an unknown key": {**state, "extra": 1},
+    }
+    return t
+
+
+def test_every_tampered_resume_state_is_refused_with_one_clear_error(built):
+    from packer.errors import ConfigError
+
+    dl = make_dataloader(built, rank=0, world_size=2, seed=3)
+    it = iter(dl)
+    next(it), next(it)
+    state = json.loads(json.dumps(dl.state_dict()))
+    tamperings = _tamperings(state)
+    assert len(tamperings) >= 23
+    for name, bad in tamperings.items():
+        fresh = make_dataloader(built, rank=0, world_size=2, seed=3)
+        with pytest.raises((ConfigError, ShardFormatError)) as caught:
+            fresh.load_state_dict(bad)
+        message = str(caught.value)
+        assert "\n" not in message and "loader state" in message, (name, message)
+        assert fresh.dataset.resume_at == 0, name  # nothing was half-applied
+    resumed = make_dataloader(built, rank=0, world_size=2, seed=3)
+    resumed.load_state_dict(state)
+    assert resumed.dataset.resume_at == 2
+
+
+# -- remainder="drop" ---------------------------------------------------------------------------------
+
+def test_drop_rotates_what_it_drops_across_epochs(built):
+    n = schema.read_manifest(built).stats.rows
+    w, g = 4, 3
+    assert (n // w) % g, f"{n} rows leave no whole group to drop: the test needs some"
+    kept_per_epoch = []
+    for epoch in range(8):
+        seen = []
+        for rank in range(w):
+            ds = PackedDataset(built, rank=rank, world_size=w, grad_accum=g, remainder="drop", seed=1)
+            ds.set_epoch(epoch)
+            seen += [hash(b["input_ids"].numpy().tobytes()) for b in ds]
+        kept_per_epoch.append(frozenset(seen))
+        assert len(seen) == (n // (w * g)) * g * w
+    assert len(set(kept_per_epoch)) > 1, "the same rows were dropped every epoch"
+    every = frozenset().union(*kept_per_epoch)
+    assert len(every) > len(kept_per_epoch[0])
+
+
+def test_drop_that_leaves_an_epoch_empty_is_refused(built):
+    from packer.errors import ConfigError
+
+    n = schema.read_manifest(built).stats.rows
+    with pytest.raises(ConfigError, match="every epoch would be empty"):
+        PackedDataset(built, world_size=4, rank=0, grad_accum=n // 4 + 1, remainder="drop")
+    assert len(PackedDataset(built, world_size=4, rank=0, grad_accum=n // 4 + 1, remainder="pad")) > 0
