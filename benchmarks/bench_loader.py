@@ -9,7 +9,8 @@ second of:
 - the loader's later epochs (checked batches are not checked again),
 - ``check_rows`` alone over every batch,
 - transformers' ``DataCollatorWithFlattening`` on the same rows' examples (the peer),
-and the ratios loader/collator (the target: >= 40x).
+and the ratios loader/collator (the target: >= 40x). Times are wall seconds (as ``train/bench.py``
+measures), or with ``--clock cpu`` CPU seconds of this process; best of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from packer.loader import check_rows, make_dataloader
 
+clock = time.perf_counter
+
 
 def build(out: Path, limit: int) -> None:
     cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(out), "--limit", str(limit),
@@ -33,17 +36,20 @@ def build(out: Path, limit: int) -> None:
 def best(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--limit", type=int, default=300, help="records of the bundled sample")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--limit", type=int, default=1000, help="records of the bundled sample")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = p.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from transformers import DataCollatorWithFlattening
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,19 +64,17 @@ def main() -> None:
             # opening (maps, Arrow validation) is not per-row work: outside the timing
             for cols in fresh.dataset._open().batches:
                 cols["checked"] = not checks  # without checks: the same first read, the check marked done
-            start = time.perf_counter()
+            start = clock()
             for _ in fresh:
                 pass
-            first_epoch.seconds = time.perf_counter() - start
+            first_epoch.seconds = clock() - start
 
-        def first(checks: bool) -> float:
-            seconds = []
-            for _ in range(args.repeats):
+        seconds: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.repeats):  # interleaved, so both see the same machine
+            for checks in (True, False):
                 first_epoch(checks)
-                seconds.append(first_epoch.seconds)
-            return min(seconds)
-
-        t_first, t_first_unchecked = first(True), first(False)
+                seconds[checks].append(first_epoch.seconds)
+        t_first, t_first_unchecked = min(seconds[True]), min(seconds[False])
         t_later = best(lambda: [None for _ in dl], args.repeats)
         cols = dl.dataset._open().batches
         t_check = best(lambda: [check_rows(c, dl.dataset._vocab_size()) for c in cols], args.repeats)
@@ -82,7 +86,8 @@ def main() -> None:
         collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
         t_coll = best(lambda: [collator(f) for f in features], args.repeats)
 
-    print(f"loader checks: {len(batches)} rows, {tokens:,} tokens, {len(cols)} row batch(es); best of {args.repeats}")
+    print(f"loader checks: {len(batches)} rows, {tokens:,} tokens, {len(cols)} row batch(es); best of {args.repeats}, "
+          f"{args.clock} clock")
     for name, t in (("loader, first epoch (checks)", t_first), ("loader, first epoch, no checks", t_first_unchecked),
                     ("loader, later epochs", t_later),
                     ("check_rows alone", t_check), ("DataCollatorWithFlattening", t_coll)):
