@@ -1,9 +1,9 @@
 """Benchmark of the loader's row checks (a script, not a test): python benchmarks/bench_loader.py
 
 The loader checks each row batch's structure the first time a process reads one of its rows
-(``packer.loader.check_rows``). Prints, on a batch-mode build of the bundled sample (the build of
-``train/bench.py``: 300 records, batch of 8, max_len 512, made in a temporary folder), tokens per
-second of:
+(``packer.loader.check_rows``). Prints, on a batch-mode build of the bundled sample (as
+``train/bench.py`` builds it: batch of 8, max_len 512; 1,000 records by default, so an epoch is long
+enough to time; made in a temporary folder), tokens per second of:
 - the loader's first epoch in a fresh process state (every row batch checked: the worst case),
 - the same first epoch with the checks marked done (what they cost is the difference),
 - the loader's later epochs (checked batches are not checked again),
