@@ -231,3 +231,14 @@ def test_drop_that_leaves_an_epoch_empty_is_refused(built):
     with pytest.raises(ConfigError, match="every epoch would be empty"):
         PackedDataset(built, world_size=4, rank=0, grad_accum=n // 4 + 1, remainder="drop")
     assert len(PackedDataset(built, world_size=4, rank=0, grad_accum=n // 4 + 1, remainder="pad")) > 0
+
+
+def test_a_manifest_listing_a_shard_twice_is_refused(copy):
+    path = copy / schema.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["shards"].append(dict(manifest["shards"][0]))
+    manifest["stats"]["rows"] *= 2
+    manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
+    path.write_bytes(schema.dump_manifest(manifest))
+    with pytest.raises(ShardFormatError, match="lists a shard twice"):
+        PackedDataset(copy)
