@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from . import schema
-from .errors import ConfigError
+from .config import BuildConfig
+from .errors import ConfigError, ShardFormatError
 from .fs import PathLike, join
 from .plan import plan
 from .schema import Manifest
@@ -47,9 +48,38 @@ def _list_column(directory: PathLike, manifest: Manifest, name: str) -> tuple[np
 
 
 def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
+    """Every segment's length and example id, and the rows' splits; the lengths are checked against
+    the rows' real token counts first, since the views allocate from them (a damaged ``seq_len`` of
+    10^9 must not become a 10^9-slot plan)."""
     seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
     example_ids, _ = _list_column(directory, manifest, "example_ids")
+    row_tokens = []
+    for entry in manifest.shards:  # the lengths of input_ids: their offsets only, not the tokens
+        for chunk in schema.open_shard(join(directory, entry.file)).column("input_ids").chunks:
+            row_tokens.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
+    tokens = np.concatenate(row_tokens).astype(np.int64) if row_tokens else np.zeros(0, np.int64)
+    sums = np.zeros(seq_lens.size + 1, np.int64)
+    np.cumsum(seq_lens, out=sums[1:])
+    bad = np.flatnonzero(sums[row_splits[1:]] - sums[row_splits[:-1]] != tokens)
+    if (seq_lens <= 0).any() or bad.size or example_ids.size != seq_lens.size:
+        where = f"row {int(bad[0])}" if bad.size else "a row"
+        raise ShardFormatError(f"{directory}: {where}'s seq_lens do not add up to its tokens (or are ≤ 0); the "
+                               "shards are damaged, run `packer verify` and rebuild the folder")
     return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
+
+
+def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
+    """The manifest's build config, checked by ``BuildConfig`` itself: the views compute with it."""
+    try:
+        BuildConfig(**{**manifest.config, "out": str(directory)})
+        for key in ("seed", "world_size", "max_len", "batch_size", "max_tokens"):  # the ones computed with
+            value = manifest.config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{key} is {value!r}, not an integer")
+    except (ConfigError, TypeError) as e:
+        raise ShardFormatError(f"{join(directory, schema.MANIFEST_NAME)} config: not a valid build config ({e}); "
+                               "rebuild the folder") from None
+    return manifest.config
 
 
 # -- summary ------------------------------------------------------------------------------------
@@ -58,7 +88,7 @@ def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
 def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
     """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    config = manifest.config
+    config = _config(directory, manifest)
     view = {
         "directory": str(directory),
         "note": manifest.note,
@@ -66,7 +96,7 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
         "batch_size": config.get("batch_size"),
         "max_tokens": config.get("max_tokens"),
         "max_len": config.get("max_len"),
-        "tokenizer": manifest.tokenizer["name_or_path"],
+        "tokenizer": manifest.tokenizer.get("name_or_path"),
         "stats": manifest.stats.to_json(),
         "shards": [dataclasses.asdict(e) for e in manifest.shards],
     }
@@ -121,7 +151,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
         bfd_rows = int(np.asarray(row_splits).size - 1)
     else:
         budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
-        budget = max(budget, longest)
+        budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
         bfd_rows = plan(lengths, mode="bfd", max_len=longest, max_tokens=budget, seed=seed).num_rows
 
     def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> dict[str, Any]:
@@ -173,6 +203,10 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
+    if bounds[-1] != len(ids) or (np.diff(bounds) <= 0).any() or len(labels) != len(ids) \
+            or len(record["example_ids"]) != len(record["seq_lens"]):
+        raise ShardFormatError(f"{join(directory, name)} row {local}: its seq_lens, labels or example_ids do not "
+                               "match its tokens; the shard is damaged, run `packer verify` and rebuild the folder")
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
@@ -228,12 +262,13 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
     it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
     manifest = schema.read_manifest(directory)
-    stats, config = manifest.stats, manifest.config
+    stats, config = manifest.stats, _config(directory, manifest)
     read = stats.examples_read
     if not 0 <= example_id < read:
         raise ConfigError(
             f"--example {example_id} is out of range: the build read {read:,} source examples (0..{read - 1})"
         )
+    _segments(directory, manifest)  # the lengths below are checked first
     pieces = []
     first_row = 0
     for entry in manifest.shards:
@@ -318,6 +353,7 @@ def _token(directory: PathLike, manifest: Manifest, piece: dict, at: int) -> int
 def plot_data(directory: PathLike) -> dict[str, Any]:
     """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
     manifest = schema.read_manifest(directory)
+    config = _config(directory, manifest)
     seg = _segments(directory, manifest)
     lens, splits, ex = seg["seq_lens"], seg["row_splits"], seg["example_ids"]
     counts = np.diff(splits)
@@ -333,7 +369,6 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
-    config = manifest.config
     return {
         "directory": str(directory),
         "pack": config["pack"],

@@ -24,8 +24,11 @@ When the rows do not fill a whole optimizer step (``world_size * grad_accum`` ro
 whole groups, by *filler* rows: copies of real rows whose labels are all -100, so they add zero loss
 and zero loss tokens. One epoch then yields every real row exactly once over all ranks, every rank
 makes the same number of steps, and every optimizer step has ``grad_accum`` micro-batches. With
-``remainder="drop"`` the rows of the incomplete optimizer step are left out of the epoch instead
-(they are in other epochs when shuffling). DataLoader workers take a rank's steps round-robin, which
+``remainder="drop"`` the rows of an incomplete optimizer step are left out of the epoch instead: with
+shuffling, the kept groups are drawn afresh every epoch from all whole groups, so what is dropped
+changes from epoch to epoch; without shuffling the same last groups are dropped every epoch. The last
+``num_rows % world_size`` rows (an incomplete group) are never in a dropped epoch. A setting that
+leaves no whole optimizer step is refused (ConfigError), not an empty loop. DataLoader workers take a rank's steps round-robin, which
 is the order in which the DataLoader hands them out, so the stream does not depend on the number of
 workers.
 
@@ -88,32 +91,43 @@ def _dist_rank_world() -> tuple[int, int] | None:
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
-    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...]) -> None:
+    def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
+                 vocab_size: int) -> None:
         self.tables = []  # keeps the memory maps alive
-        self.batches: list[dict[str, np.ndarray]] = []
+        self.batches: list[dict[str, Any]] = []
         self.starts: list[int] = []
+        self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
-            table = schema.open_shard(fs.join(directory, entry.file))
+            path = fs.join(directory, entry.file)
+            table = schema.open_shard(path)
             if table.num_rows != entry.rows:
                 raise ShardFormatError(
-                    f"{fs.join(directory, entry.file)}: {table.num_rows} rows, the manifest records {entry.rows}; "
+                    f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
                     "the folder mixes builds, rebuild it"
                 )
             self.tables.append(table)
+            tokens = 0
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                cols: dict[str, np.ndarray] = {}
+                cols: dict[str, Any] = {"file": str(path), "first": n, "checked": False}
                 for name in ("input_ids", "position_ids", "labels", "seq_lens"):
                     arr = batch.column(name)
                     cols[name] = arr.values.to_numpy(zero_copy_only=True)
                     cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
                 cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
                 cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
+                off = cols["input_ids.offsets"]
+                tokens += int(off[-1]) - int(off[0])
                 self.batches.append(cols)
                 self.starts.append(n)
                 n += batch.num_rows
+            if tokens != entry.tokens:
+                raise ShardFormatError(
+                    f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
+                    "build or damaged, rebuild the folder"
+                )
         self.num_rows = n
         self.num_loss_tokens = (
             np.concatenate([b["num_loss_tokens"] for b in self.batches]).astype(np.int64)
@@ -124,6 +138,15 @@ class _Shards:
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
         cols, j = self.batches[b], index - self.starts[b]
+        if not cols["checked"]:  # once per row batch and process, on its first row read
+            problem = check_rows(cols, self.vocab_size)
+            if problem is not None:
+                row, what = problem
+                raise ShardFormatError(
+                    f"{cols['file']} row {cols['first'] + row}: {what}; the shard is damaged, rebuild the folder "
+                    "(`packer verify DIR` lists every problem)"
+                )
+            cols["checked"] = True
         o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
         s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
         cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
@@ -144,6 +167,71 @@ class _Shards:
             "max_length_k": max_len,
             "num_items_in_batch": num_items,
         }
+
+
+def check_rows(cols: dict[str, Any], vocab_size: int) -> tuple[int, str] | None:
+    """The first damaged row of a row batch and what is wrong with it, or None.
+
+    The structure that the attention kernel and the loss index with, in a few vectorised passes over
+    the batch's tokens: Arrow's validation at open keeps the offsets in bounds, this keeps every
+    ``cu_seq_lens`` inside its row and every id inside the embedding. Rows are contiguous, so once each
+    row's ``seq_lens`` sum to its length the batch's cumulative ``seq_lens`` are the segment starts.
+    (``benchmarks/bench_loader.py`` measures the cost.)"""
+    off = cols["input_ids.offsets"].astype(np.int64)
+    for name in ("position_ids", "labels"):
+        bad = cols[name + ".offsets"] != cols["input_ids.offsets"]
+        if bad.any():
+            return max(int(np.argmax(bad)) - 1, 0), f"{name} is not aligned with input_ids"
+    soff = cols["seq_lens.offsets"].astype(np.int64)
+    seq = cols["seq_lens"][soff[0] : soff[-1]].astype(np.int64)
+    soff -= soff[0]
+    nseg = np.diff(soff)
+    if (nseg == 0).any():
+        return int(np.argmax(nseg == 0)), "no segments in seq_lens"
+    if (seq <= 0).any():
+        return _row_of(np.argmax(seq <= 0), soff), "a segment length ≤ 0 in seq_lens"
+    cs = np.zeros(seq.size + 1, np.int64)
+    np.cumsum(seq, out=cs[1:])
+    row_len = np.diff(off)
+    sums = cs[soff[1:]] - cs[soff[:-1]]
+    if (sums != row_len).any():
+        r = int(np.argmax(sums != row_len))
+        return r, f"seq_lens sum to {int(sums[r])}, the row holds {int(row_len[r])} tokens"
+    true_max = np.maximum.reduceat(seq, soff[:-1])
+    if (true_max != cols["max_seqlen"]).any():
+        r = int(np.argmax(true_max != cols["max_seqlen"]))
+        return r, f"max_seqlen {int(cols['max_seqlen'][r])} is not max(seq_lens) = {int(true_max[r])}"
+    lo, hi = int(off[0]), int(off[-1])
+    rel = off - lo
+    ids, pos, labels = cols["input_ids"][lo:hi], cols["position_ids"][lo:hi], cols["labels"][lo:hi]
+    if int(ids.view(np.uint32).max()) >= vocab_size:  # as unsigned, a negative id is huge too
+        bad = ids.view(np.uint32) >= vocab_size
+        return _row_of(np.argmax(bad), rel), f"a token id outside [0, {vocab_size}) (the tokenizer's vocab size)"
+    starts = cs[:-1]
+    # positions: 0 at every segment start, +1 everywhere else
+    step = np.subtract(pos[1:], pos[:-1])
+    step[starts[1:] - 1] = 1
+    if pos[starts].any() or not (step == 1).all():
+        at = np.argmax(pos != np.arange(hi - lo) - np.repeat(starts, seq))  # the rare path: say where
+        return _row_of(at, rel), "position_ids do not restart at 0 at each segment start and count up"
+    ignored = labels == schema.IGNORE_INDEX
+    if not ignored[starts].all():
+        return _row_of(starts[np.argmin(ignored[starts])], rel), \
+            "a label is not -100 at a segment start (it would cross an example boundary)"
+    ok = labels == ids
+    ok |= ignored
+    if not ok.all():
+        return _row_of(np.argmin(ok), rel), "a label is neither -100 nor the input id at its position"
+    loss = row_len - np.add.reduceat(ignored, rel[:-1], dtype=np.int64)
+    if (loss != cols["num_loss_tokens"]).any():
+        r = int(np.argmax(loss != cols["num_loss_tokens"]))
+        return r, f"num_loss_tokens {int(cols['num_loss_tokens'][r])} is not the count of trained labels {int(loss[r])}"
+    return None
+
+
+def _row_of(index, offsets: np.ndarray) -> int:
+    """The row holding flat element ``index``, from the batch's offsets (starting at 0)."""
+    return int(np.searchsorted(offsets, int(index), side="right")) - 1
 
 
 class PackedDataset(IterableDataset):
@@ -211,6 +299,19 @@ class PackedDataset(IterableDataset):
             raise ShardFormatError(f"{self.directory}: {self.num_rows} rows do not split into {self.epochs} equal "
                                    "epochs; rebuild the folder")
         self._warned_past = False
+        if len(self) == 0:  # only remainder="drop" can leave an epoch empty
+            step = world_size * grad_accum
+            raise ConfigError(
+                f"remainder='drop' with world_size {world_size} × grad_accum {grad_accum} = {step} rows per "
+                f"optimizer step, but the build has {self.num_rows} rows: every epoch would be empty; use "
+                "remainder='pad', fewer ranks or a smaller grad_accum"
+            )
+        loss_tokens = int(shards.num_loss_tokens.sum())
+        if loss_tokens != self.manifest.stats.loss_tokens:
+            raise ShardFormatError(
+                f"{self.directory}: the rows' num_loss_tokens sum to {loss_tokens}, the manifest's stats say "
+                f"{self.manifest.stats.loss_tokens}; rebuild the folder"
+            )
 
     # -- opening ------------------------------------------------------------------------------
     def _check_files(self, verify: bool) -> None:
@@ -236,9 +337,18 @@ class PackedDataset(IterableDataset):
                     f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
                 )
 
+    def _vocab_size(self) -> int:
+        vocab = self.manifest.tokenizer.get("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ShardFormatError(
+                f"{fs.join(self.directory, schema.MANIFEST_NAME)} tokenizer.vocab_size: {vocab!r} is not a positive "
+                "integer; the manifest is damaged, rebuild the folder"
+            )
+        return vocab
+
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest.shards)
+            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size())
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
@@ -262,10 +372,13 @@ class PackedDataset(IterableDataset):
         """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
         n, w, g = self.epoch_rows, self.world_size, self.grad_accum
         n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
-        slots = np.arange(n_groups * w, dtype=np.int64).reshape(n_groups, w)
+        # drop: the kept groups are drawn from all whole groups, so what is dropped changes every epoch
+        pool = n // w if self.remainder == "drop" else n_groups
+        slots = np.arange(pool * w, dtype=np.int64).reshape(pool, w)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch])
-            slots = slots[rng.permutation(n_groups)]
+            slots = slots[rng.permutation(pool)]
+        slots = slots[:n_groups]
         if self.remainder == "pad" and n_groups % g:
             extra = g - n_groups % g  # whole filler groups so the last optimizer step has g micro-batches
             slots = np.concatenate([slots, np.arange(n, n + extra * w, dtype=np.int64).reshape(extra, w)])
@@ -324,30 +437,57 @@ class PackedDataset(IterableDataset):
         return self.state_at(self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ConfigError(
-                f"loader state version {state.get('version') if isinstance(state, dict) else state!r}, "
-                f"this packer reads version {STATE_VERSION}"
-            )
-        if state["manifest_sha256"] != self.fingerprint:
-            raise ShardFormatError(
-                f"{self.directory}: the loader state was saved on another shard directory (manifest sha256 "
-                f"{state['manifest_sha256'][:12]}…, this one {self.fingerprint[:12]}…); resume on the same build"
-            )
-        mine = self._identity()
-        for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
-            if state[key] != mine[key]:
-                raise ConfigError(
-                    f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
-                    "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
-                )
-        steps = int(state["steps_done"])
-        if not 0 <= steps <= len(self):
-            raise ConfigError(f"loader state at step {steps}, but an epoch has {len(self)} steps")
-        self.epoch = int(state["epoch"])
+        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order,
+        and any state that is not one this loader wrote (``check_state``)."""
+        epoch, steps = check_state(state, self._identity(), len(self), str(self.directory))
+        self.epoch = epoch
         self._resume_at = steps
         self._yielded = steps
+
+
+# The keys of a loader state and their types (bool is not an int here).
+_STATE_TYPES = {"version": int, "epoch": int, "steps_done": int, "manifest_sha256": str, "num_rows": int,
+                "world_size": int, "rank": int, "seed": int, "shuffle": bool, "grad_accum": int, "remainder": str}
+
+
+def check_state(state: Any, mine: dict[str, Any], steps_per_epoch: int, directory: str) -> tuple[int, int]:
+    """``(epoch, steps_done)`` of a resume state, after checking it is exactly what ``state_at`` writes
+    for this loader: the version, every key present with its type and nothing else, the same build
+    (manifest sha256), the same order (world size, rank, seed, ...) and a position inside an epoch.
+    A tampered or foreign state is one ConfigError (ShardFormatError for another build's), never a
+    raw TypeError/KeyError nor a silent resume at a wrong place."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"loader state is a {type(state).__name__}, not the dict state_dict() returns")
+    version = state.get("version")
+    if type(version) is not int or version != STATE_VERSION:
+        raise ConfigError(f"loader state version {version!r}, this packer reads version {STATE_VERSION}")
+    missing = sorted(set(_STATE_TYPES) - set(state))
+    unknown = sorted(map(str, set(state) - set(_STATE_TYPES)))
+    if missing or unknown:
+        raise ConfigError(f"loader state {'lacks ' + ', '.join(missing) if missing else ''}"
+                          f"{'; ' if missing and unknown else ''}{'has unknown keys ' + ', '.join(unknown) if unknown else ''}: "
+                          "it was not written by this loader's state_dict()")
+    for key, kind in _STATE_TYPES.items():
+        if type(state[key]) is not kind:
+            raise ConfigError(f"loader state {key} is {state[key]!r}, not a {kind.__name__}: it was not written by "
+                              "this loader's state_dict()")
+    if state["manifest_sha256"] != mine["manifest_sha256"]:
+        raise ShardFormatError(
+            f"{directory}: the loader state was saved on another shard directory (manifest sha256 "
+            f"{state['manifest_sha256'][:12]}…, this one {mine['manifest_sha256'][:12]}…); resume on the same build"
+        )
+    for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
+        if state[key] != mine[key]:
+            raise ConfigError(
+                f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
+                "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
+            )
+    epoch, steps = state["epoch"], state["steps_done"]
+    if not 0 <= epoch < 2**63:
+        raise ConfigError(f"loader state at epoch {epoch}: need 0 <= epoch < 2**63")
+    if not 0 <= steps <= steps_per_epoch:
+        raise ConfigError(f"loader state at step {steps}, but an epoch has {steps_per_epoch} steps")
+    return epoch, steps
 
 
 def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:

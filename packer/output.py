@@ -2,7 +2,7 @@
 
 A build holds ``LOCK`` (an exclusive ``flock``) from start to end. It refuses a folder holding anything
 packer does not own (:func:`packer.schema.is_owned`) or another build, reuses one holding this exact
-build, and otherwise clears what a previous build left (the manifest first, so the folder stops
+build intact (:func:`damage` re-checks it: a damaged one is rebuilt), and otherwise clears what a previous build left (the manifest first, so the folder stops
 looking complete at once). Shards are written into ``STAGING``; :func:`commit` fsyncs and moves them
 into place, writes what ``datasets.load_from_disk`` reads, and writes the manifest last (temporary
 name, fsync, rename): a folder without ``manifest.json`` is never a finished build. A failed write is
@@ -20,7 +20,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from . import schema
+from . import fs, schema
 from .errors import OutputError, ShardFormatError
 from .schema import LOCK, MANIFEST_NAME, MANIFEST_TMP, STAGING, TOKENS_DIR
 
@@ -92,16 +92,46 @@ def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manife
     path = out / MANIFEST_NAME
     if path.is_file():
         try:
-            previous = schema.Manifest.from_json(schema.load_json(path.read_bytes(), str(path)))
+            data = schema.load_json(path.read_bytes(), str(path))
         except (OSError, ShardFormatError):
-            previous = None
-        if previous is not None and all(getattr(previous, k) == v for k, v in identity.items()):
-            return previous
-        raise OutputError(
-            f"--out {out}: holds another build (different config, source or tokenizer); pass --overwrite "
-            "to replace it or choose another --out"
-        )
-    return None  # an interrupted build of ours: it is redone
+            data = None
+        if not isinstance(data, dict) or any(data.get(k) != v for k, v in identity.items()):
+            raise OutputError(
+                f"--out {out}: holds another build (different config, source or tokenizer) or an unreadable "
+                "manifest; pass --overwrite to replace it or choose another --out"
+            )
+        if damage(out, data) is None:
+            return schema.Manifest.from_json(data, str(path))
+    return None  # an interrupted or damaged build of ours: it is redone
+
+
+def damage(out: Path, data: dict[str, Any]) -> str | None:
+    """What is wrong with a finished build of ours that a rerun would reuse (None: nothing), checked
+    before the rerun says "nothing to do": the manifest's content hash, every listed shard's size and
+    sha256, the ``datasets`` files, and no shard the manifest does not list. Hashing the shards reads
+    them once: 0.3% of the build on the bundled sample (``benchmarks/bench_reuse.py``), so always."""
+    try:
+        manifest = schema.Manifest.from_json(data)
+    except ShardFormatError as e:
+        return str(e)
+    listed = {entry.file for entry in manifest.shards}
+    extra = sorted(p.name for p in out.iterdir() if schema.is_shard_name(p.name) and p.name not in listed)
+    if extra:
+        return f"{extra[0]}: not listed in the manifest"
+    for entry in manifest.shards:
+        shard = out / entry.file
+        try:
+            if shard.stat().st_size != entry.bytes or fs.file_sha256(shard) != entry.sha256:
+                return f"{entry.file}: other bytes than the manifest records"
+        except OSError:
+            return f"{entry.file}: missing or unreadable"
+    for name, expected in schema.datasets_files(manifest).items():
+        try:
+            if (out / name).read_bytes() != expected:
+                return f"{name}: other bytes than the manifest implies"
+        except OSError:
+            return f"{name}: missing or unreadable"
+    return None
 
 
 def prepare(out: Path) -> Path:

@@ -38,6 +38,9 @@ from .errors import ShardFormatError
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# The manifest's key holding the sha256 of the rest of it (canonical bytes): any edit shows, and the
+# shards' own sha256s are in what it hashes.
+CONTENT_HASH = "content_sha256"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".arrow"
 IGNORE_INDEX = -100
@@ -175,7 +178,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        content = {
             "format": self.format,
             "format_version": self.format_version,
             "created_by": self.created_by,
@@ -186,6 +189,7 @@ class Manifest:
             "stats": self.stats.to_json(),
             "shards": [dataclasses.asdict(s) for s in self.shards],
         }
+        return {**content, CONTENT_HASH: content_sha256(content)}
 
     def dumps(self) -> bytes:
         return dump_manifest(self.to_json())
@@ -194,29 +198,44 @@ class Manifest:
     def from_json(cls, data: Any, where: str = MANIFEST_NAME) -> Manifest:
         """The manifest in ``data`` (parsed JSON); a ShardFormatError naming the first problem."""
         manifest, problems = parse_manifest(data)
-        if manifest is None:
+        if problems:
             key, message = problems[0]
             raise ShardFormatError(f"{where}{' ' + key if key else ''}: {message}")
         return manifest
 
 
+def content_sha256(content: dict[str, Any]) -> str:
+    """The manifest's hash of its own content: sha256 of its canonical bytes without this key."""
+    return hashlib.sha256(dump_manifest({k: v for k, v in content.items() if k != CONTENT_HASH})).hexdigest()
+
+
 def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
-    """``(manifest, [])``, or ``(None, problems)``: every problem found as ``(key, message)``, so that
-    verify can report them all; :meth:`Manifest.from_json` raises the first."""
+    """``(manifest, problems)``: every problem found as ``(key, message)``, so that verify can report
+    them all; :meth:`Manifest.from_json` raises the first. The manifest is None when it cannot be typed;
+    an edit that keeps it typed (its content hash no longer matches) gives both, so verify can go on."""
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         return None, [("", f"not a packer manifest (no \"format\": \"{FORMAT_NAME}\")")]
     version = data.get("format_version")
     if version != FORMAT_VERSION:
         return None, [("", f"format version {version!r}, this packer reads version {FORMAT_VERSION}; rebuild the "
                        "shards with this packer or use the packer that wrote them")]
+    recorded = data.get(CONTENT_HASH)
+    if not isinstance(recorded, str):
+        edited = [(CONTENT_HASH, "missing or not a string: the manifest cannot prove it is unedited (written by "
+                   "another tool, or by a packer before this hash); rebuild the folder")]
+    elif recorded != content_sha256(data):
+        edited = [(CONTENT_HASH, "does not match the manifest's content: it was edited after the build; rebuild "
+                   "the folder (an edited manifest can make a loader read wrong data)")]
+    else:
+        edited = []
     problems = [(key, f"missing or not a {kind.__name__}") for key, kind in _TOP.items() if not _typed(data.get(key), kind)]
     if not _typed(data.get("note"), (str, type(None))):
         problems.append(("note", "not a string or null"))
-    unknown = sorted(set(data) - {*_TOP, "note"})
+    unknown = sorted(set(data) - {*_TOP, "note", CONTENT_HASH})
     if unknown:
         problems.append(("", f"unknown keys {', '.join(unknown)}"))
     if problems:
-        return None, problems
+        return None, edited + problems
     stat_types = _field_types(Stats)
     bad = [k for k, kind in stat_types.items() if not _typed(data["stats"].get(k), kind)]
     unknown = sorted(set(data["stats"]) - set(stat_types))
@@ -232,11 +251,11 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
             problems.append((f"shards[{i}]", f"file {entry['file']!r} is not a shard name in this folder"))
         elif set(entry) - set(entry_types):
             problems.append((f"shards[{i}]", f"unknown keys {', '.join(sorted(set(entry) - set(entry_types)))}"))
-    names = [e.get("file") for e in data["shards"] if isinstance(e, dict)]
+    names = [e.get("file") for e in data["shards"] if isinstance(e, dict) and isinstance(e.get("file"), str)]
     if len(set(names)) != len(names):
         problems.append(("shards", "lists a shard twice"))
     if problems:
-        return None, problems
+        return None, edited + problems
     manifest = Manifest(
         created_by=data["created_by"],
         note=data["note"],
@@ -246,7 +265,7 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
         stats=Stats(**data["stats"]),
         shards=tuple(ShardEntry(**e) for e in data["shards"]),
     )
-    return manifest, []
+    return manifest, edited
 
 
 def dump_manifest(manifest: dict[str, Any]) -> bytes:

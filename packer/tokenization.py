@@ -241,6 +241,8 @@ class Encoder:
             last = enc.char_to_token(end - 1) if end > 0 else None
             if last is None:
                 last = _token_at(enc, end - 1, forward=False)
+            if last is not None:
+                last = _last_token_of_char(enc, last, end)
             if first is not None and last is not None and first <= last:
                 base = int(starts[k])
                 marks_on.append(base + first)
@@ -266,3 +268,19 @@ def _token_at(enc, char: int, *, forward: bool) -> int | None:
         if char < 0:
             return None
     return None if n == 0 else (n - 1 if not forward else None)
+
+
+def _last_token_of_char(enc, token: int, end: int) -> int:
+    """The last token holding a character before ``end``, from ``token``, one that does.
+
+    ``char_to_token`` gives a character's *first* token; a character the tokenizer spells in several
+    tokens (byte fallback: an emoji is four byte tokens in Llama 2) is trained only if all of them are.
+    Special tokens have no characters (``token_to_chars`` is None) and end the walk."""
+    n = len(enc.ids)
+    while token + 1 < n:
+        chars = enc.token_to_chars(token + 1)
+        if chars is None or chars[0] >= end or chars[1] <= chars[0]:
+            break
+        token += 1
+    return token
+

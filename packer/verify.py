@@ -19,7 +19,9 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
    build's own formatting/tokenizing code, records that fail are counted by reason against
    ``dropped_by_reason``, the plan is recomputed from the lengths and checked to account for every
    record (its pieces tile it, or it is truncated or dropped as the policy says), and every segment of
-   the shards is compared token for token (ids and trained mask) with the source.
+   the shards is compared token for token with the source: the ids with the build's encoder's, the
+   trained mask with one recomputed apart from it (a token is trained when its character offsets
+   overlap a trained span), so a fault in the encoder's span mapping shows.
 
 Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
 ``source`` costs a re-tokenize and holds the source's tokens in memory.
@@ -159,6 +161,14 @@ def _check_folder_contents(directory: Path, manifest: Manifest | None, report: R
             continue  # no manifest: already reported; the shards are not "extra"
         report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
                    "file); remove it or rebuild the folder")
+    if manifest is None:
+        return
+    for name, expected in schema.datasets_files(manifest).items():  # what datasets.load_from_disk reads
+        path = directory / name
+        if not path.is_file():
+            report.add("files", str(path), "missing: `datasets.load_from_disk` needs it; rebuild the folder")
+        elif path.stat().st_size != len(expected) or path.read_bytes() != expected:
+            report.add("files", str(path), "differs from what the manifest implies; rebuild the folder")
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -423,7 +433,7 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
-    ids, trained = cat([c.ids for c in chunks], np.int32), cat([c.trained for c in chunks], np.uint8)
+    ids = cat([c.ids for c in chunks], np.int32)
     lengths = cat([c.lengths for c in chunks], np.int64)
     example_ids = cat([c.example_ids for c in chunks], np.int64)
     if skipped and cfg.get("on_error") != "skip":
@@ -433,7 +443,9 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     if recorded_reasons != skipped:
         report.add("source", where, f"skipped records by reason {skipped} here, the manifest records {recorded_reasons}")
 
-    p = plan_rows(config, lengths, trained)
+    # the plan takes the build's own flags (truncate-left keeps the answer they mark); the mask itself is
+    # checked below against a recomputation apart from the encoder
+    p = plan_rows(config, lengths, cat([c.trained for c in chunks], np.uint8))
     # Every kept record is accounted for: its pieces tile it, or it is truncated / dropped as the policy says.
     ex, st, ln = np.asarray(p.example), np.asarray(p.start), np.asarray(p.length)
     one = int(p.row_splits[p.num_rows // config.epochs])  # epoch 0's segments (every epoch places them alike)
@@ -488,11 +500,49 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     differ = int((got_ids != ids[index]).sum())
     if differ:
         report.add("source", where, f"{differ:,} tokens differ from the source's tokens at the same place")
-    want_trained = (trained[index] != 0) & (position != 0)
+    reference = _reference_trained(opened, example_ids, lengths)
+    if reference is None:
+        report.add("source", where, "re-tokenizing the source's records gives other lengths than the build's encoder")
+        return
+    want_trained = reference[index] & (position != 0)
     differ = int((want_trained != (got_labels != schema.IGNORE_INDEX)).sum())
     if differ:
         report.add("source", where, f"{differ:,} tokens are trained where the source's loss mask says otherwise (or "
                    "the reverse)")
+
+
+def _reference_trained(opened, example_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+    """The loss mask of the kept examples, recomputed apart from the build's encoder (which maps span
+    ends with ``char_to_token``): a token is trained when its character offsets overlap a trained
+    span, so a character spelled in several byte tokens is trained whole. The EOS packer appends takes
+    the last segment's flag. ``None`` when the token counts differ from ``lengths``."""
+    encoder = opened.encoder
+    backend, formatter, eos = encoder.backend, encoder.formatter, encoder.eos
+    out: list[np.ndarray] = []
+    step = 1024
+    for lo in range(0, example_ids.size, step):
+        wanted = example_ids[lo : lo + step]
+        records = opened.dataset[int(wanted[0]) : int(wanted[-1]) + 1]
+        names = list(records)
+        texts, spans, last_flags = [], [], []
+        for k in wanted - wanted[0]:
+            segments = formatter({name: records[name][int(k)] for name in names})
+            texts.append("".join(text for text, _ in segments))
+            bounds = np.cumsum([0] + [len(text) for text, _ in segments])
+            spans.append([(bounds[j], bounds[j + 1]) for j, (_, flag) in enumerate(segments) if flag])
+            last_flags.append(segments[-1][1])
+        for enc, example_spans, last_flag in zip(
+                backend.encode_batch(texts, add_special_tokens=encoder.add_special_tokens), spans, last_flags):
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            mask = np.zeros(len(offsets), bool)
+            for start, end in example_spans:
+                mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start) & (offsets[:, 1] > offsets[:, 0])
+            if not enc.ids or enc.ids[-1] != eos:
+                mask = np.append(mask, last_flag)
+            out.append(mask)
+    if [m.size for m in out] != lengths.tolist():
+        return None
+    return np.concatenate(out) if out else np.zeros(0, bool)
 
 
 # -- entry point -----------------------------------------------------------------------------------------

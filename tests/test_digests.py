@@ -13,7 +13,7 @@ from conftest import SHARED_DATA, make_build
 FLAN_1000 = {
     # `packer build flan --limit 1000` with every other default
     "dataset_info.json": "dd66533afc785f534079b50ddd7088d2e6bacc3413c0a0283e53382955b0a216",
-    "manifest.json": "ffe77da669d64ea34a87983b6081b43de517ec0fe296be381f8018b459ddcfa9",
+    "manifest.json": "980fa6e4ecd80c3dad1b417922335b6ac2dd6f51d051a7fe4c378adfc8b7e728",
     "shard-00000.arrow": "904a8ac116f730f201f7aa7b459a9719679eed605883d652ba54ff1657343e6d",
     "state.json": "e792d97b052367853281adad4bc8d2216667a95f4fecaebd62ec31dc65b3b1b0",
 }
@@ -21,7 +21,7 @@ FLAN_1000 = {
 GSM8K_1000 = {
     # `packer build gsm8k_train.jsonl --recipe gsm8k --tokenizer llama2-tokenizer --limit 1000` run in ../shared/data
     "dataset_info.json": "dd66533afc785f534079b50ddd7088d2e6bacc3413c0a0283e53382955b0a216",
-    "manifest.json": "473d352ee56ff94fb1f6fe49b75277bcdfbd44af9ba7127f6e4d445a344359cc",
+    "manifest.json": "625cb5e6e41ffb9447e63756de78165e7dbba203d5ac956f0262f7ec5b2c2853",
     "shard-00000.arrow": "5cc4ffb0dcb8bc2f82b1a4cc989493d4b978265030872eca661dbbc3373be118",
     "state.json": "844ef24ca4dba22004294371a94ea8e704dd843f4f4e323aa01e8d5a473c8a25",
 }
