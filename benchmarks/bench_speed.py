@@ -1,0 +1,158 @@
+"""`packer build` against the raw Rust tokenizer on the same texts and cores (a script, not a test).
+
+    python benchmarks/bench_speed.py [--repeat 8] [--runs 3] [--no-peers]
+
+The physical limit of a build here is the tokenizer: ``tokenizers.Tokenizer.encode_batch`` over the
+same formatted texts, batches of 1,000, its Rust threads on every core. Data: the bundled FLAN-style
+sample repeated ``--repeat`` times as one JSONL file (8 → 48,000 records), the Llama 2 tokenizer
+(../shared/data/llama2-tokenizer), ``--pack bfd``. Each round runs, each in its own process:
+
+1. raw:    the texts (formatted beforehand by packer's own Formatter, untimed) are read, then only the
+           ``encode_batch`` calls are timed: the tokenizer's tokens/s, nothing else in it;
+2. packer: ``python -m packer.cli build FILE --recipe flan -t LLAMA2 --pack bfd -q`` timed from the shell,
+           process start to exit (manifest written), with an empty ``HF_DATASETS_CACHE`` (cold cache);
+3. peers:  ``datasets.map`` + TRL ``pack_dataset`` + ``save_to_disk`` (``bench_build.peers_build``), in
+           a fresh process with a cold cache too, timed from process start to exit.
+
+Rounds are interleaved (raw, packer, peers, raw, packer, ...) and each figure is the best of
+``--runs``: the machine is shared, so a ratio is meaningful only between runs made close together;
+each round's own ratio is printed too, and the CPU seconds of every side (the raw side's are those
+of its ``encode_batch`` calls; packer's and the peers' of the whole process tree), which a busy
+machine disturbs less than wall time.
+tokens/s counts the raw tokenizer's tokens of the texts for every side (the same work: packer adds
+one EOS per example and truncates at --max-len, which would only flatter it). Then the small case:
+``packer build flan`` with every default (bundled tokenizer, 6,000 records), wall time from the shell
+with a cold cache, best of ``--runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
+SAMPLE = ROOT / "data" / "flan_sample.jsonl.gz"
+
+RAW = r"""
+import json, sys, time
+from tokenizers import Tokenizer
+texts = json.load(open(sys.argv[1]))
+tok = Tokenizer.from_file(sys.argv[2])
+tokens, t, cpu = 0, time.perf_counter(), time.process_time()
+for i in range(0, len(texts), 1000):
+    tokens += sum(map(len, tok.encode_batch(texts[i : i + 1000])))  # len(e): no id lists built
+print(time.perf_counter() - t, tokens, time.process_time() - cpu)
+"""
+
+PEERS = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from bench_build import peers_build
+peers_build(sys.argv[2], "flan", Path(sys.argv[3]), 4096, 1)
+"""
+
+
+def formatted_texts(source: Path) -> list[str]:
+    """The texts packer tokenizes for ``source`` under the flan recipe, by packer's own Formatter."""
+    from packer import BuildConfig
+    from packer.formatting import Formatter, make_spec
+    from packer.recipes import RECIPES
+
+    records = [json.loads(line) for line in source.open()]
+    spec = make_spec(recipe=RECIPES["flan"], config=BuildConfig(source=str(source), out="-"), columns=list(records[0]))
+    formatter = Formatter(spec)
+    return ["".join(text for text, _ in formatter(r)) for r in records]
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall seconds, CPU seconds (the process and every child it waited for) and stdout of ``cmd``."""
+    t, cpu = time.perf_counter(), children_cpu()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed:\n{done.stderr[-2000:]}")
+    return seconds, children_cpu() - cpu, done.stdout
+
+
+def cold_env(tmp: Path) -> dict[str, str]:
+    cache = tmp / "hf-datasets-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(cache)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=8, help="copies of the 6,000-record sample (8: 48,000 records)")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved rounds; each figure is the best")
+    ap.add_argument("--no-peers", action="store_true", help="skip datasets.map + TRL pack_dataset")
+    args = ap.parse_args()
+    if not (LLAMA2 / "tokenizer.json").is_file():
+        raise SystemExit(f"{LLAMA2} is absent")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_speed-"))
+    try:
+        source = tmp / f"flan_x{args.repeat}.jsonl"
+        sample = gzip.decompress(SAMPLE.read_bytes())
+        source.write_bytes(sample * args.repeat)
+        texts = tmp / "texts.json"
+        texts.write_text(json.dumps(formatted_texts(source)))
+        n = 6000 * args.repeat
+        print(f"cores {os.cpu_count()}, {n:,} records ({source.stat().st_size / 1e6:.0f} MB JSONL), Llama 2 "
+              f"tokenizer, --pack bfd, best of {args.runs} interleaved rounds (shared machine: compare within this run)")
+        best: dict[str, float] = {}  # side -> best wall seconds
+        cpu: dict[str, float] = {}  # side -> CPU seconds of that best run
+        tokens = 0
+        for r in range(args.runs):
+            _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(LLAMA2 / "tokenizer.json")], dict(os.environ))
+            wall, count, encode_cpu = out.split()
+            tokens = int(count)
+            figures = {"raw": (float(wall), float(encode_cpu))}  # the encode_batch calls alone
+            wall, used, _ = timed([sys.executable, "-m", "packer.cli", "build", str(source), "--recipe", "flan",
+                                   "-t", str(LLAMA2), "--pack", "bfd", "--out", str(tmp / "packer-out"),
+                                   "--overwrite", "-q"], cold_env(tmp))
+            figures["packer"] = (wall, used)
+            if not args.no_peers:
+                wall, used, _ = timed([sys.executable, "-c", PEERS, str(ROOT / "benchmarks"), str(source),
+                                       str(tmp / "peers-out")], cold_env(tmp))
+                figures["peers"] = (wall, used)
+            for k, (wall, used) in figures.items():
+                if wall < best.get(k, float("inf")):
+                    best[k], cpu[k] = wall, used
+            ratio = figures["raw"][0] / figures["packer"][0]
+            print(f"  round {r + 1}: " + ", ".join(f"{k} {w:.2f} s wall / {c:.2f} s CPU" for k, (w, c) in figures.items())
+                  + f"; packer at {ratio:.1%} of raw in this round", flush=True)
+        for name, key in (("raw tokenizer encode_batch", "raw"), ("packer build (whole process)", "packer"),
+                          ("datasets.map + TRL pack", "peers")):
+            if key in best:
+                print(f"{name:<29}: {best[key]:8.2f} s  {tokens / best[key]:>10,.0f} tokens/s  "
+                      f"= {best['raw'] / best[key]:6.1%} of raw  (CPU {cpu[key]:.1f} s)")
+        if "peers" in best:
+            print(f"packer is {best['peers'] / best['packer']:.2f}x faster than datasets.map + TRL pack_dataset")
+        small = []
+        for _ in range(args.runs):
+            wall, _, _ = timed([sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(tmp / "small-out"),
+                                "--overwrite", "-q"], cold_env(tmp))
+            small.append(wall)
+        print(f"packer build flan (6,000 records, every default, cold cache, from the shell): best {min(small):.2f} s "
+              f"of {', '.join(f'{w:.2f}' for w in small)}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
