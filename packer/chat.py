@@ -177,7 +177,10 @@ class ChatTemplate:
         cuts = {header} | {header[: m.end()] for m in re.finditer(r">|\n", header)}
         headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
         ends: list[str] = []
-        for tail in ([], [{"role": "user", "content": _PROBE + "2"}]):
+        # the first special-looking token after an assistant turn, followed by nothing, a user turn or a tool
+        # turn: its end-of-turn token, or, for a template that closes no turn (GLM-4), the header of the turn
+        # that follows (<|user|>, <|observation|>), which is what the template's tagged twin trains as the end
+        for tail in ([], [{"role": "user", "content": _PROBE + "2"}], [{"role": "tool", "content": _PROBE + "3"}]):
             try:
                 text, _ = self.render([*user, {"role": "assistant", "content": _marker(0)}, *tail])
             except RecordError:
@@ -188,6 +191,16 @@ class ChatTemplate:
             found = _SPECIAL_LOOKING.search(after)
             if found:
                 ends.append(found.group())
+        # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the special-looking
+        # token that ends the render of a conversation whose last turn is a call
+        call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
+        try:
+            text, _ = self.render([*user, {"role": "assistant", "content": "", "tool_calls": [call]}])
+        except RecordError:
+            text = ""
+        closing = [m for m in _SPECIAL_LOOKING.finditer(text) if m.start() > text.find(_PROBE + "4")]
+        if _PROBE + "4" in text and closing and not text[closing[-1].end():].strip():
+            ends.append(closing[-1].group())
         eos = self.special_tokens.get("eos_token")
         if eos:
             ends.append(eos)
@@ -216,6 +229,12 @@ class ChatTemplate:
                                   "chat_span_not_found")
             before = scaffold[pos:mark]
             header = next((h for h in headers if h in before), None)
+            reasoning = _reasoning(messages[i])
+            at = before.rfind(reasoning) if reasoning else -1
+            if header is not None and at >= 0 and header in before[:at]:
+                # the reasoning rendered as a message of its own before the content (gpt-oss's analysis channel)
+                # is part of the turn's output: the output starts after the header before the reasoning
+                before = before[:at]
             if header is not None:  # the output starts after the last such header before the content
                 nth = before.count(header)
                 start = cur
@@ -247,7 +266,7 @@ class ChatTemplate:
             else:  # the render ends with this turn and no end-of-turn token (GLM-4): the output runs to the end
                 end = len(text.rstrip())
                 next_pos = len(scaffold)
-            _check_span(messages[i], text, start, end, where)
+            _check_span(messages[i], text, start, end, where, content_rendered=anchor == _marker(i))
             spans.append((start, end))
             pos, cur = next_pos, end
         return spans
@@ -262,12 +281,24 @@ def _tool_names(message: dict) -> list[str]:
     return names
 
 
-def _check_span(message: dict, text: str, start: int, end: int, where: str) -> None:
-    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim)
+def _reasoning(message: dict) -> str:
+    """The turn's reasoning as a template may render it: under the names transformers aliases (the first of
+    ``_REASONING_FIELDS`` given), else a <think> block in the content."""
+    from transformers.utils.chat_template_utils import _REASONING_FIELDS
+
+    given = next((message[k] for k in _REASONING_FIELDS if isinstance(message.get(k), str)), None)
+    if given is None and "</think>" in (content := message.get("content") or ""):
+        given = content.split("</think>")[0].split("<think>")[-1]
+    return (given or "").strip()
+
+
+def _check_span(message: dict, text: str, start: int, end: int, where: str, *, content_rendered: bool) -> None:
+    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim), unless
+    the template leaves the content out (gpt-oss drops the text beside a tool call when a final answer follows),
     and the names of the tool calls the template renders."""
     span = text[start:end]
     visible = (message.get("content") or "").split("</think>")[-1].strip()
-    if visible and visible not in span:
+    if content_rendered and visible and visible not in span:
         raise RecordError(f"{where}: the span found does not hold the assistant's text", "chat_span_not_found")
     for name in _tool_names(message):
         if name in text[start:] and name not in span:  # rendered in this turn or later, yet not in its span
