@@ -26,6 +26,7 @@ from functools import cached_property
 from typing import Any
 
 from .errors import RecordError, TokenizerError
+from .timelimit import TimeLimitExceeded, time_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
 TRAIN_ON = ("assistant", "last", "all")
@@ -35,6 +36,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # <｜end▁of▁sentence｜>, <end_of_turn>, </s>, <|END_OF_TURN_TOKEN|>, ...
 _SPECIAL_LOOKING = re.compile(r"<\|[^<>|\s]{1,48}\|>|<｜[^<>]{1,48}｜>|<[A-Za-z_]{2,48}>|</s>")
 _PROBE = "PACKERPROBEX"
+# Real templates render a conversation in milliseconds; one that runs for seconds loops (a template is code)
+RENDER_TIME_LIMIT_S = 5.0
 
 
 def _marker(i: int) -> str:
@@ -135,12 +138,18 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            texts, indices = render_jinja_template(
-                conversations=[messages], tools=tools, chat_template=self.source, return_assistant_tokens_mask=spans,
-                add_generation_prompt=generation_prompt, **self.special_tokens,
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            with time_limit(RENDER_TIME_LIMIT_S):
+                texts, indices = render_jinja_template(
+                    conversations=[messages], tools=tools, chat_template=self.source,
+                    return_assistant_tokens_mask=spans, add_generation_prompt=generation_prompt, **self.special_tokens,
+                )
+        except TimeLimitExceeded:
+            raise RecordError(f"{self.name} did not finish rendering the conversation within {RENDER_TIME_LIMIT_S:g} s",
+                              "chat_template_timeout") from None
+        except Exception as e:  # whatever the template raises (raise_exception, a TypeError, 1/0, ...) is the record's
+            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            if not isinstance(e, jinja2.TemplateError):  # a Python error says what it is (ZeroDivisionError: ...)
+                message = f"{type(e).__name__}: {message}" if message else type(e).__name__
             raise RecordError(f"the chat template refused the conversation: {message!r}", "chat_template_error") from None
         return texts[0], (indices[0] if spans else [])
 
