@@ -23,6 +23,7 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from .errors import RecordError, TokenizerError
@@ -107,7 +108,32 @@ def normalize_tools(tools: Any, field: str) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RecordError(f"field {field!r} must be a list of tool definitions (JSON schema objects)", "wrong_type")
-    return drop_nones(tools) or None
+    return drop_nones(tools)  # [] stays []: transformers picks a "tool_use" template for any tools but None
+
+
+def read_chat_templates(folder: Path, config: dict) -> str | dict[str, str] | None:
+    """A tokenizer folder's chat template(s), as transformers' ``from_pretrained`` loads them: the config's
+    ``chat_template`` (a list of named ones becomes a dict by name), unless the folder has template files
+    (``chat_template.jinja`` is "default", ``additional_chat_templates/NAME.jinja`` is NAME), which then
+    replace it; a lone "default" is a plain template."""
+    template = config.get("chat_template")
+    if isinstance(template, (list, tuple)):
+        template = {t["name"]: t["template"] for t in template}
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        files[extra.name.removesuffix(".jinja")] = extra.read_text(encoding="utf-8")
+    if files:
+        template = files["default"] if list(files) == ["default"] else files
+    return template
+
+
+def chat_renderer(template: str | dict[str, str], special_tokens: dict[str, str], name: str):
+    """A :class:`ChatTemplate`, or for named templates a :class:`NamedChatTemplates` that picks one per record."""
+    if isinstance(template, dict):
+        return NamedChatTemplates(template, special_tokens, name)
+    return ChatTemplate(template, special_tokens, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,3 +338,26 @@ def _check_span(message: dict, text: str, start: int, end: int, where: str, *, c
     for name in _tool_names(message):
         if name in text[start:] and name not in span:  # rendered in this turn or later, yet not in its span
             raise RecordError(f"{where}: the span found does not hold its tool call {name!r}", "chat_span_not_found")
+
+
+class NamedChatTemplates:
+    """A tokenizer's named chat templates: each record is rendered by the one transformers'
+    ``get_chat_template`` picks (``tool_use`` when the record gives tools and the tokenizer has one, else
+    ``default``); transformers' method is called, so the choice is its own. All are compiled up front, so a
+    broken one is reported before any record is read."""
+
+    def __init__(self, templates: dict[str, str], special_tokens: dict[str, str], name: str):
+        self.chat_template = templates  # the attribute get_chat_template reads
+        self.by_source = {source: ChatTemplate(source, special_tokens, f"{name} {key!r}")
+                          for key, source in templates.items()}
+
+    def pick(self, tools: list[dict] | None) -> ChatTemplate:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        try:
+            return self.by_source[PreTrainedTokenizerBase.get_chat_template(self, None, tools)]
+        except ValueError as e:  # several templates and no "default", for a record without tools
+            raise RecordError(str(e).split("!")[0], "chat_template_error") from None
+
+    def __call__(self, messages: list[dict], tools: list[dict] | None, train_on: str) -> Rendered:
+        return self.pick(tools)(messages, tools, train_on)
