@@ -196,14 +196,22 @@ class ChatTemplate:
 
     # -- untagged templates: where each assistant turn's output lies in the render
 
+    def _try(self, messages: list[dict], *, generation_prompt: bool = False) -> str | None:
+        """A probe render, or None where the template refuses the probe conversation; a template that does not
+        end is not waited for again and again: its time-out stops the probe (and is the record's error)."""
+        try:
+            return self.render(messages, generation_prompt=generation_prompt)[0]
+        except RecordError as e:
+            if e.reason == "chat_template_timeout":
+                raise
+            return None
+
     @cached_property
     def _probe(self) -> tuple[list[str], list[str]]:
         """(assistant header candidates, longest first; end-of-turn candidates) from probe renders."""
         user = [{"role": "user", "content": _PROBE}]
-        try:
-            bare, _ = self.render(user)
-            prompted, _ = self.render(user, generation_prompt=True)
-        except RecordError:
+        bare, prompted = self._try(user), self._try(user, generation_prompt=True)
+        if bare is None or prompted is None:
             bare = prompted = ""
         header = prompted[len(bare):] if prompted.startswith(bare) else ""
         header = re.sub(r"<think>\s*$", "", header)  # a prompt that opens the reasoning: the model writes it
@@ -216,9 +224,8 @@ class ChatTemplate:
         # turn: its end-of-turn token, or, for a template that closes no turn (GLM-4), the header of the turn
         # that follows (<|user|>, <|observation|>), which is what the template's tagged twin trains as the end
         for tail in ([], [{"role": "user", "content": _PROBE + "2"}], [{"role": "tool", "content": _PROBE + "3"}]):
-            try:
-                text, _ = self.render([*user, {"role": "assistant", "content": _marker(0)}, *tail])
-            except RecordError:
+            text = self._try([*user, {"role": "assistant", "content": _marker(0)}, *tail])
+            if text is None:
                 continue
             after = text[text.find(_marker(0)) + len(_marker(0)):] if _marker(0) in text else ""
             if not tail and after.strip() and not _SPECIAL_LOOKING.sub("", after).strip():
@@ -229,10 +236,7 @@ class ChatTemplate:
         # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the special-looking
         # token that ends the render of a conversation whose last turn is a call
         call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
-        try:
-            text, _ = self.render([*user, {"role": "assistant", "content": "", "tool_calls": [call]}])
-        except RecordError:
-            text = ""
+        text = self._try([*user, {"role": "assistant", "content": "", "tool_calls": [call]}]) or ""
         closing = [m for m in _SPECIAL_LOOKING.finditer(text) if m.start() > text.find(_PROBE + "4")]
         if _PROBE + "4" in text and closing and not text[closing[-1].end():].strip():
             ends.append(closing[-1].group())

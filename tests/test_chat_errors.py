@@ -120,3 +120,10 @@ def test_time_limit_in_the_main_thread_restores_the_alarm_handler():
         pass
     time.sleep(0.3)  # the alarm was cancelled: nothing fires after the block
     assert signal.getsignal(signal.SIGALRM) == before
+
+
+def test_a_template_that_never_ends_on_any_conversation(tmp_path, monkeypatch):
+    """The probe renders that learn the template's turn ends time out too: the first record's error, once."""
+    monkeypatch.setattr(chat, "RENDER_TIME_LIMIT_S", 0.5)
+    line = one_line(build(tmp_path, ENDLESS + template(""), [OK, OK], "-j", "1"))
+    assert "record 1" in line and "did not finish rendering the conversation within 0.5 s" in line
