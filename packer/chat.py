@@ -11,8 +11,13 @@ The spans to train on:
   each assistant message's content replaced by a unique marker tells, per turn, which assistant header
   comes before the output (the template's generation prompt, or the longest head of it that the
   template writes there) and which end-of-turn token closes it (the first one after the content). The
-  output is the text from that header's end through that end-of-turn token, found in the real render;
+  output is the text from that header's end through that end-of-turn token, found in the real render
+  (from the header before the turn's reasoning where the template renders it as a message of its own);
   the span must hold the assistant's visible text and tool-call names, else the record is refused.
+  End-of-turn tokens are learnt once per template from probe renders (see ``_probe``).
+
+A template is code: whatever it raises is the record's error, and a render runs under a time limit.
+Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them.
 
 Cost: one render per record for a tagged template, two for an untagged one, plus string searches.
 """
