@@ -11,8 +11,13 @@ The spans to train on:
   each assistant message's content replaced by a unique marker tells, per turn, which assistant header
   comes before the output (the template's generation prompt, or the longest head of it that the
   template writes there) and which end-of-turn token closes it (the first one after the content). The
-  output is the text from that header's end through that end-of-turn token, found in the real render;
+  output is the text from that header's end through that end-of-turn token, found in the real render
+  (from the header before the turn's reasoning where the template renders it as a message of its own);
   the span must hold the assistant's visible text and tool-call names, else the record is refused.
+  End-of-turn tokens are learnt once per template from probe renders (see ``_probe``).
+
+A template is code: whatever it raises is the record's error, and a render runs under a time limit.
+Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them.
 
 Cost: one render per record for a tagged template, two for an untagged one, plus string searches.
 """
@@ -23,9 +28,11 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from .errors import RecordError, TokenizerError
+from .timelimit import TimeLimitExceeded, time_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
 TRAIN_ON = ("assistant", "last", "all")
@@ -35,6 +42,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # <｜end▁of▁sentence｜>, <end_of_turn>, </s>, <|END_OF_TURN_TOKEN|>, ...
 _SPECIAL_LOOKING = re.compile(r"<\|[^<>|\s]{1,48}\|>|<｜[^<>]{1,48}｜>|<[A-Za-z_]{2,48}>|</s>")
 _PROBE = "PACKERPROBEX"
+# Real templates render a conversation in milliseconds; one that runs for seconds loops (a template is code)
+RENDER_TIME_LIMIT_S = 5.0
 
 
 def _marker(i: int) -> str:
@@ -104,7 +113,32 @@ def normalize_tools(tools: Any, field: str) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RecordError(f"field {field!r} must be a list of tool definitions (JSON schema objects)", "wrong_type")
-    return drop_nones(tools) or None
+    return drop_nones(tools)  # [] stays []: transformers picks a "tool_use" template for any tools but None
+
+
+def read_chat_templates(folder: Path, config: dict) -> str | dict[str, str] | None:
+    """A tokenizer folder's chat template(s), as transformers' ``from_pretrained`` loads them: the config's
+    ``chat_template`` (a list of named ones becomes a dict by name), unless the folder has template files
+    (``chat_template.jinja`` is "default", ``additional_chat_templates/NAME.jinja`` is NAME), which then
+    replace it; a lone "default" is a plain template."""
+    template = config.get("chat_template")
+    if isinstance(template, (list, tuple)):
+        template = {t["name"]: t["template"] for t in template}
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        files[extra.name.removesuffix(".jinja")] = extra.read_text(encoding="utf-8")
+    if files:
+        template = files["default"] if list(files) == ["default"] else files
+    return template
+
+
+def chat_renderer(template: str | dict[str, str], special_tokens: dict[str, str], name: str):
+    """A :class:`ChatTemplate`, or for named templates a :class:`NamedChatTemplates` that picks one per record."""
+    if isinstance(template, dict):
+        return NamedChatTemplates(template, special_tokens, name)
+    return ChatTemplate(template, special_tokens, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +169,18 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            texts, indices = render_jinja_template(
-                conversations=[messages], tools=tools, chat_template=self.source, return_assistant_tokens_mask=spans,
-                add_generation_prompt=generation_prompt, **self.special_tokens,
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            with time_limit(RENDER_TIME_LIMIT_S):
+                texts, indices = render_jinja_template(
+                    conversations=[messages], tools=tools, chat_template=self.source,
+                    return_assistant_tokens_mask=spans, add_generation_prompt=generation_prompt, **self.special_tokens,
+                )
+        except TimeLimitExceeded:
+            raise RecordError(f"{self.name} did not finish rendering the conversation within {RENDER_TIME_LIMIT_S:g} s",
+                              "chat_template_timeout") from None
+        except Exception as e:  # whatever the template raises (raise_exception, a TypeError, 1/0, ...) is the record's
+            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            if not isinstance(e, jinja2.TemplateError):  # a Python error says what it is (ZeroDivisionError: ...)
+                message = f"{type(e).__name__}: {message}" if message else type(e).__name__
             raise RecordError(f"the chat template refused the conversation: {message!r}", "chat_template_error") from None
         return texts[0], (indices[0] if spans else [])
 
@@ -161,14 +201,22 @@ class ChatTemplate:
 
     # -- untagged templates: where each assistant turn's output lies in the render
 
+    def _try(self, messages: list[dict], *, generation_prompt: bool = False) -> str | None:
+        """A probe render, or None where the template refuses the probe conversation; a template that does not
+        end is not waited for again and again: its time-out stops the probe (and is the record's error)."""
+        try:
+            return self.render(messages, generation_prompt=generation_prompt)[0]
+        except RecordError as e:
+            if e.reason == "chat_template_timeout":
+                raise
+            return None
+
     @cached_property
     def _probe(self) -> tuple[list[str], list[str]]:
         """(assistant header candidates, longest first; end-of-turn candidates) from probe renders."""
         user = [{"role": "user", "content": _PROBE}]
-        try:
-            bare, _ = self.render(user)
-            prompted, _ = self.render(user, generation_prompt=True)
-        except RecordError:
+        bare, prompted = self._try(user), self._try(user, generation_prompt=True)
+        if bare is None or prompted is None:
             bare = prompted = ""
         header = prompted[len(bare):] if prompted.startswith(bare) else ""
         header = re.sub(r"<think>\s*$", "", header)  # a prompt that opens the reasoning: the model writes it
@@ -177,10 +225,12 @@ class ChatTemplate:
         cuts = {header} | {header[: m.end()] for m in re.finditer(r">|\n", header)}
         headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
         ends: list[str] = []
-        for tail in ([], [{"role": "user", "content": _PROBE + "2"}]):
-            try:
-                text, _ = self.render([*user, {"role": "assistant", "content": _marker(0)}, *tail])
-            except RecordError:
+        # the first special-looking token after an assistant turn, followed by nothing, a user turn or a tool
+        # turn: its end-of-turn token, or, for a template that closes no turn (GLM-4), the header of the turn
+        # that follows (<|user|>, <|observation|>), which is what the template's tagged twin trains as the end
+        for tail in ([], [{"role": "user", "content": _PROBE + "2"}], [{"role": "tool", "content": _PROBE + "3"}]):
+            text = self._try([*user, {"role": "assistant", "content": _marker(0)}, *tail])
+            if text is None:
                 continue
             after = text[text.find(_marker(0)) + len(_marker(0)):] if _marker(0) in text else ""
             if not tail and after.strip() and not _SPECIAL_LOOKING.sub("", after).strip():
@@ -188,6 +238,13 @@ class ChatTemplate:
             found = _SPECIAL_LOOKING.search(after)
             if found:
                 ends.append(found.group())
+        # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the special-looking
+        # token that ends the render of a conversation whose last turn is a call
+        call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
+        text = self._try([*user, {"role": "assistant", "content": "", "tool_calls": [call]}]) or ""
+        closing = [m for m in _SPECIAL_LOOKING.finditer(text) if m.start() > text.find(_PROBE + "4")]
+        if _PROBE + "4" in text and closing and not text[closing[-1].end():].strip():
+            ends.append(closing[-1].group())
         eos = self.special_tokens.get("eos_token")
         if eos:
             ends.append(eos)
@@ -216,6 +273,12 @@ class ChatTemplate:
                                   "chat_span_not_found")
             before = scaffold[pos:mark]
             header = next((h for h in headers if h in before), None)
+            reasoning = _reasoning(messages[i])
+            at = before.rfind(reasoning) if reasoning else -1
+            if header is not None and at >= 0 and header in before[:at]:
+                # the reasoning rendered as a message of its own before the content (gpt-oss's analysis channel)
+                # is part of the turn's output: the output starts after the header before the reasoning
+                before = before[:at]
             if header is not None:  # the output starts after the last such header before the content
                 nth = before.count(header)
                 start = cur
@@ -247,7 +310,7 @@ class ChatTemplate:
             else:  # the render ends with this turn and no end-of-turn token (GLM-4): the output runs to the end
                 end = len(text.rstrip())
                 next_pos = len(scaffold)
-            _check_span(messages[i], text, start, end, where)
+            _check_span(messages[i], text, start, end, where, content_rendered=anchor == _marker(i))
             spans.append((start, end))
             pos, cur = next_pos, end
         return spans
@@ -262,13 +325,48 @@ def _tool_names(message: dict) -> list[str]:
     return names
 
 
-def _check_span(message: dict, text: str, start: int, end: int, where: str) -> None:
-    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim)
+def _reasoning(message: dict) -> str:
+    """The turn's reasoning as a template may render it: under the names transformers aliases (the first of
+    ``_REASONING_FIELDS`` given), else a <think> block in the content."""
+    from transformers.utils.chat_template_utils import _REASONING_FIELDS
+
+    given = next((message[k] for k in _REASONING_FIELDS if isinstance(message.get(k), str)), None)
+    if given is None and "</think>" in (content := message.get("content") or ""):
+        given = content.split("</think>")[0].split("<think>")[-1]
+    return (given or "").strip()
+
+
+def _check_span(message: dict, text: str, start: int, end: int, where: str, *, content_rendered: bool) -> None:
+    """The located span must hold what the assistant wrote (templates may drop a <think> block and trim), unless
+    the template leaves the content out (gpt-oss drops the text beside a tool call when a final answer follows),
     and the names of the tool calls the template renders."""
     span = text[start:end]
     visible = (message.get("content") or "").split("</think>")[-1].strip()
-    if visible and visible not in span:
+    if content_rendered and visible and visible not in span:
         raise RecordError(f"{where}: the span found does not hold the assistant's text", "chat_span_not_found")
     for name in _tool_names(message):
         if name in text[start:] and name not in span:  # rendered in this turn or later, yet not in its span
             raise RecordError(f"{where}: the span found does not hold its tool call {name!r}", "chat_span_not_found")
+
+
+class NamedChatTemplates:
+    """A tokenizer's named chat templates: each record is rendered by the one transformers'
+    ``get_chat_template`` picks (``tool_use`` when the record gives tools and the tokenizer has one, else
+    ``default``); transformers' method is called, so the choice is its own. All are compiled up front, so a
+    broken one is reported before any record is read."""
+
+    def __init__(self, templates: dict[str, str], special_tokens: dict[str, str], name: str):
+        self.chat_template = templates  # the attribute get_chat_template reads
+        self.by_source = {source: ChatTemplate(source, special_tokens, f"{name} {key!r}")
+                          for key, source in templates.items()}
+
+    def pick(self, tools: list[dict] | None) -> ChatTemplate:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        try:
+            return self.by_source[PreTrainedTokenizerBase.get_chat_template(self, None, tools)]
+        except ValueError as e:  # several templates and no "default", for a record without tools
+            raise RecordError(str(e).split("!")[0], "chat_template_error") from None
+
+    def __call__(self, messages: list[dict], tools: list[dict] | None, train_on: str) -> Rendered:
+        return self.pick(tools)(messages, tools, train_on)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .chat import chat_renderer, read_chat_templates
 from .errors import RecordError, TokenizerError
 from .formatting import FormatSpec, Formatter
 
@@ -53,12 +55,7 @@ class Tokenizer:
             token = self.special_tokens_map.get(f"{role}_token")
             setattr(self, f"{role}_token", token)
             setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: transformers uses "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        self.chat_template = template
+        self.chat_template = read_chat_templates(folder, config)  # a dict when the tokenizer has named ones
         self.chat_template_name = f"{name_or_path}'s chat template"
 
     def __len__(self) -> int:
@@ -72,14 +69,10 @@ class Tokenizer:
 
     def chat(self):
         """The chat template as a :class:`packer.chat.ChatTemplate` (compiled, so a broken one fails here)."""
-        from .chat import ChatTemplate
-
-        return ChatTemplate(self.chat_template, self.special_tokens_map, self.chat_template_name)
+        return chat_renderer(self.chat_template, self.special_tokens_map, self.chat_template_name)
 
 
 def _read_json(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -152,7 +145,8 @@ def tokenizer_info(tokenizer, name_or_path: str) -> dict[str, Any]:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
+        "chat_template_sha256": hashlib.sha256((template if isinstance(template, str) else json.dumps(
+            template, sort_keys=True)).encode()).hexdigest() if template is not None else None,  # named templates: all of them
     }
 
 

@@ -8,8 +8,9 @@ For each template pair (original, tagged twin) and conversation:
 - tokens: packer's build tokens equal ``apply_chat_template(..., tokenize=True)`` (plus the EOS packer
   appends when the render does not end with it), for both templates;
 - twin: packer's trained tokens equal ``return_assistant_tokens_mask`` exactly;
-- original: on every conversation the twin renders to the same tokens, packer's trained tokens equal the
-  twin's mask, except on tokens that decode to whitespace only;
+- original: on every conversation the twin renders to the same tokens (or to the same followed by a closing
+  of the final turn), packer's trained tokens equal the twin's mask, except on tokens that decode to
+  whitespace only;
 - a conversation that transformers refuses (the template raises) is refused by packer too, as a record error.
 
 Used whole by tests/test_chat_templates.py.
@@ -205,9 +206,12 @@ def check_pair(hf, folder, name, original, twin, cases) -> tuple[Outcome, Outcom
                 continue
             if label == "original" and case in results["twin_rows"]:
                 twin_ids, twin_mask = results["twin_rows"][case]
-                if twin_ids == ref_ids:
+                k = next((i for i, (a, b) in enumerate(zip(ref_ids, twin_ids)) if a != b), min(n, len(twin_ids)))
+                # the same tokens, or the same up to the twin's closing of the final turn (GLM-4's twin ends the
+                # render with the next turn's header <|user|>, which the tokenizer may merge with the last character)
+                if twin_ids == ref_ids or (len(twin_ids) > n and k >= n - 2):
                     outcome.compared_with_twin += 1
-                    bad = [i for i in range(n) if trained[i] != twin_mask[i] and hf.decode(ref_ids[i]).strip()]
+                    bad = [i for i in range(k) if trained[i] != twin_mask[i] and hf.decode(ref_ids[i]).strip()]
                     if bad and name in TWIN_TRAINS_HEADER:
                         bad = _outside(hf, record, source, bad, TWIN_TRAINS_HEADER[name])
                     if bad:
