@@ -6,28 +6,56 @@ on stderr (never a traceback).
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import json
 import os
 import shutil
 import sys
+import time
+from pathlib import Path
 
 import click
 
-from . import inspect_, render, schema
+from . import inspect_, output, render, schema
+from .build import BuildResult, tokenizer_path
 from .build import build as run_build
-from .build import tokenizer_path
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, BuildConfig
 from .errors import PackerError
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
 
+
+def _redeliver_interrupt(unraisable) -> None:
+    """Ctrl-C that lands in a finaliser (``__del__``, a generator closed by the collector) is
+    "ignored" by Python, which prints it and runs on; raise it again in the main thread instead."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _thread.interrupt_main()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
+class Interrupted(Exception):
+    """Ctrl-C, carried past click (which would take it for an aborted prompt)."""
+
+
 class OneLineErrors(click.Group):
-    """Usage errors and PackerErrors become one line on stderr and exit code 2."""
+    """Usage errors and PackerErrors become one line on stderr and exit code 2; Ctrl-C is
+    "interrupted", exit code 130 (128 + SIGINT, as a shell reports it)."""
+
+    def invoke(self, ctx: click.Context):
+        previous = sys.unraisablehook
+        sys.unraisablehook = _redeliver_interrupt
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+        finally:
+            sys.unraisablehook = previous
 
     def main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
@@ -35,8 +63,9 @@ class OneLineErrors(click.Group):
             rv = super().main(*args, **kwargs)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("packer: aborted", err=True)
+        except (Interrupted, KeyboardInterrupt, click.Abort):
+            # a build's staging and token spill stay for the rerun to resume; the lock is released
+            click.echo("packer: interrupted", err=True)
             sys.exit(130)
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx else "packer"
@@ -110,13 +139,32 @@ def build(as_json: bool, quiet: bool, **options) -> None:
     packer build flan --pack bfd --max-tokens 4096 --out shards-bfd/
     """
     config = BuildConfig(**options)
-    result = run_build(config, progress=not quiet and not as_json)
+    started = time.time_ns()
+    try:
+        result = run_build(config, progress=not quiet and not as_json)
+    except KeyboardInterrupt:
+        result = _finished_anyway(Path(config.out), started)
+        if result is None:
+            raise
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
                                "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
         return
     _echo(render.build_lines(result))
+
+
+def _finished_anyway(out: Path, started: int) -> BuildResult | None:
+    """After Ctrl-C: the build, if it got past its commit point (its manifest written by this run)."""
+    path = out / schema.MANIFEST_NAME
+    try:
+        if path.stat().st_mtime_ns < started:
+            return None
+        manifest = schema.read_manifest(out)
+    except (OSError, PackerError):
+        return None
+    output.tidy(out)  # the staging the interrupt kept it from removing
+    return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
 
 
 @main.command()
@@ -142,6 +190,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     """
     if row_index is not None and example_id is not None:
         raise click.UsageError("give --row or --example, not both")
+    output.tidy(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
     out: dict = {}
@@ -210,6 +259,7 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --tokenizer my-tok/      were these made with my tokenizer?
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
+    output.tidy(directory)
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))

@@ -24,6 +24,19 @@ from . import schema
 from .errors import OutputError, ShardFormatError
 from .schema import LOCK, MANIFEST_NAME, MANIFEST_TMP, STAGING, TOKENS_DIR
 
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_held_in_child() -> None:
+    # A forked worker would keep the lock's open file (and so the flock) alive after its parent died.
+    for fd in _HELD:
+        with suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
 
 @contextmanager
 def lock(out: Path) -> Iterator[None]:
@@ -59,15 +72,42 @@ def lock(out: Path) -> Iterator[None]:
         os.close(fd)
     else:  # pragma: no cover - only under a storm of concurrent builds
         raise OutputError(f"--out {out}: could not take {LOCK}; another build keeps replacing it, retry")
+    _HELD.add(fd)
     try:
+        _drop_stale_staging(out)
         yield
     finally:
         with suppress(OSError):
             path.unlink()
+        _HELD.discard(fd)
         os.close(fd)
         if created:
             with suppress(OSError):
                 out.rmdir()  # only if empty: a failed first build leaves no folder behind
+
+
+def _drop_stale_staging(out: Path) -> None:
+    """Under the lock, a folder with a manifest holds a finished build: a staging folder or temporary
+    manifest beside it is what a build killed between its commit point (the manifest's rename) and
+    its last step left; remove them, or the folder never verifies."""
+    if (out / MANIFEST_NAME).is_file():
+        with suppress(FileNotFoundError):
+            shutil.rmtree(out / STAGING)
+        with suppress(FileNotFoundError):
+            (out / MANIFEST_TMP).unlink()
+
+
+def tidy(directory) -> None:
+    """What ``verify`` and ``inspect`` run first: drop a finished build's stale staging (see
+    :func:`_drop_stale_staging`) if no build holds the folder now. A no-op for URLs, folders without
+    leftovers, and folders this process cannot write (the check then reports the leftover)."""
+    out = Path(directory)
+    if "://" in str(directory) or not (out / MANIFEST_NAME).is_file():
+        return
+    if not ((out / STAGING).exists() or (out / MANIFEST_TMP).exists()):
+        return
+    with suppress(OutputError, OSError), lock(out):
+        pass
 
 
 def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manifest | None:
