@@ -54,6 +54,8 @@ class OneLineErrors(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted() from None
+        except EOFError as e:  # click would take it for Ctrl-C at a prompt ("aborted")
+            raise PackerError(f"an input ended unexpectedly ({type(e).__name__}: {e}); check it is complete") from e
         finally:
             sys.unraisablehook = previous
 

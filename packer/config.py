@@ -8,6 +8,7 @@ that the same input and config give the same manifest whatever the machine.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,15 @@ class BuildConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
+        for option, path in (("SOURCE", self.source), ("--out", self.out)):
+            try:
+                path.encode("utf-8")
+            except UnicodeEncodeError:  # a file name of undecodable bytes, as Python's argv carries it
+                shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+                raise ConfigError(
+                    f"{option} {shown}: the name is not UTF-8 text, which the manifest and Arrow need; "
+                    "rename it"
+                ) from None
         if self.pack not in PACK_MODES:
             raise ConfigError(f"--pack must be one of {', '.join(PACK_MODES)}, got {self.pack!r}")
         if self.overlong not in OVERLONG_POLICIES:

@@ -3,6 +3,7 @@ build, and failed writes (a file size limit, an unwritable folder) that leave no
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -165,3 +166,77 @@ def test_out_is_a_file(tmp_path):
     line = _one_line_error(CliRunner().invoke(main, ["build", "flan", "--limit", "5", "--out", str(out)]))
     assert f"'{out}' is a file" in line and "--out" in line
     assert out.read_text() == "x"
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------------------
+
+INTERRUPT_ARGS = ["flan", "--limit", "2500", "--shard-size", "1", "--batch-size", "4", "-q", "-j", "2"]
+
+
+def interrupt_at(out: Path, delay: float, args=INTERRUPT_ARGS) -> tuple[int | None, str, float]:
+    """Start a build in its own process group, Ctrl-C it (SIGINT to the whole group, as a terminal does)
+    after ``delay`` seconds; return its exit code, stderr and the seconds it took to end after the
+    signal (None: still running after 20 s, then killed)."""
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", *args, "--out", str(out)], cwd=ROOT,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(delay)
+    signalled = time.monotonic()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        err = proc.communicate(timeout=20)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[1], 20.0
+    ended = time.monotonic() - signalled
+    deadline = time.monotonic() + 5  # the workers are gone with the parent (killed, not orphaned)
+    while _group_alive(proc.pid):
+        assert time.monotonic() < deadline, "a worker outlived the interrupted build"
+        time.sleep(0.02)
+    return proc.returncode, err, ended
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a zombie's group on some kernels
+        return True
+
+
+def test_ctrl_c_at_many_moments_with_two_workers(tmp_path):
+    """Ctrl-C during start-up, loading, tokenizing (two workers), planning, writing and committing, into
+    one folder again and again: each run ends within seconds with one line and exit 130 (or, past
+    its commit point, 0 and no complaint), leaves the lock free, and the last rerun completes with
+    the bytes of an uninterrupted build."""
+    reference = tmp_path / "reference"
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", *INTERRUPT_ARGS, "--out", str(reference)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seconds = time.monotonic() - began
+    out = tmp_path / "out"
+    rng = random.Random(int(os.environ.get("PACKER_CRASH_SEED", "11")))
+    outcomes = []
+    for delay in sorted(rng.uniform(0.05, 1.1) * seconds for _ in range(6)):
+        code, err, ended = interrupt_at(out, delay)
+        outcomes.append((round(delay, 2), code, round(ended, 2)))
+        assert code is not None, f"Ctrl-C at {delay:.2f} s hung: {err}"
+        if code == 130:
+            assert err.splitlines() == ["packer: interrupted"], err
+        else:  # finished before the signal, or got past its commit point
+            assert code == 0 and err == "", (code, err)
+        assert ended < 10, outcomes
+        assert not (out / LOCK).exists(), outcomes
+        if (out / schema.MANIFEST_NAME).exists():
+            assert verify(out).ok, outcomes  # complete, or it has no manifest
+            (out / schema.MANIFEST_NAME).unlink()  # make the next run build again (a crash leaves no manifest)
+    print("Ctrl-C (delay s, exit code, s to end):", outcomes)
+    assert sum(code == 130 for _, code, _ in outcomes) >= 3, outcomes
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", *INTERRUPT_ARGS, "--out", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert files(out) == files(reference)
