@@ -20,6 +20,7 @@ from .plan import OVERLONG as OVERLONG_POLICIES
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
 DEFAULT_BATCH_SIZE = 8
+ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +79,13 @@ class BuildConfig:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
         for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb"):
             positive(name, getattr(self, name))
+        for name in ("max_len", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > ROW_LIMIT:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
+                    "tokens, as a row's positions, seq_lens and Arrow list offsets are int32"
+                )
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:

@@ -179,7 +179,7 @@ def commit(out: Path, manifest: schema.Manifest) -> None:
     """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
     (``schema.DATASETS_FILES``), then the manifest last (the commit point)."""
     staging = out / STAGING
-    data = manifest.dumps()  # first: a manifest that cannot be written must not leave shards in place
+    manifest_bytes = manifest.dumps()  # first: a manifest that cannot be written must not leave shards in place
     for entry in manifest.shards:
         _fsync(staging / entry.file)
         os.replace(staging / entry.file, out / entry.file)
@@ -188,7 +188,7 @@ def commit(out: Path, manifest: schema.Manifest) -> None:
         _fsync(staging / name)
         os.replace(staging / name, out / name)
     tmp = out / MANIFEST_TMP
-    tmp.write_bytes(data)
+    tmp.write_bytes(manifest_bytes)
     _fsync(tmp)
     os.replace(tmp, out / MANIFEST_NAME)
     _fsync_dir(out)

@@ -202,6 +202,7 @@ class Encoder:
         for i, row in enumerate(rows):
             try:
                 segments = formatter(dict(zip(names, row)))
+                _check_size(segments)
             except RecordError as e:
                 if not self.skip_errors:
                     raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip", e.reason) from None
@@ -262,6 +263,19 @@ class Encoder:
         ends = starts[1:][add_eos] - 1
         trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
         return Encoded(flat, trained, lengths, example_ids, skipped)
+
+
+# The Rust tokenizer keeps alignments and offsets for every byte and token of a text: about 140 bytes
+# of memory a character (a 10 MB record took 1.4 GB, a 50 MB one 6.9 GB), in every worker at once.
+MAX_RECORD_CHARS = 1 << 22  # 4,194,304 characters, about a million tokens and 600 MB to tokenize
+
+
+def _check_size(segments: list[tuple[str, bool]]) -> None:
+    size = sum(len(text) for text, _ in segments)
+    if size > MAX_RECORD_CHARS:
+        raise RecordError(
+            f"holds {size:,} characters, over the {MAX_RECORD_CHARS:,} a record may have (tokenizing takes about "
+            "140 bytes of memory a character); split it into several records", "too_long")
 
 
 def _token_at(enc, char: int, *, forward: bool) -> int | None:
