@@ -23,6 +23,11 @@ DEFAULT_BATCH_SIZE = 8
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
 
 
+def _option(field: str) -> str:
+    """The command-line option of a field (they differ where the field names its unit)."""
+    return {"shard_size_mb": "--shard-size"}.get(field, "--" + field.replace("_", "-"))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BuildConfig:
     source: str
@@ -56,7 +61,10 @@ class BuildConfig:
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
             if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+                raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
+
+        if not self.source.strip():
+            raise ConfigError("SOURCE is empty; give a recipe, a file, folder or glob, or a Hub id (see --help)")
 
         for option, path in (("SOURCE", self.source), ("--out", self.out)):
             try:
@@ -83,7 +91,7 @@ class BuildConfig:
             value = getattr(self, name)
             if value is not None and value > ROW_LIMIT:
                 raise ConfigError(
-                    f"--{name.replace('_', '-')} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
+                    f"{_option(name)} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
                     "tokens, as a row's positions, seq_lens and Arrow list offsets are int32"
                 )
         if self.num_proc < 0:

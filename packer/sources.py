@@ -146,11 +146,19 @@ def _first_bad_json_line(path: str) -> tuple[int, str] | None:
                     return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the file as UTF-8"
                 if line.strip():
                     try:
-                        json.loads(line)
+                        record = json.loads(line)
                     except json.JSONDecodeError as e:
                         return number, f"malformed JSON ({e.msg}); fix or remove that line"
                     except RecursionError:
                         return number, "JSON nested too deeply to read (over ~1,000 levels); flatten or remove that record"
+                    if not isinstance(record, dict):
+                        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+                            type(record), "a number")
+                        return number, f"{kind}, not a record ({{...}}); each line must hold one JSON object"
+                    try:  # Python's json accepts a lone surrogate escape (\ud800), Arrow does not
+                        json.dumps(record, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError:
+                        return number, "a \\uXXXX escape of half a surrogate pair (not a character); fix that text"
     # gzip reads ahead: a line number would be a guess, so these name the file only (line 0)
     except EOFError:
         return 0, "the gzip data ends early (a truncated file); download or compress it again"
