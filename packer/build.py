@@ -44,7 +44,7 @@ def tokenizer_path(name: str | None) -> str:
 def source_info(source: sources.Source) -> dict[str, Any]:
     if source.kind == "hub":
         return {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
-    bundled = source.recipe is not None and source.recipe.local is not None and source.name == source.recipe.name
+    bundled = source.recipe is not None and source.files == (str(source.recipe.local),)
     files = [
         {"path": Path(f).name if bundled else f, "bytes": Path(f).stat().st_size, "sha256": file_sha256(f)}
         for f in source.files
@@ -101,6 +101,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
 def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
+    output.refuse_inside(out, config.source)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer))
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),

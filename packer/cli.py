@@ -133,7 +133,9 @@ def build(as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 
     SOURCE is a recipe (flan, orcamath, gsm8k, alpaca, chat), a local file, folder or glob (json,
-    jsonl, parquet, csv, arrow, txt) or a Hugging Face Hub dataset id (owner/name).
+    jsonl, parquet, csv, arrow, txt) or a Hugging Face Hub dataset id (owner/name). A file or folder
+    on disk wins over a recipe or Hub id of the same name (a recipe's name then sets the formatting,
+    as --recipe does). Ctrl-C stops a build at any moment (exit 130); rerun the command to resume.
 
     \b
     packer build flan --out shards/

@@ -110,6 +110,17 @@ def tidy(directory) -> None:
         pass
 
 
+def refuse_inside(out: Path, source: str) -> None:
+    """Refuse an ``out`` inside the SOURCE folder: the next build would read its shards as input."""
+    folder = Path(source).expanduser()
+    with suppress(OSError):
+        if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
+            raise OutputError(
+                f"--out {out}: is inside the SOURCE folder {source}, so a rerun would read its shards as input; "
+                "choose an --out outside it"
+            )
+
+
 def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manifest | None:
     """Refuse a folder that holds something else; return its manifest if it holds this exact build."""
     if out.exists() and not out.is_dir():

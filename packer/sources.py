@@ -85,7 +85,10 @@ def _is_utf8(name: str) -> bool:
 
 def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False) -> Source:
     named = get_recipe(recipe) if recipe else None
-    if source in RECIPES:
+    # A file or folder on disk wins over a recipe or Hub id of the same name (as over a Hub id, below);
+    # a recipe's name then still sets the formatting, as --recipe does.
+    on_disk = source in RECIPES and Path(source).expanduser().exists()
+    if source in RECIPES and not on_disk:
         if named is not None and named.name != source:
             raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")
         r = RECIPES[source]
@@ -113,6 +116,8 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
             raise SourceError(f"{source}: mixes file types ({', '.join(sorted(builders))}); give files of one type")
         if split not in (None, "train"):
             raise ConfigError(f"--split {split!r} applies to Hub datasets; a local source is one split")
+        if on_disk and named is None:
+            named = RECIPES[source]
         return Source(kind="local", name=source, recipe=named, builder=builders.pop(), files=tuple(files))
     if _builder_for(source) or source.startswith((".", "/", "~")) or os.sep + os.sep in source:
         raise SourceError(f"{source}: no such file or folder; check the path")
@@ -184,6 +189,25 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
     )
 
 
+def _cache_full(error: BaseException) -> SourceError | None:
+    """The error of a datasets cache that cannot be written (disk full, quota, a file size limit), which
+    is no fault of the input; None for any other failure."""
+    import errno
+
+    from datasets import config
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            reason = "a file size limit (ulimit -f) was reached" if seen.errno == errno.EFBIG else "no space left"
+            return SourceError(
+                f"the datasets cache {config.HF_DATASETS_CACHE} cannot be written ({reason}) while converting the "
+                "input to Arrow; free space there or set HF_DATASETS_CACHE to a larger disk"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
 
@@ -227,7 +251,7 @@ def load(source: Source, *, progress: bool = False):
             dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
             _validate(dataset)  # pyarrow's JSON reader lets invalid UTF-8 into strings
         except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration, EOFError, RecursionError) as e:
-            raise _explain_local_failure(source, e) from e
+            raise (_cache_full(e) or _explain_local_failure(source, e)) from e
         return dataset
     if not _hub_reachable():
         raise SourceError(

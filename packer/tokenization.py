@@ -109,7 +109,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     """
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
-        if os.path.sep in name_or_path or name_or_path.startswith((".", "~")) or folder.exists():
+        # owner/name is a Hub id (offline, the Hub lookup says so); a longer or explicit path is a folder
+        if name_or_path.startswith((".", "~", os.path.sep)) or name_or_path.count("/") > 1 or folder.exists():
             raise TokenizerError(f"--tokenizer {name_or_path}: no such folder; give a tokenizer folder or a Hub id")
         folder = _from_hub(name_or_path)
     if not (folder / "tokenizer.json").is_file():
@@ -138,9 +139,15 @@ def _from_hub(repo_id: str) -> Path:
     for filename in TOKENIZER_FILES:
         try:
             folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5)).parent
-        except EntryNotFoundError:
-            continue
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        except EntryNotFoundError as e:
+            if not isinstance(e, LocalEntryNotFoundError):  # its subclass: offline, or not in the cache
+                continue
+            if filename == "tokenizer.json":
+                raise TokenizerError(
+                    f"--tokenizer {repo_id}: not a local folder, and not in the Hub cache while offline (or the "
+                    "Hub is unreachable); download it where there is network and pass the folder"
+                ) from e
+        except (HfHubHTTPError, OSError, ValueError) as e:
             if filename == "tokenizer.json":
                 raise TokenizerError(
                     f"--tokenizer {repo_id}: not a local folder, and the Hugging Face Hub cannot give it "
