@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, engines, output, schema, sources, spill
-from .config import BuildConfig
-from .errors import ConfigError, SourceError
+from .config import ROW_LIMIT, BuildConfig
+from .errors import ConfigError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
 from .plan import Plan
@@ -98,12 +98,24 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
             raise failure from e
 
 
+def _check_id_range(tokenizer, name: str) -> None:
+    """Refuse token ids the int32 rows cannot hold, before anything costs: serialising a vocab with such
+    an id (its fingerprint) walks every id below it (minutes and gigabytes). One pass over the vocab."""
+    top = max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+    if top > ROW_LIMIT:
+        raise TokenizerError(
+            f"--tokenizer {name}: has a token id of {top:,}, beyond the {ROW_LIMIT:,} of the int32 ids packer "
+            "stores (as every model's embedding table indexes); check its vocab"
+        )
+
+
 def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
     output.refuse_inside(out, config.source)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer))
+    _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
                 "source": source_info(source)}
     previous = output.check(out, identity, config.overwrite)

@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .errors import TokenizerError
 from .pages import drop_mapped_pages, mapped_files
 from .tokenization import Encoder
 
@@ -181,11 +180,6 @@ def tokenize(
                 pending = 0
         _commit(folder, files, done)
         drop_mapped_pages(mapped)
-    except OverflowError as e:  # numpy's, making the int32 ids of a chunk
-        raise TokenizerError(
-            f"the tokenizer gives a token id of 2**31 or more ({e}); packer stores ids as int32, as every "
-            "model's embedding table does: check the tokenizer's vocab"
-        ) from e
     finally:
         bar.close()
         for f in files.values():
