@@ -179,7 +179,7 @@ def interrupt_at(out: Path, delay: float, args=INTERRUPT_ARGS) -> tuple[int | No
     signal (None: still running after 20 s, then killed)."""
     proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", *args, "--out", str(out)], cwd=ROOT,
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     time.sleep(delay)
     signalled = time.monotonic()
     with contextlib.suppress(ProcessLookupError):
@@ -195,6 +195,11 @@ def interrupt_at(out: Path, delay: float, args=INTERRUPT_ARGS) -> tuple[int | No
         assert time.monotonic() < deadline, "a worker outlived the interrupted build"
         time.sleep(0.02)
     return proc.returncode, err, ended
+
+
+def _default_sigint() -> None:
+    # a shell starts background jobs with SIGINT ignored, and Python then never sees Ctrl-C: undo that
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -240,3 +245,59 @@ def test_ctrl_c_at_many_moments_with_two_workers(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert files(out) == files(reference)
+
+
+def test_ctrl_c_past_the_commit_point_is_not_reported(tmp_path):
+    """Ctrl-C the moment the manifest exists (the build is complete): exit 0, no complaint, and nothing
+    left behind that the next command would trip on."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", *ARGS, "-j", "1", "--out", str(out)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_default_sigint)
+    while not (out / schema.MANIFEST_NAME).exists():
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.0005)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert (proc.returncode, err) == (0, ""), (proc.returncode, err)
+    assert verify(out).ok and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_kill_9_of_the_parent_takes_its_workers_and_frees_the_lock(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", "flan", "-q", "-j", "2", "--out", str(out)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    import psutil
+
+    deadline = time.monotonic() + 120
+    while len(psutil.Process(proc.pid).children()) < 2:  # both tokenizing workers are running
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    killed = time.monotonic()
+    while _group_alive(proc.pid):
+        assert time.monotonic() - killed < 2, "a worker outlived its killed parent"
+        time.sleep(0.01)
+    fd = os.open(out / LOCK, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds it any more
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("command", ["build", "verify", "inspect"])
+def test_staging_left_after_the_commit_point_is_cleaned_by_the_next_command(tmp_path, command):
+    """A kill between the manifest's rename and the staging folder's removal leaves both: the next
+    command on the folder removes the leftovers (a build then reuses the finished build)."""
+    out = make_build(tmp_path / "out", limit=20)
+    (out / ".packer-staging" / "tokens").mkdir(parents=True)
+    (out / ".packer-staging" / "tokens" / "ids.bin").write_bytes(b"\0" * 64)
+    (out / schema.MANIFEST_TMP).write_text("{}")
+    argv = {"build": ["build", "flan", "--limit", "20", "--out", str(out)], "verify": ["verify", str(out)],
+            "inspect": ["inspect", str(out)]}[command]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert not (out / ".packer-staging").exists() and not (out / schema.MANIFEST_TMP).exists()
+    assert verify(out).ok
