@@ -11,7 +11,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,11 +30,28 @@ from .verify import verify as run_verify
 
 def _redeliver_interrupt(unraisable) -> None:
     """Ctrl-C that lands in a finaliser (``__del__``, a generator closed by the collector) is
-    "ignored" by Python, which prints it and runs on; raise it again in the main thread instead."""
+    "ignored" by Python, which prints it and runs on; raise it again in the main thread instead, a
+    moment later from another thread (raised from here, it would land in this hook and be ignored)."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _thread.interrupt_main()
+        timer = threading.Timer(0.05, _thread.interrupt_main)
+        timer.daemon = True
+        _REDELIVERIES.append(timer)
+        timer.start()
     else:
         sys.__unraisablehook__(unraisable)
+
+
+_REDELIVERIES: list[threading.Timer] = []  # cancelled when the command ends
+
+
+_PROCESS = {"own": False}  # whether this process is the `packer` command, whose signals are ours
+
+
+def _ignore_ctrl_c() -> None:
+    for timer in _REDELIVERIES:
+        timer.cancel()
+    if _PROCESS["own"] and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
@@ -58,14 +77,25 @@ class OneLineErrors(click.Group):
             raise PackerError(f"an input ended unexpectedly ({type(e).__name__}: {e}); check it is complete") from e
         finally:
             sys.unraisablehook = previous
+            for timer in _REDELIVERIES:
+                timer.cancel()
 
     def main(self, *args, **kwargs):
+        # the `packer` process itself (not a caller's, like click's test runner, which passes args)
+        _PROCESS["own"] = not args and kwargs.get("args") is None
+        try:
+            self._main(*args, **kwargs)
+        finally:
+            _ignore_ctrl_c()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
+
+    def _main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except (Interrupted, KeyboardInterrupt, click.Abort):
+            _ignore_ctrl_c()  # the outcome is decided: a second Ctrl-C must not change it
             # a build's staging and token spill stay for the rerun to resume; the lock is released
             click.echo("packer: interrupted", err=True)
             sys.exit(130)
@@ -150,6 +180,7 @@ def build(as_json: bool, quiet: bool, **options) -> None:
         result = _finished_anyway(Path(config.out), started)
         if result is None:
             raise
+    _ignore_ctrl_c()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
