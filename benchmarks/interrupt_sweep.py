@@ -81,7 +81,7 @@ def main() -> None:
                     err, ended = "HUNG " + proc.communicate()[1], 30.0
                 time.sleep(0.5)
                 orphans = group_alive(proc.pid)
-                if proc.returncode == 130 and err.splitlines() == ["packer: interrupted"]:
+                if proc.returncode in (130, -signal.SIGINT) and err.splitlines() == ["packer: interrupted"]:
                     what = "interrupted"
                 elif proc.returncode == 0 and err == "":
                     what = "finished"

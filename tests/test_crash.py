@@ -233,7 +233,7 @@ def test_ctrl_c_at_many_moments_with_two_workers(tmp_path):
         code, err, ended = interrupt_at(out, delay)
         outcomes.append((round(delay, 2), code, round(ended, 2)))
         assert code is not None, f"Ctrl-C at {delay:.2f} s hung: {err}"
-        if code == 130:
+        if code in (130, -signal.SIGINT):  # a shell reports both as 130 (see the report of issue 11)
             assert err.splitlines() == ["packer: interrupted"], err
         else:  # finished before the signal, or got past its commit point
             assert code == 0 and err == "", (code, err)
@@ -243,7 +243,7 @@ def test_ctrl_c_at_many_moments_with_two_workers(tmp_path):
             assert verify(out).ok, outcomes  # complete, or it has no manifest
             (out / schema.MANIFEST_NAME).unlink()  # make the next run build again (a crash leaves no manifest)
     print("Ctrl-C (delay s, exit code, s to end):", outcomes)
-    assert sum(code == 130 for _, code, _ in outcomes) >= 3, outcomes
+    assert sum(code != 0 for _, code, _ in outcomes) >= 3, outcomes
     proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", *INTERRUPT_ARGS, "--out", str(out)],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
