@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, engines, output, schema, sources, spill
-from .config import BuildConfig
-from .errors import ConfigError, SourceError
+from .config import ROW_LIMIT, BuildConfig
+from .errors import ConfigError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
 from .plan import Plan, answer_lengths
@@ -44,7 +44,7 @@ def tokenizer_path(name: str | None) -> str:
 def source_info(source: sources.Source) -> dict[str, Any]:
     if source.kind == "hub":
         return {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
-    bundled = source.recipe is not None and source.recipe.local is not None and source.name == source.recipe.name
+    bundled = source.recipe is not None and source.files == (str(source.recipe.local),)
     files = [
         {"path": Path(f).name if bundled else f, "bytes": Path(f).stat().st_size, "sha256": file_sha256(f)}
         for f in source.files
@@ -103,11 +103,24 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
             raise failure from e
 
 
+def _check_id_range(tokenizer, name: str) -> None:
+    """Refuse token ids the int32 rows cannot hold, before anything costs: serialising a vocab with such
+    an id (its fingerprint) walks every id below it (minutes and gigabytes). One pass over the vocab."""
+    top = max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+    if top > ROW_LIMIT:
+        raise TokenizerError(
+            f"--tokenizer {name}: has a token id of {top:,}, beyond the {ROW_LIMIT:,} of the int32 ids packer "
+            "stores (as every model's embedding table indexes); check its vocab"
+        )
+
+
 def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
+    output.refuse_inside(out, config.source)
     source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
+    _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
                 "source": source_info(source)}
     previous = output.check(out, identity, config.overwrite)

@@ -8,6 +8,7 @@ that the same input and config give the same manifest whatever the machine.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,12 @@ DEFAULT_BATCH_SIZE = 8
 # Fields added after the first manifests: recorded only when they differ from their default, so a
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
 _RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs")
+ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
+
+
+def _option(field: str) -> str:
+    """The command-line option of a field (they differ where the field names its unit)."""
+    return {"shard_size_mb": "--shard-size"}.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +70,20 @@ class BuildConfig:
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
             if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+                raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
 
+        if not self.source.strip():
+            raise ConfigError("SOURCE is empty; give a recipe, a file, folder or glob, or a Hub id (see --help)")
+
+        for option, path in (("SOURCE", self.source), ("--out", self.out)):
+            try:
+                path.encode("utf-8")
+            except UnicodeEncodeError:  # a file name of undecodable bytes, as Python's argv carries it
+                shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+                raise ConfigError(
+                    f"{option} {shown}: the name is not UTF-8 text, which the manifest and Arrow need; "
+                    "rename it"
+                ) from None
         if self.pack not in PACK_MODES:
             raise ConfigError(f"--pack must be one of {', '.join(PACK_MODES)}, got {self.pack!r}")
         if self.overlong not in OVERLONG_POLICIES:
@@ -84,6 +103,13 @@ class BuildConfig:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
         for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
             positive(name, getattr(self, name))
+        for name in ("max_len", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > ROW_LIMIT:
+                raise ConfigError(
+                    f"{_option(name)} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
+                    "tokens, as a row's positions, seq_lens and Arrow list offsets are int32"
+                )
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:

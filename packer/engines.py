@@ -15,23 +15,30 @@ Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust
 ``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
 (fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
 ``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. Workers read their own record ranges
-from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays;
-``imap`` keeps source order.
+from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays,
+taken back in source order. Workers ignore Ctrl-C and die with the parent; the parent kills them
+whenever the tokenize step ends, so an interrupt or an error never waits on them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import pickle
+import signal
+import sys
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from tqdm.auto import tqdm
 
 from . import spill as spill_
 from .config import BuildConfig
+from .errors import WorkerError
 from .pages import drop_mapped_pages, mapped_files
 from .plan import Plan
 from .ray_engine import RayEngine
@@ -71,30 +78,117 @@ def for_config(config: BuildConfig) -> Engine:
     return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc or os.cpu_count() or 1)
 
 
-_WORKER: dict[str, Any] = {}
-
-
-def _worker_init(encoder: Encoder, dataset, where: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=mapped_files(dataset))
-
-
-def _worker_encode(bounds: tuple[int, int]) -> Encoded:
-    lo, hi = bounds
-    encoded = _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
-    drop_mapped_pages(_WORKER["mapped"])
-    return encoded
-
-
 def _pool_chunks(dataset, encoder: Encoder, ranges: Iterator[tuple[int, int]], num_proc: int,
                  where: str) -> Iterator[Encoded]:
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(method)
-    pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, dataset, where))
+    """The chunks of ``ranges`` encoded by ``num_proc`` worker processes, yielded in source order.
+
+    Chunk k goes to worker k mod N, at most ``_AHEAD`` chunks queued per worker, so results arrive in
+    order from a known pipe and memory stays bounded. Our own few lines instead of
+    ``multiprocessing.Pool``: a Pool can hang in ``terminate()`` when a worker dies holding its task
+    queue's lock (Ctrl-C reaches every process of the terminal's group), which left the output's lock
+    held forever. Here the workers ignore SIGINT and hold nothing the parent needs: on any exit of this
+    generator (end, error, Ctrl-C, close) the parent kills them and reaps them, which cannot block.
+    """
+    workers = _Workers(num_proc, encoder, dataset, where)
+    sent = received = 0
     try:
-        # tasks are two integers each; results come back in order and are written at once
-        yield from pool.imap(_worker_encode, ranges, chunksize=1)
-        pool.close()
-        pool.join()
+        for bounds in ranges:
+            workers.send(sent, bounds)
+            sent += 1
+            if sent - received >= num_proc * _AHEAD:
+                yield workers.receive(received)
+                received += 1
+        while received < sent:
+            yield workers.receive(received)
+            received += 1
     finally:
-        pool.terminate()
+        workers.kill()
+
+
+_AHEAD = 2  # chunks queued per worker: one being encoded, one waiting, so no worker idles
+
+
+class _Workers:
+    """N forked (spawned where fork is missing) processes, each fed chunk bounds through its own pipe."""
+
+    def __init__(self, n: int, encoder: Encoder, dataset, where: str):
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self.procs, self.conns = [], []
+        try:
+            for _ in range(n):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder, dataset, where),
+                                   daemon=True)
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(mine)
+        except BaseException:
+            self.kill()
+            raise
+
+    def send(self, k: int, bounds: tuple[int, int]) -> None:
+        self.conns[k % len(self.conns)].send(bounds)
+
+    def receive(self, k: int) -> Encoded:
+        i = k % len(self.conns)
+        try:
+            ok, value = self.conns[i].recv()
+        except EOFError:  # the worker died without a word (killed, out of memory)
+            self.procs[i].join(1)
+            code = self.procs[i].exitcode
+            raise WorkerError(f"a tokenizing worker process died (exit code {code}); rerun, or pass -j 1") from None
+        if not ok:
+            raise value
+        return value
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()  # SIGKILL: a worker holds nothing to clean up, the parent writes everything
+        for proc in self.procs:
+            proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+def _worker_main(conn, parent: int, encoder: Encoder, dataset, where: str) -> None:
+    # Ctrl-C reaches every process of the terminal's group: the parent alone handles it (it kills us)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    mapped = mapped_files(dataset)
+    while True:
+        try:
+            lo, hi = conn.recv()
+        except EOFError:  # the parent closed our pipe, or died
+            return
+        try:
+            result = (True, encoder.encode(dataset[lo:hi], lo, where=where))
+        except Exception as e:  # the parent raises it (a RecordError names the record)
+            result = (False, _portable(e))
+        drop_mapped_pages(mapped)
+        conn.send(result)
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives the pipe (pickles and unpickles), else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent dies (Linux), so a ``kill -9`` of the build
+    does not leave workers running on (and holding inherited file descriptors) for seconds."""
+    if sys.platform.startswith("linux"):
+        with suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -28,6 +28,9 @@ class RecordError(SourceError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # pickles whole, so a worker process can hand it to the parent
+        return type(self), (str(self), self.reason)
+
 
 class TokenizerError(PackerError):
     """A tokenizer that cannot be loaded or lacks what packer needs (EOS, chat template)."""
@@ -39,3 +42,7 @@ class OutputError(PackerError):
 
 class ShardFormatError(PackerError):
     """A shard folder that is incomplete, corrupted, or not of a known format version."""
+
+
+class WorkerError(PackerError):
+    """A worker process of a parallel build died without reporting (killed, out of memory)."""

@@ -31,6 +31,10 @@ class FormatSpec:
     prompt_if_empty: str | None = None
     messages_field: str | None = None
     text_field: str | None = None
+    # prompt/completion named by column (options, recognised pairs): used as they are, so a column
+    # named ``q.text`` or ``q!r`` is that column, never a str.format attribute or conversion
+    prompt_field: str | None = None
+    completion_field: str | None = None
     train_on_prompt: bool = False
     train_on: str = "assistant"  # chat: "assistant", "last" or "all"
     tools_field: str | None = None  # chat: the record's tool definitions, passed to the template
@@ -40,6 +44,8 @@ class FormatSpec:
             return [self.messages_field, *([self.tools_field] if self.tools_field else [])]
         if self.kind == "text":
             return [self.text_field]
+        if self.prompt_field is not None:
+            return list(dict.fromkeys((self.prompt_field, self.completion_field)))
         return list(dict.fromkeys(template_fields(self.prompt_template) + template_fields(self.completion_template)))
 
 
@@ -57,11 +63,7 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
     elif config.prompt_field or config.completion_field:
         if not (config.prompt_field and config.completion_field):
             raise ConfigError("give both --prompt-field and --completion-field (or neither)")
-        spec = FormatSpec(
-            kind="completion",
-            prompt_template="{" + config.prompt_field + "}\n\n",
-            completion_template="{" + config.completion_field + "}",
-        )
+        spec = FormatSpec(kind="completion", prompt_field=config.prompt_field, completion_field=config.completion_field)
     elif recipe is not None and recipe.messages_field:
         spec = FormatSpec(kind="chat", messages_field=recipe.messages_field)
     elif recipe is not None and recipe.text_field:
@@ -89,7 +91,7 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
                     "set --prompt-field and --completion-field, --messages-field, or --text-field"
                 )
         else:
-            spec = FormatSpec(kind="completion", prompt_template="{" + pair[0] + "}\n\n", completion_template="{" + pair[1] + "}")
+            spec = FormatSpec(kind="completion", prompt_field=pair[0], completion_field=pair[1])
     if spec.kind == "text" and config.pack != "wrap" and train_on_prompt:
         raise ConfigError("--train-on all has no effect on plain text (it is trained whole); drop it")
     train_on = config.train_on
@@ -117,9 +119,22 @@ def _text_field(record: dict[str, Any], name: str, *, allow_empty: bool = False)
         raise RecordError(f"field {name!r} is null", "null_field")
     if not isinstance(value, str):
         raise RecordError(f"field {name!r} is {type(value).__name__}, not text", "wrong_type")
-    if not allow_empty and not value.strip():
+    if not allow_empty and _blank(value):
         raise RecordError(f"field {name!r} is empty", "empty_text")
     return value
+
+
+# Default-ignorable characters (zero-width spaces and joiners, BOM, soft hyphen, variation selectors,
+# bidi marks, fillers): a text of only these and whitespace shows nothing and is empty.
+_INVISIBLE = dict.fromkeys(
+    [0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFEFF, 0xFFA0,
+     *range(0x180B, 0x1810), *range(0x200B, 0x2010), *range(0x202A, 0x202F), *range(0x2060, 0x2070),
+     *range(0xFE00, 0xFE10)]
+)
+
+
+def _blank(text: str) -> bool:
+    return not text.strip() or not text.translate(_INVISIBLE).strip()
 
 
 class Formatter:
@@ -150,12 +165,15 @@ class Formatter:
         values = {}
         for name in self.fields:
             values[name] = _text_field(record, name, allow_empty=(name == spec.optional))
-        prompt_template = spec.prompt_template
-        if spec.optional and not values[spec.optional].strip():
-            prompt_template = spec.prompt_if_empty or prompt_template
-        prompt = prompt_template.format_map(values)
-        completion = spec.completion_template.format_map(values)
-        if not completion.strip():
+        if spec.prompt_field is not None:
+            prompt, completion = values[spec.prompt_field] + "\n\n", values[spec.completion_field]
+        else:
+            prompt_template = spec.prompt_template
+            if spec.optional and not values[spec.optional].strip():
+                prompt_template = spec.prompt_if_empty or prompt_template
+            prompt = prompt_template.format_map(values)
+            completion = spec.completion_template.format_map(values)
+        if _blank(completion):
             raise RecordError("the completion is empty", "empty_completion")
         return [(prompt, spec.train_on_prompt), (completion, True)]
 

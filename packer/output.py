@@ -24,6 +24,19 @@ from . import fs, schema
 from .errors import OutputError, ShardFormatError
 from .schema import LOCK, MANIFEST_NAME, MANIFEST_TMP, STAGING, TOKENS_DIR
 
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_held_in_child() -> None:
+    # A forked worker would keep the lock's open file (and so the flock) alive after its parent died.
+    for fd in _HELD:
+        with suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
 
 @contextmanager
 def lock(out: Path) -> Iterator[None]:
@@ -59,15 +72,53 @@ def lock(out: Path) -> Iterator[None]:
         os.close(fd)
     else:  # pragma: no cover - only under a storm of concurrent builds
         raise OutputError(f"--out {out}: could not take {LOCK}; another build keeps replacing it, retry")
+    _HELD.add(fd)
     try:
+        _drop_stale_staging(out)
         yield
     finally:
         with suppress(OSError):
             path.unlink()
+        _HELD.discard(fd)
         os.close(fd)
         if created:
             with suppress(OSError):
                 out.rmdir()  # only if empty: a failed first build leaves no folder behind
+
+
+def _drop_stale_staging(out: Path) -> None:
+    """Under the lock, a folder with a manifest holds a finished build: a staging folder or temporary
+    manifest beside it is what a build killed between its commit point (the manifest's rename) and
+    its last step left; remove them, or the folder never verifies."""
+    if (out / MANIFEST_NAME).is_file():
+        with suppress(FileNotFoundError):
+            shutil.rmtree(out / STAGING)
+        with suppress(FileNotFoundError):
+            (out / MANIFEST_TMP).unlink()
+
+
+def tidy(directory) -> None:
+    """What ``verify`` and ``inspect`` run first: drop a finished build's stale staging (see
+    :func:`_drop_stale_staging`) if no build holds the folder now. A no-op for URLs, folders without
+    leftovers, and folders this process cannot write (the check then reports the leftover)."""
+    out = Path(directory)
+    if "://" in str(directory) or not (out / MANIFEST_NAME).is_file():
+        return
+    if not ((out / STAGING).exists() or (out / MANIFEST_TMP).exists()):
+        return
+    with suppress(OutputError, OSError), lock(out):
+        pass
+
+
+def refuse_inside(out: Path, source: str) -> None:
+    """Refuse an ``out`` inside the SOURCE folder: the next build would read its shards as input."""
+    folder = Path(source).expanduser()
+    with suppress(OSError):
+        if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
+            raise OutputError(
+                f"--out {out}: is inside the SOURCE folder {source}, so a rerun would read its shards as input; "
+                "choose an --out outside it"
+            )
 
 
 def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manifest | None:
@@ -169,6 +220,7 @@ def commit(out: Path, manifest: schema.Manifest) -> None:
     """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
     (``schema.DATASETS_FILES``), then the manifest last (the commit point)."""
     staging = out / STAGING
+    manifest_bytes = manifest.dumps()  # first: a manifest that cannot be written must not leave shards in place
     for entry in manifest.shards:
         _fsync(staging / entry.file)
         os.replace(staging / entry.file, out / entry.file)
@@ -177,7 +229,7 @@ def commit(out: Path, manifest: schema.Manifest) -> None:
         _fsync(staging / name)
         os.replace(staging / name, out / name)
     tmp = out / MANIFEST_TMP
-    tmp.write_bytes(manifest.dumps())
+    tmp.write_bytes(manifest_bytes)
     _fsync(tmp)
     os.replace(tmp, out / MANIFEST_NAME)
     _fsync_dir(out)

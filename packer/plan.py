@@ -300,11 +300,14 @@ def _bfd_bins(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int]
     n = sizes.size
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    # A bin never holds more than every item: a larger cap gives the same bins, and the work below
+    # (the room bitmask) grows with cap, so a budget far beyond the data would cost gigabytes for nothing.
+    cap = min(cap, int(sizes.sum()))
     key = cap - sizes  # ascending key = descending size; 16-bit keys get numpy's O(n) radix sort
     if cap < 2**15:
         key = key.astype(np.int16)
     order = np.argsort(key, kind="stable")
-    count = np.bincount(sizes, minlength=cap + 1)
+    count = np.bincount(sizes)
     distinct = np.flatnonzero(count)[::-1]
     smallest = int(distinct[-1])
 

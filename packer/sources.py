@@ -75,9 +75,20 @@ def _local_files(source: str) -> list[str] | None:
     return None
 
 
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False) -> Source:
     named = get_recipe(recipe) if recipe else None
-    if source in RECIPES:
+    # A file or folder on disk wins over a recipe or Hub id of the same name (as over a Hub id, below);
+    # a recipe's name then still sets the formatting, as --recipe does.
+    on_disk = source in RECIPES and Path(source).expanduser().exists()
+    if source in RECIPES and not on_disk:
         if named is not None and named.name != source:
             raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")
         r = RECIPES[source]
@@ -91,6 +102,12 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
         return Source(kind="hub", name=r.name, recipe=r, hub_id=r.hub_id, hub_config=r.hub_config, split=split or r.split)
     files = _local_files(source)
     if files is not None:
+        for f in files:
+            if not _is_utf8(f):
+                raise SourceError(
+                    f"{os.fsencode(f).decode('utf-8', 'backslashreplace')}: the file name is not UTF-8 text, "
+                    "which the manifest records; rename it"
+                )
         builders = {_builder_for(f) for f in files}
         if None in builders:
             bad = next(f for f in files if _builder_for(f) is None)
@@ -99,6 +116,8 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
             raise SourceError(f"{source}: mixes file types ({', '.join(sorted(builders))}); give files of one type")
         if split not in (None, "train"):
             raise ConfigError(f"--split {split!r} applies to Hub datasets; a local source is one split")
+        if on_disk and named is None:
+            named = RECIPES[source]
         return Source(kind="local", name=source, recipe=named, builder=builders.pop(), files=tuple(files))
     if _builder_for(source) or source.startswith((".", "/", "~")) or os.sep + os.sep in source:
         raise SourceError(f"{source}: no such file or folder; check the path")
@@ -111,27 +130,46 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
 
 
 def _first_bad_json_line(path: str) -> tuple[int, str] | None:
-    """(line number, what is wrong) of the first line that is not UTF-8 or not JSON; None if all are fine."""
+    """(line number, what is wrong) of the first line that is not UTF-8 or not JSON (line 0: a .gz that
+    is not whole gzip data); None if all is fine."""
     import gzip
+    import zlib
 
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        if path.endswith((".json", ".json.gz")):
-            try:
-                json.loads(f.read().decode("utf-8"))
-                return None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                f.seek(0)  # not one document (or not UTF-8): find the line
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the file as UTF-8"
-            if line.strip():
+    number = 0
+    try:
+        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+            if path.endswith((".json", ".json.gz")):
                 try:
-                    json.loads(line)
-                except json.JSONDecodeError as e:
-                    return number, f"malformed JSON ({e.msg}); fix or remove that line"
+                    json.loads(f.read().decode("utf-8"))
+                    return None
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                    f.seek(0)  # not one document (or not UTF-8): find the line
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the file as UTF-8"
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return number, f"malformed JSON ({e.msg}); fix or remove that line"
+                    except RecursionError:
+                        return number, "JSON nested too deeply to read (over ~1,000 levels); flatten or remove that record"
+                    if not isinstance(record, dict):
+                        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+                            type(record), "a number")
+                        return number, f"{kind}, not a record ({{...}}); each line must hold one JSON object"
+                    try:  # Python's json accepts a lone surrogate escape (\ud800), Arrow does not
+                        json.dumps(record, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError:
+                        return number, "a \\uXXXX escape of half a surrogate pair (not a character); fix that text"
+    # gzip reads ahead: a line number would be a guess, so these name the file only (line 0)
+    except EOFError:
+        return 0, "the gzip data ends early (a truncated file); download or compress it again"
+    except (gzip.BadGzipFile, zlib.error) as e:
+        where = "not gzip data" if number == 0 else "corrupt or extra data after the gzip data"
+        return 0, f"{where} ({e}); check the file is a complete .gz, or drop the .gz suffix if it is plain text"
     return None
 
 
@@ -141,7 +179,7 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
             bad = _first_bad_json_line(path)
             if bad is not None:
                 line, msg = bad
-                return SourceError(f"{path}:{line}: {msg}")
+                return SourceError(f"{path}:{line}: {msg}" if line else f"{path}: {msg}")
     if isinstance(error, UnicodeDecodeError) or isinstance(error.__cause__, UnicodeDecodeError):
         return SourceError(f"{source.name}: not UTF-8 text; re-encode the file as UTF-8")
     cause = error.__cause__ or error.__context__ or error
@@ -149,6 +187,25 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
         f"{source.name}: cannot be read as {source.builder} ({type(cause).__name__}: {str(cause).splitlines()[0][:200]}); "
         "check the file is complete and of that type"
     )
+
+
+def _cache_full(error: BaseException) -> SourceError | None:
+    """The error of a datasets cache that cannot be written (disk full, quota, a file size limit), which
+    is no fault of the input; None for any other failure."""
+    import errno
+
+    from datasets import config
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            reason = "a file size limit (ulimit -f) was reached" if seen.errno == errno.EFBIG else "no space left"
+            return SourceError(
+                f"the datasets cache {config.HF_DATASETS_CACHE} cannot be written ({reason}) while converting the "
+                "input to Arrow; free space there or set HF_DATASETS_CACHE to a larger disk"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -193,8 +250,8 @@ def load(source: Source, *, progress: bool = False):
         try:
             dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
             _validate(dataset)  # pyarrow's JSON reader lets invalid UTF-8 into strings
-        except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration) as e:
-            raise _explain_local_failure(source, e) from e
+        except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration, EOFError, RecursionError) as e:
+            raise (_cache_full(e) or _explain_local_failure(source, e)) from e
         return dataset
     if not _hub_reachable():
         raise SourceError(

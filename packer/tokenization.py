@@ -85,7 +85,8 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
     """
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
-        if os.path.sep in name_or_path or name_or_path.startswith((".", "~")) or folder.exists():
+        # owner/name is a Hub id (offline, the Hub lookup says so); a longer or explicit path is a folder
+        if name_or_path.startswith((".", "~", os.path.sep)) or name_or_path.count("/") > 1 or folder.exists():
             raise TokenizerError(f"--tokenizer {name_or_path}: no such folder; give a tokenizer folder or a Hub id")
         folder = _from_hub(name_or_path)
     if not (folder / "tokenizer.json").is_file():
@@ -121,9 +122,15 @@ def _from_hub(repo_id: str) -> Path:
     for filename in TOKENIZER_FILES:
         try:
             folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5)).parent
-        except EntryNotFoundError:
-            continue
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        except EntryNotFoundError as e:
+            if not isinstance(e, LocalEntryNotFoundError):  # its subclass: offline, or not in the cache
+                continue
+            if filename == "tokenizer.json":
+                raise TokenizerError(
+                    f"--tokenizer {repo_id}: not a local folder, and not in the Hub cache while offline (or the "
+                    "Hub is unreachable); download it where there is network and pass the folder"
+                ) from e
+        except (HfHubHTTPError, OSError, ValueError) as e:
             if filename == "tokenizer.json":
                 raise TokenizerError(
                     f"--tokenizer {repo_id}: not a local folder, and the Hugging Face Hub cannot give it "
@@ -186,6 +193,7 @@ class Encoder:
         for i, row in enumerate(rows):
             try:
                 segments = formatter(dict(zip(names, row)))
+                _check_size(segments)
             except RecordError as e:
                 if not self.skip_errors:
                     raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip", e.reason) from None
@@ -248,6 +256,19 @@ class Encoder:
         ends = starts[1:][add_eos] - 1
         trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
         return Encoded(flat, trained, lengths, example_ids, skipped)
+
+
+# The Rust tokenizer keeps alignments and offsets for every byte and token of a text: about 140 bytes
+# of memory a character (a 10 MB record took 1.4 GB, a 50 MB one 6.9 GB), in every worker at once.
+MAX_RECORD_CHARS = 1 << 22  # 4,194,304 characters, about a million tokens and 600 MB to tokenize
+
+
+def _check_size(segments: list[tuple[str, bool]]) -> None:
+    size = sum(len(text) for text, _ in segments)
+    if size > MAX_RECORD_CHARS:
+        raise RecordError(
+            f"holds {size:,} characters, over the {MAX_RECORD_CHARS:,} a record may have (tokenizing takes about "
+            "140 bytes of memory a character); split it into several records", "too_long")
 
 
 def _token_at(enc, char: int, *, forward: bool) -> int | None:
