@@ -19,6 +19,7 @@ from .build import build as run_build
 from .build import tokenizer_path
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, BuildConfig
 from .errors import PackerError
+from .mix import parts_from_cli
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
 
@@ -64,7 +65,10 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("source")
+@click.argument("sources", nargs=-1)
+@click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
+              help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
+                   "sources (then no SOURCE); see README 'Mixtures'.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
@@ -98,18 +102,25 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-def build(as_json: bool, quiet: bool, **options) -> None:
+def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 
     SOURCE is a recipe (flan, orcamath, gsm8k, alpaca, chat), a local file, folder or glob (json,
-    jsonl, parquet, csv, arrow, txt) or a Hugging Face Hub dataset id (owner/name).
+    jsonl, parquet, csv, arrow, txt) or a Hugging Face Hub dataset id (owner/name). Sources are read
+    as streams: --limit N reads about N records and stops. A folder is read like a Hub dataset repo
+    (data/train-*, data/test-*: --split picks one); hidden files and folders (.name) are skipped.
 
     \b
     packer build flan --out shards/
     packer build data.jsonl --prompt-field question --completion-field answer --out shards/
     packer build flan --pack bfd --max-tokens 4096 --out shards-bfd/
+    packer build flan gsm8k.jsonl chat.jsonl --mix 0.5,0.3,0.2 --out mixed/
     """
-    config = BuildConfig(**options)
+    parts = parts_from_cli(sources, mix_option)
+    if parts is None and not sources:
+        raise click.UsageError("give a SOURCE (or a mix file with --mix)")
+    name = "+".join(p["source"] for p in parts) if parts else sources[0]
+    config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
     result = run_build(config, progress=not quiet and not as_json)
     if as_json:
         manifest = result.manifest.to_json()

@@ -50,6 +50,9 @@ class BuildConfig:
     num_proc: int = 0
     engine: str = "local"
     overwrite: bool = False
+    # several sources: the parts of a mix (packer.mix), each {source, weight | records, recipe, split, fields};
+    # ``source`` then only names the mix in messages
+    mix: tuple | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -104,11 +107,22 @@ class BuildConfig:
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):
             raise ConfigError("--text-field (plain text) cannot be combined with --prompt-field/--completion-field")
+        if self.mix is not None:
+            given = [f"--{n.replace('_', '-')}" for n in ("recipe", "split", "prompt_field", "completion_field",
+                                                         "messages_field", "text_field") if getattr(self, n)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} cannot apply to every source of a mix; set them per source in "
+                                  "a mix file (--mix mix.yaml)")
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
         skip = {"out", "overwrite", "num_proc", "engine"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        if self.mix is None:
+            skip.add("mix")  # absent from a one-source build's manifest, as it always was
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        if self.mix is not None:
+            out["mix"] = [dict(p) for p in self.mix]
+        return out
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

@@ -3,8 +3,9 @@ same whichever runs them, and so are the bytes.
 
 An engine provides
 
-- ``encode_chunks(dataset, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
-  of records ``start`` … of ``dataset``, cut at :func:`packer.spill.chunk_ranges`, *in source order*;
+- ``encode_chunks(stream, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
+  of records ``start`` … of ``stream`` (a :class:`packer.sources.Stream`), ``spill.CHUNK`` records each,
+  *in source order*;
 - ``write_shards(plan, spill, staging, shard_bytes, totals, progress)``: every shard of the plan
   written into ``staging``; their :class:`~packer.schema.ShardEntry` in order.
 
@@ -14,15 +15,16 @@ An engine provides
 Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
 ``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
 (fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
-``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. Workers read their own record ranges
-from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays;
-``imap`` keeps source order.
+``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. This process reads the stream (one
+reader: a file or Hub stream cannot be split by position) and sends each chunk's records to a worker,
+at most ``2 * num_proc`` chunks ahead; workers return flat numpy arrays and ``imap`` keeps source order.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,6 @@ from tqdm.auto import tqdm
 
 from . import spill as spill_
 from .config import BuildConfig
-from .pages import drop_mapped_pages, mapped_files
 from .plan import Plan
 from .ray_engine import RayEngine
 from .schema import ShardEntry
@@ -41,7 +42,7 @@ from .writer import write_shards
 
 
 class Engine(Protocol):
-    def encode_chunks(self, dataset, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
+    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]: ...
@@ -53,11 +54,12 @@ class LocalEngine:
 
     num_proc: int = 1
 
-    def encode_chunks(self, dataset, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
-        ranges = spill_.chunk_ranges(start, len(dataset))
-        if self.num_proc <= 1 or len(dataset) - start <= spill_.CHUNK:  # one chunk: a pool would only add start-up
-            return (encoder.encode(dataset[lo:hi], lo, where=where) for lo, hi in ranges)
-        return _pool_chunks(dataset, encoder, ranges, self.num_proc, where)
+    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
+        chunks = stream.chunks(start, spill_.CHUNK)
+        limit = getattr(stream, "limit", None)
+        if self.num_proc <= 1 or (limit is not None and limit - start <= spill_.CHUNK):  # a pool would only add start-up
+            return (encoder.encode(records, lo, where=where) for lo, records in chunks)
+        return _pool_chunks(chunks, encoder, self.num_proc, where)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]:
@@ -74,26 +76,35 @@ def for_config(config: BuildConfig) -> Engine:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(encoder: Encoder, dataset, where: str) -> None:
+def _worker_init(encoder: Encoder, where: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    _WORKER.update(encoder=encoder, dataset=dataset, where=where, mapped=mapped_files(dataset))
+    _WORKER.update(encoder=encoder, where=where)
 
 
-def _worker_encode(bounds: tuple[int, int]) -> Encoded:
-    lo, hi = bounds
-    encoded = _WORKER["encoder"].encode(_WORKER["dataset"][lo:hi], lo, where=_WORKER["where"])
-    drop_mapped_pages(_WORKER["mapped"])
-    return encoded
+def _worker_encode(task: tuple[int, dict]) -> Encoded:
+    lo, records = task
+    return _WORKER["encoder"].encode(records, lo, where=_WORKER["where"])
 
 
-def _pool_chunks(dataset, encoder: Encoder, ranges: Iterator[tuple[int, int]], num_proc: int,
-                 where: str) -> Iterator[Encoded]:
+def _ahead(chunks: Iterator, window: threading.Semaphore) -> Iterator:
+    """``chunks``, read no further ahead of the results taken back than the window allows (so the
+    reader does not pull the whole source into the pool's queue)."""
+    for item in chunks:
+        window.acquire()
+        yield item
+
+
+def _pool_chunks(chunks: Iterator, encoder: Encoder, num_proc: int, where: str) -> Iterator[Encoded]:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
-    pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, dataset, where))
+    pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, where))
+    window = threading.Semaphore(2 * num_proc)
     try:
-        # tasks are two integers each; results come back in order and are written at once
-        yield from pool.imap(_worker_encode, ranges, chunksize=1)
+        # the pool's task feeder thread pulls records from the stream, bounded by the window; an error
+        # reading the stream comes back from imap as the result of the chunk it stopped at
+        for encoded in pool.imap(_worker_encode, _ahead(chunks, window), chunksize=1):
+            window.release()
+            yield encoded
         pool.close()
         pool.join()
     finally:

@@ -23,6 +23,7 @@ class Recipe:
     hub_id: str
     hub_config: str | None = None
     split: str = "train"
+    hub_files: str | None = None  # the files of the Hub repo to read (a pattern), when not its default split
     local: Path | None = None  # read this instead of the Hub unless --from-hub
     # Prompt/completion data: templates are str.format templates over the record's fields. A field
     # named in ``optional`` may be empty, and ``prompt_if_empty`` is used then (alpaca's `input`).

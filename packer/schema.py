@@ -123,11 +123,15 @@ class Stats:
     loss_tokens: int
     segments_without_loss: int  # segments that hold no trained token (a completion cut away)
     padded_tokens: int | None = None  # batch mode only: the tokens padded batches would hold
+    # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
+    # dropped by reason, tokens
+    sources: list | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if out["padded_tokens"] is None:  # absent outside batch mode, as it always was
-            del out["padded_tokens"]
+        for optional in ("padded_tokens", "sources"):  # absent where they do not apply, as they always were
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -148,7 +152,8 @@ def _typed(value: Any, kind) -> bool:
 
 
 def _field_types(cls) -> dict[str, Any]:
-    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None))}
+    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None)),
+             "list | None": (list, type(None))}
     return {f.name: kinds[f.type] for f in dataclasses.fields(cls)}
 
 
@@ -160,7 +165,7 @@ class Manifest:
     note: str | None
     config: dict  # BuildConfig.identity(): every field that decides the bytes
     tokenizer: dict  # tokenization.tokenizer_info()
-    source: dict  # build.source_info()
+    source: dict  # build.source_info(); a mix: {"kind": "mix", "parts": [{"source": name, ...source_info}]}
     stats: Stats
     shards: tuple[ShardEntry, ...]
     format: str = FORMAT_NAME
