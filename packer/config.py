@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .plan import BALANCE as BALANCE_BY
 from .plan import MODES as PACK_MODES
 from .plan import OVERLONG as OVERLONG_POLICIES
+from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
@@ -107,6 +108,10 @@ class BuildConfig:
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):
             raise ConfigError("--text-field (plain text) cannot be combined with --prompt-field/--completion-field")
+        if self.mix is None and self.from_hub:  # a recipe read from the Hub as a mix of its parts (flan)
+            parts = hub_mix_parts(self.source)
+            if parts is not None:
+                object.__setattr__(self, "mix", tuple(parts))
         if self.mix is not None:
             given = [f"--{n.replace('_', '-')}" for n in ("recipe", "split", "prompt_field", "completion_field",
                                                          "messages_field", "text_field") if getattr(self, n)]

@@ -7,6 +7,9 @@ A mix is a list of parts, from the command line (``packer build flan gsm8k.jsonl
     - {source: flan, weight: 0.5}
     - {source: gsm8k.jsonl, recipe: gsm8k, weight: 0.3}
     - {source: chat.jsonl, messages_field: messages, weight: 0.2}
+    - {source: Open-Orca/FLAN, files: "cot_zsopt_data/*.parquet", recipe: flan, weight: 0.1}
+
+``files`` picks files inside a Hub repo or a local folder (a glob relative to it).
 
 Every part has a ``weight`` (the mix draws each next record's source with these probabilities, and
 ends when the drawn source has no record left, or at ``--limit`` records), or every part has a
@@ -34,7 +37,7 @@ from .errors import ConfigError, SourceError
 from .tokenization import Encoded, Encoder
 
 FIELDS = ("prompt_field", "completion_field", "messages_field", "text_field")
-KEYS = ("source", "weight", "records", "recipe", "split", *FIELDS)
+KEYS = ("source", "weight", "records", "recipe", "split", "files", *FIELDS)
 DRAW_BLOCK = 4096  # draws are made in blocks of this many, whatever the chunk size
 SALT = 0x6D6978  # "mix": the draws' stream of random numbers is apart from the plan's for the same seed
 
@@ -108,7 +111,7 @@ def check_parts(parts: list, where: str) -> list[dict[str, Any]]:
             n = clean["records"]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigError(f"{where}: part {i + 1} ({part['source']}) records must be a whole number ≥ 1, got {n!r}")
-        for key in ("recipe", "split", *FIELDS):
+        for key in ("recipe", "split", "files", *FIELDS):
             if key in clean and not isinstance(clean[key], str):
                 raise ConfigError(f"{where}: part {i + 1} ({part['source']}) {key} must be a string")
         out.append(clean)

@@ -112,8 +112,20 @@ def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | Non
     return None
 
 
-def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False) -> Source:
+def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False,
+            files: str | None = None) -> Source:
+    """What SOURCE names; ``files`` (a mix part's) picks files inside a Hub repo or a local folder."""
     named = get_recipe(recipe) if recipe else None
+    if files is not None:
+        folder = Path(source).expanduser()
+        if folder.is_dir():
+            return resolve(str(folder / files), recipe=recipe, split=split)
+        if source in RECIPES or HUB_ID.match(source):
+            hub = RECIPES.get(source)
+            return Source(kind="hub", name=f"{source}/{files}", recipe=named or hub,
+                          hub_id=hub.hub_id if hub else source, hub_config=hub.hub_config if hub else None,
+                          data_files=files, split=split or "train")
+        raise SourceError(f"{source}: 'files' picks files inside a folder or a Hub dataset; this is neither")
     if source in RECIPES:
         if named is not None and named.name != source:
             raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")
@@ -276,8 +288,8 @@ class Stream:
 
     def columns(self) -> list[str]:
         """The record fields, from the source's features or, when a reader does not know them in advance,
-        from its first record."""
-        for _, batch in self.chunks():
+        from its first records (read even under a limit of 0, which a mix part may have)."""
+        for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, 1):
             return list(batch)
         return []
 

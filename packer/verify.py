@@ -403,6 +403,8 @@ def _mix_parts(cfg: dict, source_name: str) -> tuple | None:
     recorded = cfg.get("mix")
     if recorded is None:
         return None
+    if source_name == cfg.get("source"):  # the mix the build named (a recipe read as a mix, or the same sources)
+        return tuple(recorded)
     if source_name.lower().endswith((".yaml", ".yml", ".json")) and os.path.isfile(source_name):
         return tuple(mix.read_mix_file(source_name))
     names = source_name.split(",")
