@@ -62,7 +62,8 @@ def run(tree: Path, data: Path, limit: int, tmp: Path) -> dict:
     t = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     proc = subprocess.run([sys.executable, "-c", _RUNNER, "build", str(data), "--recipe", "flan", "--limit", str(limit),
-                           "-j", "1", "-q", "--out", str(out)], env=env, capture_output=True, text=True)
+                           "-j", "1", "-q", "--out", str(out)], env=env, capture_output=True, text=True,
+                          cwd=tmp)  # not this folder: `python -c` imports packer from the working directory first
     seconds = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(proc.stderr[-2000:])

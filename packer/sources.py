@@ -19,7 +19,9 @@ import json
 import os
 import re
 import socket
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -230,6 +232,26 @@ def hub_revision(hub_id: str) -> str | None:
                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the id and your network") from e
 
 
+@contextmanager
+def _torch_unseen():
+    """While a stream is made and read, `datasets` is told torch is absent (unless it is imported already).
+
+    An ``IterableDataset`` imports torch whenever it is installed, to make itself a torch dataset and
+    share its epoch counter with DataLoader workers (seconds of import, and `packer build` must not
+    import torch). packer never hands the stream to torch, so it needs neither; the flag is restored
+    after each call, so the rest of the process sees `datasets` as it was."""
+    from datasets import config
+
+    if "torch" in sys.modules:
+        yield
+        return
+    saved, config.TORCH_AVAILABLE = config.TORCH_AVAILABLE, False
+    try:
+        yield
+    finally:
+        config.TORCH_AVAILABLE = saved
+
+
 @dataclass(frozen=True, slots=True)
 class Stream:
     """A source's records in source order, read lazily a chunk at a time (never all in memory or on disk).
@@ -265,17 +287,19 @@ class Stream:
         from record ``start`` (records before it are read and passed over, not formatted)."""
         done = start
         try:
-            ds = self._iterable()
-            if start:
-                ds = ds.skip(start)
-            batches = iter(ds.iter(batch_size=size))
+            with _torch_unseen():
+                ds = self._iterable()
+                if start:
+                    ds = ds.skip(start)
+                batches = iter(ds.iter(batch_size=size))
         except PackerError:
             raise
         except Exception as e:  # any failure to open the source is the source's
             raise self._failure(e, done) from e
         while True:
             try:
-                batch = next(batches)
+                with _torch_unseen():
+                    batch = next(batches)
             except StopIteration:
                 return
             except PackerError:
