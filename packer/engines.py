@@ -17,14 +17,14 @@ Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust
 (fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
 ``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. This process reads the stream (one
 reader: a file or Hub stream cannot be split by position) and sends each chunk's records to a worker,
-at most ``2 * num_proc`` chunks ahead; workers return flat numpy arrays and ``imap`` keeps source order.
+at most ``2 * num_proc`` chunks ahead; workers return flat numpy arrays, taken back in source order.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,25 +86,21 @@ def _worker_encode(task: tuple[int, dict]) -> Encoded:
     return _WORKER["encoder"].encode(records, lo, where=_WORKER["where"])
 
 
-def _ahead(chunks: Iterator, window: threading.Semaphore) -> Iterator:
-    """``chunks``, read no further ahead of the results taken back than the window allows (so the
-    reader does not pull the whole source into the pool's queue)."""
-    for item in chunks:
-        window.acquire()
-        yield item
-
-
 def _pool_chunks(chunks: Iterator, encoder: Encoder, num_proc: int, where: str) -> Iterator[Encoded]:
+    """This process reads the stream and submits each chunk, at most ``2 * num_proc`` ahead of the results
+    taken back (so the reader does not pull the whole source into the pool's queue); results in order.
+    The stream is read here, not in a pool thread, so an error reading it is raised here as it is."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     pool = ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder, where))
-    window = threading.Semaphore(2 * num_proc)
+    pending: deque = deque()
     try:
-        # the pool's task feeder thread pulls records from the stream, bounded by the window; an error
-        # reading the stream comes back from imap as the result of the chunk it stopped at
-        for encoded in pool.imap(_worker_encode, _ahead(chunks, window), chunksize=1):
-            window.release()
-            yield encoded
+        for task in chunks:
+            pending.append(pool.apply_async(_worker_encode, (task,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
         pool.close()
         pool.join()
     finally:
