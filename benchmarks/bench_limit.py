@@ -4,7 +4,7 @@
 
 Writes (once, under /tmp, never committed) a JSON Lines file of about ``--mb`` MB: the bundled sample
 repeated, each copy's prompts numbered. Then builds its first ``--limit`` records with ``-j 1`` in a
-subprocess, with an empty `datasets` cache, and prints the wall time, the bytes the process read and
+subprocess, with an empty `datasets` cache, and prints the wall and CPU time, the bytes the process read and
 wrote through system calls (``rchar``/``wchar`` of /proc/self/io; a memory-mapped read is not counted,
 a read from the page cache is), what is left in the `datasets` cache, and the peak RSS. With
 ``--before`` the same build is run with that tree's packer too (e.g. ``git archive <commit> | tar -x``).
@@ -60,7 +60,7 @@ def run(tree: Path, data: Path, limit: int, tmp: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "PYTHONPATH": str(tree), "BENCH_IO_OUT": str(io)}
     t = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-c", _RUNNER, "build", str(data), "--recipe", "flan", "--limit", str(limit),
                            "-j", "1", "-q", "--out", str(out)], env=env, capture_output=True, text=True,
                           cwd=tmp)  # not this folder: `python -c` imports packer from the working directory first
@@ -69,9 +69,10 @@ def run(tree: Path, data: Path, limit: int, tmp: Path) -> dict:
         raise SystemExit(proc.stderr[-2000:])
     rchar, wchar = (int(x) for x in io.read_text().split())
     left = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"seconds": seconds, "read": rchar, "written": wchar, "cache": left,
-            "rss": peak if peak > before else None}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+    return {"seconds": seconds, "cpu": cpu, "read": rchar, "written": wchar, "cache": left,
+            "rss": after.ru_maxrss if after.ru_maxrss > usage.ru_maxrss else None}
 
 
 def main() -> None:
@@ -83,13 +84,13 @@ def main() -> None:
     args = ap.parse_args()
     make_input(args.data, args.mb)
     print(f"input {args.data}: {args.data.stat().st_size / 1e6:,.0f} MB; --limit {args.limit:,}, -j 1")
-    print(f"{'packer':<8}{'seconds':>9}{'read MB':>10}{'written MB':>12}{'cache MB':>10}{'peak RSS MiB':>14}")
+    print(f"{'packer':<8}{'seconds':>9}{'CPU s':>8}{'read MB':>10}{'written MB':>12}{'cache MB':>10}{'peak RSS MiB':>14}")
     trees = ([("before", args.before)] if args.before else []) + [("this", ROOT)]
     for name, tree in trees:
         with tempfile.TemporaryDirectory(prefix="bench_limit-") as tmp:
             r = run(tree, args.data, args.limit, Path(tmp))
         rss = f"{r['rss'] / 1024:,.0f}" if r["rss"] else "≤ previous"
-        print(f"{name:<8}{r['seconds']:>9.1f}{r['read'] / 1e6:>10,.1f}{r['written'] / 1e6:>12,.1f}"
+        print(f"{name:<8}{r['seconds']:>9.1f}{r['cpu']:>8.1f}{r['read'] / 1e6:>10,.1f}{r['written'] / 1e6:>12,.1f}"
               f"{r['cache'] / 1e6:>10,.1f}{rss:>14}", flush=True)
 
 
