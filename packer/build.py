@@ -92,7 +92,7 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
     for k, part in enumerate(config.mix):
         source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
                                  from_hub=config.from_hub, files=part.get("files"))
-        stream = sources.open_stream(source, limit=part.get("records") or (None if drawn is None else int(drawn[k])))
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
         fields = {k: part.get(k) for k in mix.FIELDS}
         spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
         streams.append(stream)
