@@ -22,6 +22,7 @@ at most ``2 * num_proc`` chunks ahead; workers return flat numpy arrays, taken b
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 from collections import deque
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 
 from . import spill as spill_
 from .config import BuildConfig
+from .errors import RecordError
 from .plan import Plan
 from .ray_engine import RayEngine
 from .schema import ShardEntry
@@ -56,10 +58,12 @@ class LocalEngine:
 
     def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
         chunks = stream.chunks(start, spill_.CHUNK)
-        limit = getattr(stream, "limit", None)
-        if self.num_proc <= 1 or (limit is not None and limit - start <= spill_.CHUNK):  # a pool would only add start-up
-            return (encoder.encode(records, lo, where=where) for lo, records in chunks)
-        return _pool_chunks(chunks, encoder, self.num_proc, where)
+        if self.num_proc > 1:
+            first = list(itertools.islice(chunks, 2))
+            chunks = itertools.chain(first, chunks)
+            if len(first) > 1:  # more than one chunk: a pool pays for its start-up
+                return _pool_chunks(chunks, encoder, self.num_proc, where)
+        return (encoder.encode(records, lo, where=where) for lo, records in chunks)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]:
@@ -81,9 +85,27 @@ def _worker_init(encoder: Encoder, where: str) -> None:
     _WORKER.update(encoder=encoder, where=where)
 
 
-def _worker_encode(task: tuple[int, dict]) -> Encoded:
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A RecordError on its way back from a worker (RecordError itself cannot be unpickled, which would
+    kill the pool's result thread and leave the build waiting forever)."""
+
+    message: str
+    reason: str
+
+
+def _worker_encode(task: tuple[int, dict]) -> Encoded | _Refused:
     lo, records = task
-    return _WORKER["encoder"].encode(records, lo, where=_WORKER["where"])
+    try:
+        return _WORKER["encoder"].encode(records, lo, where=_WORKER["where"])
+    except RecordError as e:
+        return _Refused(str(e), e.reason)
+
+
+def _result(encoded: Encoded | _Refused) -> Encoded:
+    if isinstance(encoded, _Refused):
+        raise RecordError(encoded.message, encoded.reason)
+    return encoded
 
 
 def _pool_chunks(chunks: Iterator, encoder: Encoder, num_proc: int, where: str) -> Iterator[Encoded]:
@@ -98,9 +120,9 @@ def _pool_chunks(chunks: Iterator, encoder: Encoder, num_proc: int, where: str) 
         for task in chunks:
             pending.append(pool.apply_async(_worker_encode, (task,)))
             if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
+                yield _result(pending.popleft().get())
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft().get())
         pool.close()
         pool.join()
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,18 @@ def test_empty_source_is_an_error_not_the_current_folder(tmp_path, monkeypatch):
     line, = result.stderr.splitlines()
     assert "SOURCE is empty" in line
     assert not (tmp_path / "out" / schema.MANIFEST_NAME).exists()
+
+
+def test_a_bad_record_in_a_worker_ends_a_parallel_build_with_one_line(tmp_path):
+    """A RecordError raised in a -j 2 worker comes back as one line (it once could not be unpickled,
+    which killed the pool's result thread and left the build waiting forever)."""
+    src = tmp_path / "d.jsonl"
+    with open(src, "w") as f:
+        for i in range(2500):
+            f.write(json.dumps({"prompt": f"q{i}", "completion": f"a{i}" if i != 2100 else 7}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(src), "-j", "2", "-q", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"packer: error: {src} record 2101: field 'completion' is int, not text; fix the "
+                                   "record or pass --on-error skip")
