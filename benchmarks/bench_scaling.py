@@ -1,6 +1,6 @@
 """Tokenize-stage scaling (a script, not a test): python benchmarks/bench_scaling.py [--repeat 4]
 
-Times formatting + tokenizing alone (no disk) of the bundled sample repeated ``--repeat`` times, with
+Times reading, formatting + tokenizing (no spill) of the bundled sample repeated ``--repeat`` times, with
 the bundled tokenizer and with the Llama 2 one if present:
 - 1 process, Rust threads off (TOKENIZERS_PARALLELISM=false): the single-core baseline;
 - 2 processes (``--num-proc 2``: fork pool, one Rust thread each);
@@ -19,23 +19,26 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
 
 CHILD = r"""
-import sys, time
-import datasets
+import gzip, os, sys, tempfile, time
 from packer import BuildConfig, sources
 from packer.build import tokenizer_path
 from packer.formatting import make_spec
 from packer.tokenization import Encoder, load_tokenizer
 from packer.engines import LocalEngine
 tok_name, num_proc, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-src = sources.resolve("flan")
-ds = sources.load(src)
-ds = datasets.concatenate_datasets([ds] * repeat)
+with gzip.open(sources.resolve("flan").files[0], "rb") as f:
+    sample = f.read()
+data = os.path.join(tempfile.mkdtemp(), "flan.jsonl")
+with open(data, "wb") as f:  # the sample repeated, read as a stream like any local file
+    f.write(sample * repeat)
+src = sources.resolve(data, recipe="flan")
+stream = sources.open_stream(src)
 tok = load_tokenizer(tokenizer_path(None if tok_name == "bundled" else tok_name))
-spec = make_spec(recipe=src.recipe, config=BuildConfig(source="flan", out="-"), columns=list(ds.column_names))
+spec = make_spec(recipe=src.recipe, config=BuildConfig(source="flan", out="-"), columns=stream.columns())
 enc = Encoder(tok, spec)
 n = [0]
 t = time.perf_counter()
-for chunk in LocalEngine(num_proc).encode_chunks(ds, enc, 0, where="record"):
+for chunk in LocalEngine(num_proc).encode_chunks(stream, enc, 0, where="record"):
     n[0] += len(chunk.lengths)
 print(time.perf_counter() - t, n[0])
 """

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, engines, output, schema, sources, spill
+import numpy as np
+
+from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
 from .errors import ConfigError, SourceError, TokenizerError
 from .formatting import make_spec
@@ -41,35 +43,73 @@ def tokenizer_path(name: str | None) -> str:
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
-def source_info(source: sources.Source) -> dict[str, Any]:
+def source_info(stream: sources.Stream) -> dict[str, Any]:
+    """How the manifest identifies what was read: the local files read (their sha256; under ``--limit``
+    only the files that hold the records read), or the Hub dataset and the commit it was read at."""
+    source = stream.source
     if source.kind == "hub":
-        return {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
+        info = {"kind": "hub", "id": source.hub_id, "config": source.hub_config, "split": source.split}
+        if source.data_files is not None:
+            info["data_files"] = source.data_files
+        return {**info, "revision": stream.revision}
     bundled = source.recipe is not None and source.files == (str(source.recipe.local),)
     files = [
         {"path": Path(f).name if bundled else f, "bytes": Path(f).stat().st_size, "sha256": file_sha256(f)}
-        for f in source.files
+        for f in stream.files
     ]
     return {"kind": "local", "builder": source.builder, "files": files}
 
 
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """A source read and ready to encode."""
+    """The config's source (or mix) opened as a stream and ready to encode."""
 
-    dataset: Any  # datasets.Dataset, cut to config.limit
-    encoder: Encoder
+    name: str  # for messages
+    stream: Any  # sources.Stream, or mix.MixStream: its first config.limit records
+    encoder: Any  # tokenization.Encoder, or mix.MixEncoder
     where: str  # how an error names a record
+    source: dict  # the manifest's source record
+
+    @property
+    def parts(self) -> list | None:
+        return list(self.stream.parts) if isinstance(self.stream, mix.MixStream) else None
 
 
-def open_source(config: BuildConfig, source: sources.Source, tokenizer, *, skip_errors: bool,
-                progress: bool = False) -> Opened:
-    """Read ``source`` (the first ``config.limit`` records) and make its encoder from the config."""
-    dataset = sources.load(source, progress=progress)
-    if config.limit is not None and config.limit < len(dataset):
-        dataset = dataset.select(range(config.limit))
-    spec = make_spec(recipe=source.recipe, config=config, columns=list(dataset.column_names))
-    where = f"{source.files[0]} record" if len(source.files) == 1 else f"{source.name} record"
-    return Opened(dataset, Encoder(tokenizer, spec, skip_errors=skip_errors), where)
+def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
+    """Open the config's source, or each part of its mix, as a stream of its first ``config.limit``
+    records (a part of a mix with a records count: that many), and make the encoder(s) from the config."""
+    if config.mix is None:
+        source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
+        stream = sources.open_stream(source, limit=config.limit)
+        spec = make_spec(recipe=source.recipe, config=config, columns=stream.columns())
+        where = f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record"
+        return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
+                      source_info(stream))
+    streams, encoders, infos = [], [], []
+    # under --limit, each part is read no further than the records the draws take from it
+    drawn = (None if config.limit is None else
+             np.bincount(mix.positions_sources(list(config.mix), config.seed, config.limit), minlength=len(config.mix)))
+    for k, part in enumerate(config.mix):
+        source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                 from_hub=config.from_hub, files=part.get("files"))
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
+        fields = {k: part.get(k) for k in mix.FIELDS}
+        spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        streams.append(stream)
+        encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
+        infos.append({"source": part["source"], **source_info(stream)})
+    mixed = mix.MixStream(tuple(config.mix), tuple(streams), config.seed, config.limit)
+    return Opened(mixed.name, mixed, mix.MixEncoder(encoders, [p["source"] for p in config.mix]), "mix record",
+                  {"kind": "mix", "parts": infos})
+
+
+def _note(opened: Opened) -> str | None:
+    """The recipe's note (the bundled sample says it is not FLAN data), for a one-source local build."""
+    if isinstance(opened.stream, sources.Stream):
+        source = opened.stream.source
+        if source.recipe and source.recipe.note and source.kind == "local":
+            return source.recipe.note
+    return None
 
 
 def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
@@ -117,25 +157,30 @@ def _check_id_range(tokenizer, name: str) -> None:
 def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
     started = time.perf_counter()
     out = Path(config.out)
-    output.refuse_inside(out, config.source)
-    source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
+    for part in config.mix or ({"source": config.source},):
+        output.refuse_inside(out, part["source"])
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     _check_id_range(tokenizer, config.tokenizer or BUNDLED)
+    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
-                "source": source_info(source)}
+                "source": opened.source}
     previous = output.check(out, identity, config.overwrite)
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
-    opened = open_source(config, source, tokenizer, skip_errors=config.on_error == "skip", progress=progress)
-    if len(opened.dataset) == 0:
-        raise SourceError(f"{source.name}: holds no records; check the file or --split")
     staging = output.prepare(out)  # a matching interrupted spill is resumed
-    tokens = spill.tokenize(opened.dataset, opened.encoder, staging / schema.TOKENS_DIR, identity,
+    tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, where=opened.where, progress=progress)
+    if tokens.records == 0:
+        output.discard(out)
+        raise SourceError(f"{opened.name}: holds no records; check the file or --split")
     lengths, skipped = tokens.lengths, tokens.skipped
+    per_part: list[dict[str, int]] = []
+    if opened.parts is not None:
+        skipped, per_part = mix.split_skipped(skipped, len(opened.parts))
     if len(lengths) == 0:
-        raise SourceError(f"{source.name}: every record was skipped ({skipped}); nothing to pack")
+        output.discard(out)
+        raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
 
     plan = plan_rows(config, lengths, tokens.trained_flags())
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
@@ -149,16 +194,18 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
-        examples_read=len(opened.dataset),
+        examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
         loss_tokens=totals["loss_tokens"],
         # A completion-only example truncated before its completion trains on nothing: say how many.
         segments_without_loss=totals["segments_without_loss"],
+        sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
+                                                                  tokens.example_ids, lengths, plan, per_part),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
-        note=source.recipe.note if source.recipe and source.recipe.note and source.kind == "local" else None,
+        note=_note(opened),
         **identity,
         stats=stats,
         shards=tuple(shards),

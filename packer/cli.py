@@ -24,6 +24,7 @@ from .build import BuildResult, tokenizer_path
 from .build import build as run_build
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
+from .mix import parts_from_cli
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
 
@@ -125,7 +126,10 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("source")
+@click.argument("sources", nargs=-1)
+@click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
+              help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
+                   "sources (then no SOURCE); see README 'Mixtures'.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
@@ -171,20 +175,28 @@ def main() -> None:
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
                    "plays epoch e's rows in epoch e.")
-def build(as_json: bool, quiet: bool, **options) -> None:
+def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 
     SOURCE is a recipe (flan, orcamath, gsm8k, alpaca, chat), a local file, folder or glob (json,
     jsonl, parquet, csv, arrow, txt) or a Hugging Face Hub dataset id (owner/name). A file or folder
     on disk wins over a recipe or Hub id of the same name (a recipe's name then sets the formatting,
-    as --recipe does). Ctrl-C stops a build at any moment (exit 130); rerun the command to resume.
+    as --recipe does). Sources are read as streams: --limit N reads about N records and stops. A
+    folder is read like a Hub dataset repo (data/train-*, data/test-*: --split picks one); hidden
+    files and folders (.name) are skipped. Ctrl-C stops a build at any moment (exit 130); rerun the
+    command to resume.
 
     \b
     packer build flan --out shards/
     packer build data.jsonl --prompt-field question --completion-field answer --out shards/
     packer build flan --pack bfd --max-tokens 4096 --out shards-bfd/
+    packer build flan gsm8k.jsonl chat.jsonl --mix 0.5,0.3,0.2 --out mixed/
     """
-    config = BuildConfig(**options)
+    parts = parts_from_cli(sources, mix_option)
+    if parts is None and not sources:
+        raise click.UsageError("give a SOURCE (or a mix file with --mix)")
+    name = "+".join(p["source"] for p in parts) if parts else sources[0]
+    config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
     started = time.time_ns()
     try:
         result = run_build(config, progress=not quiet and not as_json)

@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .plan import BALANCE as BALANCE_BY
 from .plan import MODES as PACK_MODES
 from .plan import OVERLONG as OVERLONG_POLICIES
+from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
 ENGINES = ("local", "ray")
@@ -66,6 +67,9 @@ class BuildConfig:
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
     epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
+    # several sources: the parts of a mix (packer.mix), each {source, weight | records, recipe, split, fields};
+    # ``source`` then only names the mix in messages
+    mix: tuple | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -151,12 +155,27 @@ class BuildConfig:
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):
             raise ConfigError("--text-field (plain text) cannot be combined with --prompt-field/--completion-field")
+        if self.mix is None and self.from_hub:  # a recipe read from the Hub as a mix of its parts (flan)
+            parts = hub_mix_parts(self.source)
+            if parts is not None:
+                object.__setattr__(self, "mix", tuple(parts))
+        if self.mix is not None:
+            given = [f"--{n.replace('_', '-')}" for n in ("recipe", "split", "prompt_field", "completion_field",
+                                                         "messages_field", "text_field") if getattr(self, n)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} cannot apply to every source of a mix; set them per source in "
+                                  "a mix file (--mix mix.yaml)")
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
         skip = {"out", "overwrite", "num_proc", "engine"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)}
+        if self.mix is None:
+            skip.add("mix")  # absent from a one-source build's manifest, as it always was
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)}
+        if self.mix is not None:
+            out["mix"] = [dict(p) for p in self.mix]
+        return out
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

@@ -3,8 +3,9 @@ same whichever runs them, and so are the bytes.
 
 An engine provides
 
-- ``encode_chunks(dataset, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
-  of records ``start`` … of ``dataset``, cut at :func:`packer.spill.chunk_ranges`, *in source order*;
+- ``encode_chunks(stream, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
+  of records ``start`` … of ``stream`` (a :class:`packer.sources.Stream`), ``spill.CHUNK`` records each,
+  *in source order*;
 - ``write_shards(plan, spill, staging, shard_bytes, totals, progress)``: every shard of the plan
   written into ``staging``; their :class:`~packer.schema.ShardEntry` in order.
 
@@ -14,15 +15,17 @@ An engine provides
 Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
 ``encode_batch`` over every core (rayon threads); ``num_proc > 1`` runs that many worker processes
 (fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
-``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. Workers read their own record ranges
-from the memory-mapped dataset (only two integers travel to a worker) and return flat numpy arrays,
-taken back in source order. Workers ignore Ctrl-C and die with the parent; the parent kills them
-whenever the tokenize step ends, so an interrupt or an error never waits on them.
+``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. This process reads the stream (one
+reader: a file or Hub stream cannot be split by position) and sends each chunk's records to a worker,
+at most ``_AHEAD`` chunks queued per worker; workers return flat numpy arrays, taken back in source
+order. Workers ignore Ctrl-C and die with the parent; the parent kills them whenever the tokenize
+step ends, so an interrupt or an error never waits on them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -39,7 +42,6 @@ from tqdm.auto import tqdm
 from . import spill as spill_
 from .config import BuildConfig
 from .errors import WorkerError
-from .pages import drop_mapped_pages, mapped_files
 from .plan import Plan
 from .ray_engine import RayEngine
 from .schema import ShardEntry
@@ -48,7 +50,7 @@ from .writer import write_shards
 
 
 class Engine(Protocol):
-    def encode_chunks(self, dataset, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
+    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]: ...
@@ -60,11 +62,14 @@ class LocalEngine:
 
     num_proc: int = 1
 
-    def encode_chunks(self, dataset, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
-        ranges = spill_.chunk_ranges(start, len(dataset))
-        if self.num_proc <= 1 or len(dataset) - start <= spill_.CHUNK:  # one chunk: a pool would only add start-up
-            return (encoder.encode(dataset[lo:hi], lo, where=where) for lo, hi in ranges)
-        return _pool_chunks(dataset, encoder, ranges, self.num_proc, where)
+    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
+        chunks = stream.chunks(start, spill_.CHUNK)
+        if self.num_proc > 1:
+            first = list(itertools.islice(chunks, 2))
+            chunks = itertools.chain(first, chunks)
+            if len(first) > 1:  # more than one chunk: a pool pays for its start-up
+                return _pool_chunks(chunks, encoder, self.num_proc, where)
+        return (encoder.encode(records, lo, where=where) for lo, records in chunks)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]:
@@ -78,9 +83,10 @@ def for_config(config: BuildConfig) -> Engine:
     return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc or os.cpu_count() or 1)
 
 
-def _pool_chunks(dataset, encoder: Encoder, ranges: Iterator[tuple[int, int]], num_proc: int,
+def _pool_chunks(chunks: Iterator[tuple[int, dict]], encoder: Encoder, num_proc: int,
                  where: str) -> Iterator[Encoded]:
-    """The chunks of ``ranges`` encoded by ``num_proc`` worker processes, yielded in source order.
+    """The ``(first index, records)`` chunks, read here from the stream (so an error reading it is raised
+    here, as it is), encoded by ``num_proc`` worker processes and yielded in source order.
 
     Chunk k goes to worker k mod N, at most ``_AHEAD`` chunks queued per worker, so results arrive in
     order from a known pipe and memory stays bounded. Our own few lines instead of
@@ -89,11 +95,11 @@ def _pool_chunks(dataset, encoder: Encoder, ranges: Iterator[tuple[int, int]], n
     held forever. Here the workers ignore SIGINT and hold nothing the parent needs: on any exit of this
     generator (end, error, Ctrl-C, close) the parent kills them and reaps them, which cannot block.
     """
-    workers = _Workers(num_proc, encoder, dataset, where)
+    workers = _Workers(num_proc, encoder, where)
     sent = received = 0
     try:
-        for bounds in ranges:
-            workers.send(sent, bounds)
+        for chunk in chunks:
+            workers.send(sent, chunk)
             sent += 1
             if sent - received >= num_proc * _AHEAD:
                 yield workers.receive(received)
@@ -109,15 +115,15 @@ _AHEAD = 2  # chunks queued per worker: one being encoded, one waiting, so no wo
 
 
 class _Workers:
-    """N forked (spawned where fork is missing) processes, each fed chunk bounds through its own pipe."""
+    """N forked (spawned where fork is missing) processes, each fed chunks of records through its own pipe."""
 
-    def __init__(self, n: int, encoder: Encoder, dataset, where: str):
+    def __init__(self, n: int, encoder: Encoder, where: str):
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.procs, self.conns = [], []
         try:
             for _ in range(n):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder, dataset, where),
+                proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder, where),
                                    daemon=True)
                 proc.start()
                 theirs.close()
@@ -127,8 +133,8 @@ class _Workers:
             self.kill()
             raise
 
-    def send(self, k: int, bounds: tuple[int, int]) -> None:
-        self.conns[k % len(self.conns)].send(bounds)
+    def send(self, k: int, chunk: tuple[int, dict]) -> None:
+        self.conns[k % len(self.conns)].send(chunk)
 
     def receive(self, k: int) -> Encoded:
         i = k % len(self.conns)
@@ -152,22 +158,20 @@ class _Workers:
             conn.close()
 
 
-def _worker_main(conn, parent: int, encoder: Encoder, dataset, where: str) -> None:
+def _worker_main(conn, parent: int, encoder: Encoder, where: str) -> None:
     # Ctrl-C reaches every process of the terminal's group: the parent alone handles it (it kills us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    mapped = mapped_files(dataset)
     while True:
         try:
-            lo, hi = conn.recv()
+            lo, records = conn.recv()
         except EOFError:  # the parent closed our pipe, or died
             return
         try:
-            result = (True, encoder.encode(dataset[lo:hi], lo, where=where))
+            result = (True, encoder.encode(records, lo, where=where))
         except Exception as e:  # the parent raises it (a RecordError names the record)
             result = (False, _portable(e))
-        drop_mapped_pages(mapped)
         conn.send(result)
 
 

@@ -99,6 +99,7 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
         "tokenizer": manifest.tokenizer.get("name_or_path"),
         "stats": manifest.stats.to_json(),
         "shards": [dataclasses.asdict(e) for e in manifest.shards],
+        "mix": mix_view(manifest),
     }
     # what holding every planned epoch costs on disk (--epochs E: E times one epoch's rows)
     size = sum(e.bytes for e in manifest.shards)
@@ -108,6 +109,16 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
         seg = _segments(directory, manifest)
         view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
     return view
+
+
+def mix_view(manifest: Manifest) -> list[dict[str, Any]] | None:
+    """A mix's sources: each one's weight or records count and its counts (None for one source)."""
+    parts, counts = manifest.config.get("mix"), manifest.stats.sources
+    if not parts or not counts:
+        return None
+    tokens = max(1, sum(c["tokens"] for c in counts))
+    return [{**{k: part.get(k) for k in ("source", "weight", "records", "recipe", "split")}, **c,
+             "token_share": c["tokens"] / tokens} for part, c in zip(parts, counts)]
 
 
 def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, int, int]:

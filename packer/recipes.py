@@ -23,6 +23,9 @@ class Recipe:
     hub_id: str
     hub_config: str | None = None
     split: str = "train"
+    hub_files: str | None = None  # the files of the Hub repo to read (a pattern), when not its default split
+    # read from the Hub as a mix of these (files pattern, weight) parts instead of one split
+    hub_mix: tuple[tuple[str, float], ...] | None = None
     local: Path | None = None  # read this instead of the Hub unless --from-hub
     # Prompt/completion data: templates are str.format templates over the record's fields. A field
     # named in ``optional`` may be empty, and ``prompt_if_empty`` is used then (alpaca's `input`).
@@ -41,6 +44,14 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             name="flan",  # FLAN-style instruction data (inputs → targets); offline from the bundled synthetic sample
             hub_id="Open-Orca/FLAN",
+            # The FLAN Collection as Open-Orca/FLAN holds it: one folder of parquet shards per submix and
+            # template type (fields inputs, targets, _task_name, _task_source, _template_type). --from-hub
+            # streams the zero-shot-with-options folder of each submix side by side, drawn at the Flan
+            # Collection's mixing rates, so --limit N samples every submix instead of the first N records
+            # of one file.
+            hub_mix=(("flan_zsopt_data/*.parquet", 0.4), ("t0_zsopt_data/*.parquet", 0.32),
+                     ("niv2_zsopt_data/*.parquet", 0.2), ("cot_zsopt_data/*.parquet", 0.05),
+                     ("dialog_zsopt_data/*.parquet", 0.03)),
             local=BUNDLED_SAMPLE,
             prompt_template="{inputs}\n\n",
             completion_template="{targets}",
@@ -75,6 +86,15 @@ RECIPES: dict[str, Recipe] = {
         ),
     )
 }
+
+
+def hub_mix_parts(name: str, source: str | None = None) -> list[dict] | None:
+    """The mix parts a recipe is read as from the Hub (``source`` in their place: a local copy of the
+    repo), or None for a recipe read as one split."""
+    recipe = RECIPES.get(name)
+    if recipe is None or recipe.hub_mix is None:
+        return None
+    return [{"source": source or name, "weight": w, "recipe": name, "files": files} for files, w in recipe.hub_mix]
 
 
 def get_recipe(name: str) -> Recipe:

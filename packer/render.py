@@ -99,6 +99,8 @@ def summary_lines(view: dict, color: bool) -> list[str]:
         size = sum(sh["bytes"] for sh in view["shards"])
         lines.append(f"  epochs       {s['epochs']} planned, each its own shuffle: {s['rows']:,} rows = {s['epochs']} × "
                      f"{s['rows'] // s['epochs']:,} · {size / 1e6:,.1f} MB on disk = {disk_cost_text(s['epochs'], size)}")
+    if view.get("mix"):
+        lines.extend(mix_lines(view["mix"]))
     for sh in view["shards"]:
         lines.append(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}")
     modes = view.get("modes")
@@ -124,6 +126,19 @@ def summary_lines(view: dict, color: bool) -> list[str]:
           f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
           "(retune the learning rate; the loss curve changes).")
     return _plain(lines, color)
+
+
+def mix_lines(parts: list[dict]) -> list[str]:
+    """A mix's sources, one line each: what was asked (weight or records) and what each gave."""
+    lines = [click.style(f"  {'mix':<13}{'asked':>9}{'read':>9}{'whole':>9}{'split':>7}{'trunc.':>8}{'dropped':>9}"
+                         f"{'tokens':>12}{'share':>7}", dim=True)]
+    for p in parts:
+        asked = f"w {p['weight']:g}" if p.get("weight") is not None else f"{p['records']:,}"
+        name = p["source"] if len(p["source"]) <= 12 else "…" + p["source"][-11:]
+        lines.append(f"  {name:<13}{asked:>9}{p['records_read']:>9,}{p['examples_packed']:>9,}{p['examples_split']:>7,}"
+                     f"{p['examples_truncated']:>8,}{sum(p['dropped_by_reason'].values()):>9,}{p['tokens']:>12,}"
+                     f"{p['token_share']:>7.1%}")
+    return lines
 
 
 def example_lines(view: dict, directory: str, color: bool) -> list[str]:

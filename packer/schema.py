@@ -133,6 +133,10 @@ class Stats:
     # cut at the start of the prompt (the answer whole) ...
     examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
 
+    # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
+    # dropped by reason, tokens
+    sources: list | None = None
+
     def to_json(self) -> dict[str, Any]:
         # the optional fields are absent where they do not apply, as padded_tokens always was outside batch mode
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -159,7 +163,8 @@ def _typed(value: Any, kind) -> bool:
 
 
 def _field_types(cls) -> dict[str, Any]:
-    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None))}
+    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None)),
+             "list | None": (list, type(None))}
     return {f.name: kinds[f.type] for f in dataclasses.fields(cls)}
 
 
@@ -171,7 +176,7 @@ class Manifest:
     note: str | None
     config: dict  # BuildConfig.identity(): every field that decides the bytes
     tokenizer: dict  # tokenization.tokenizer_info()
-    source: dict  # build.source_info()
+    source: dict  # build.source_info(); a mix: {"kind": "mix", "parts": [{"source": name, ...source_info}]}
     stats: Stats
     shards: tuple[ShardEntry, ...]
     format: str = FORMAT_NAME

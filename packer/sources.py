@@ -1,8 +1,15 @@
-"""Reading inputs through `datasets`: a recipe, a local file/folder/glob, or a Hub dataset id.
+"""Reading inputs as a stream: a recipe, a local file/folder/glob, or a Hub dataset id.
 
-``resolve`` decides what SOURCE names (cheap, no I/O beyond globbing); ``load`` opens it as a
-`datasets.Dataset` (Arrow-backed, memory-mapped from the datasets cache) and turns every failure into
-a one-line `SourceError` that names the file, the line where it can, and the fix.
+``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
+:class:`Stream`, records read in order, a chunk at a time, through `datasets`' streaming readers
+(an ``IterableDataset``): nothing is converted to an Arrow cache and nothing is downloaded whole, so
+``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
+file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
+one-line `SourceError` that names the file, the line where it can, and the fix.
+
+A folder is read the way the Hub reads a dataset repository (`datasets`' own data-file patterns):
+``data/train-*`` and ``data/test-*`` are two splits and ``--split`` picks one; hidden files and folders
+(a leading ``.``) are skipped. A glob reads each file once, however many symlinks lead to it.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ import json
 import os
 import re
 import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import ConfigError, SourceError
-from .pages import drop_mapped_pages, mapped_files
+from .errors import ConfigError, PackerError, SourceError
 from .recipes import RECIPES, Recipe, get_recipe
+
+BATCH = 1000  # records per read when only counting or peeking
 
 # file suffix -> datasets packaged builder
 BUILDERS = {
@@ -43,6 +54,7 @@ class Source:
     files: tuple[str, ...] = ()  # local: the files, sorted
     hub_id: str | None = None
     hub_config: str | None = None
+    data_files: str | None = None  # hub: the files of the repo to read (a pattern), else its default split files
     split: str = "train"
 
 
@@ -54,24 +66,51 @@ def _builder_for(path: str) -> str | None:
     return None
 
 
-def _local_files(source: str) -> list[str] | None:
-    """The files SOURCE names (file, folder or glob), or None if it names nothing local."""
+def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | None:
+    """(the files SOURCE names, whether it chose a split), or None if it names nothing local.
+
+    A folder is resolved by `datasets`' own data-file patterns, as a Hub dataset repository is: splits
+    by file or folder name (``data/train-00000-of-00002.parquet``, ``test/``), hidden files and folders
+    skipped, symlinked folders not followed. A glob is expanded by ``glob`` and each file kept once
+    (by its real path), so a symlink loop cannot make one file be read many times.
+    """
+    if source == "":
+        raise SourceError("SOURCE is empty; give a recipe, a file, a folder, a glob or a Hub id")
     path = Path(source).expanduser()
     if path.is_file():
-        return [str(path)]
+        return [str(path)], False
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_for(p.name))
-        if not files:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+        from datasets.exceptions import DatasetsError
+
+        try:
+            splits = {str(k): [str(f) for f in v] for k, v in
+                      DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).items()}
+        except (DatasetsError, FileNotFoundError):
+            splits = {}
+        splits = {k: sorted(f for f in v if _builder_for(f)) for k, v in splits.items()}
+        splits = {k: v for k, v in splits.items() if v}
+        if not splits:
             raise SourceError(
                 f"{source}: folder holds no readable data files ({', '.join(sorted(BUILDERS))}); "
                 "point SOURCE at the files"
             )
-        return files
+        chosen = split or "train"
+        if chosen not in splits:
+            raise ConfigError(f"{source}: no split {chosen!r} in this folder; its splits are {', '.join(sorted(splits))}"
+                              " (give one with --split)")
+        return splits[chosen], len(splits) > 1 or split is not None
     if glob.has_magic(source):
-        files = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
+        seen: set[str] = set()
+        files = []
+        for p in sorted(glob.glob(os.path.expanduser(source), recursive=True)):
+            real = os.path.realpath(p)
+            if os.path.isfile(p) and real not in seen:
+                seen.add(real)
+                files.append(p)
         if not files:
             raise SourceError(f"{source}: the pattern matches no files; check the path and quote the glob")
-        return files
+        return files, False
     return None
 
 
@@ -83,8 +122,20 @@ def _is_utf8(name: str) -> bool:
         return False
 
 
-def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False) -> Source:
+def resolve(source: str, *, recipe: str | None = None, split: str | None = None, from_hub: bool = False,
+            files: str | None = None) -> Source:
+    """What SOURCE names; ``files`` (a mix part's) picks files inside a Hub repo or a local folder."""
     named = get_recipe(recipe) if recipe else None
+    if files is not None:
+        folder = Path(source).expanduser()
+        if folder.is_dir():
+            return resolve(str(folder / files), recipe=recipe, split=split)
+        if source in RECIPES or HUB_ID.match(source):
+            hub = RECIPES.get(source)
+            return Source(kind="hub", name=f"{source}/{files}", recipe=named or hub,
+                          hub_id=hub.hub_id if hub else source, hub_config=hub.hub_config if hub else None,
+                          data_files=files, split=split or "train")
+        raise SourceError(f"{source}: 'files' picks files inside a folder or a Hub dataset; this is neither")
     # A file or folder on disk wins over a recipe or Hub id of the same name (as over a Hub id, below);
     # a recipe's name then still sets the formatting, as --recipe does.
     on_disk = source in RECIPES and Path(source).expanduser().exists()
@@ -99,9 +150,11 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
                     "`python data/make_flan_sample.py` or pass --from-hub"
                 )
             return Source(kind="local", name=r.name, recipe=r, builder=_builder_for(r.local.name), files=(str(r.local),))
-        return Source(kind="hub", name=r.name, recipe=r, hub_id=r.hub_id, hub_config=r.hub_config, split=split or r.split)
-    files = _local_files(source)
-    if files is not None:
+        return Source(kind="hub", name=r.name, recipe=r, hub_id=r.hub_id, hub_config=r.hub_config,
+                      data_files=r.hub_files, split=split or r.split)
+    found = _local_files(source, split)
+    if found is not None:
+        files, split_chosen = found
         for f in files:
             if not _is_utf8(f):
                 raise SourceError(
@@ -114,11 +167,13 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
             raise SourceError(f"{bad}: unknown file type; packer reads {', '.join(sorted(BUILDERS))}")
         if len(builders) > 1:
             raise SourceError(f"{source}: mixes file types ({', '.join(sorted(builders))}); give files of one type")
-        if split not in (None, "train"):
-            raise ConfigError(f"--split {split!r} applies to Hub datasets; a local source is one split")
+        if split not in (None, "train") and not split_chosen:
+            raise ConfigError(f"--split {split!r} applies to Hub datasets and folders laid out like one; this "
+                              "local source is one split")
         if on_disk and named is None:
             named = RECIPES[source]
-        return Source(kind="local", name=source, recipe=named, builder=builders.pop(), files=tuple(files))
+        return Source(kind="local", name=source, recipe=named, builder=builders.pop(), files=tuple(files),
+                      split=split or "train")
     if _builder_for(source) or source.startswith((".", "/", "~")) or os.sep + os.sep in source:
         raise SourceError(f"{source}: no such file or folder; check the path")
     if HUB_ID.match(source):
@@ -189,25 +244,6 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
     )
 
 
-def _cache_full(error: BaseException) -> SourceError | None:
-    """The error of a datasets cache that cannot be written (disk full, quota, a file size limit), which
-    is no fault of the input; None for any other failure."""
-    import errno
-
-    from datasets import config
-
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            reason = "a file size limit (ulimit -f) was reached" if seen.errno == errno.EFBIG else "no space left"
-            return SourceError(
-                f"the datasets cache {config.HF_DATASETS_CACHE} cannot be written ({reason}) while converting the "
-                "input to Arrow; free space there or set HF_DATASETS_CACHE to a larger disk"
-            )
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def _hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
 
@@ -221,48 +257,142 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _validate(dataset, step: int = 64 << 20) -> None:
-    """``validate(full=True)`` batch by batch, unmapping the cache pages read every ``step`` bytes:
-    validating reads the whole memory-mapped table, which would otherwise stay in the resident set."""
-    mapped, seen = mapped_files(dataset), 0
-    for batch in dataset.data.table.to_batches():
-        batch.validate(full=True)
-        seen += batch.nbytes
-        if seen >= step:
-            drop_mapped_pages(mapped)
-            seen = 0
-    drop_mapped_pages(mapped)
+def hub_revision(hub_id: str) -> str | None:
+    """The commit a Hub dataset is read at now (recorded in the manifest), or None in offline mode."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        return HfApi().dataset_info(hub_id, timeout=10).sha
+    except Exception as e:  # huggingface_hub raises many types; all mean "cannot look it up"
+        raise SourceError(f"{hub_id}: cannot look the dataset up on the Hugging Face Hub ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the id and your network") from e
 
 
-def load(source: Source, *, progress: bool = False):
-    """Open SOURCE as a `datasets.Dataset`."""
-    import datasets
-    from datasets.exceptions import DatasetsError
+@contextmanager
+def _torch_unseen():
+    """While a stream is made and read, `datasets` is told torch is absent (unless it is imported already).
 
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures become one SourceError below
-    if progress:
-        datasets.enable_progress_bars()
-    else:
+    An ``IterableDataset`` imports torch whenever it is installed, to make itself a torch dataset and
+    share its epoch counter with DataLoader workers (seconds of import, and `packer build` must not
+    import torch). packer never hands the stream to torch, so it needs neither; the flag is restored
+    after each call, so the rest of the process sees `datasets` as it was."""
+    from datasets import config
+
+    if "torch" in sys.modules:
+        yield
+        return
+    saved, config.TORCH_AVAILABLE = config.TORCH_AVAILABLE, False
+    try:
+        yield
+    finally:
+        config.TORCH_AVAILABLE = saved
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A source's records in source order, read lazily a chunk at a time (never all in memory or on disk).
+
+    ``files`` are the local files this read touches: every file of the source, or under ``limit`` only
+    those that hold the first ``limit`` records (the rest are never opened). ``revision`` is the Hub
+    commit a Hub source is read at.
+    """
+
+    source: Source
+    files: tuple[str, ...]
+    limit: int | None = None
+    revision: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    def _iterable(self):
+        import datasets
+
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures become one SourceError
         datasets.disable_progress_bars()
+        if self.source.kind == "local":
+            ds = datasets.load_dataset(self.source.builder, data_files=list(self.files), split="train", streaming=True)
+        else:
+            ds = datasets.load_dataset(self.source.hub_id, self.source.hub_config, data_files=self.source.data_files,
+                                       split=self.source.split, revision=self.revision, streaming=True)
+        return ds if self.limit is None else ds.take(self.limit)
+
+    def chunks(self, start: int = 0, size: int = BATCH) -> Iterator[tuple[int, dict[str, list]]]:
+        """``(first record index, records as columns)`` of ``size`` records each (the last may be fewer),
+        from record ``start`` (records before it are read and passed over, not formatted)."""
+        done = start
+        try:
+            with _torch_unseen():
+                ds = self._iterable()
+                if start:
+                    ds = ds.skip(start)
+                batches = iter(ds.iter(batch_size=size))
+        except PackerError:
+            raise
+        except Exception as e:  # any failure to open the source is the source's
+            raise self._failure(e, done) from e
+        while True:
+            try:
+                with _torch_unseen():
+                    batch = next(batches)
+            except StopIteration:
+                return
+            except PackerError:
+                raise
+            except Exception as e:  # a reader failing mid-way (corrupt file, network)
+                raise self._failure(e, done) from e
+            n = len(next(iter(batch.values()))) if batch else 0
+            yield done, batch
+            done += n
+
+    def columns(self) -> list[str]:
+        """The record fields, from the source's features or, when a reader does not know them in advance,
+        from its first records (read even under a limit of 0, which a mix part may have)."""
+        for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, 1):
+            return list(batch)
+        return []
+
+    def count(self) -> int:
+        return sum(len(next(iter(b.values()))) for _, b in self.chunks() if b)
+
+    def _failure(self, error: BaseException, done: int) -> SourceError:
+        if self.source.kind == "local":
+            return _explain_local_failure(Source(**{**{k: getattr(self.source, k) for k in self.source.__slots__},
+                                                    "files": self.files}), error)
+        return SourceError(
+            f"{self.source.hub_id}: reading split {self.source.split!r} from the Hugging Face Hub failed after "
+            f"{done:,} records ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
+            "check the id, --split and your network, then rerun the same command (it resumes)"
+        )
+
+
+def open_stream(source: Source, *, limit: int | None = None) -> Stream:
+    """SOURCE as a :class:`Stream` of its first ``limit`` records (all without a limit)."""
     if source.kind == "local":
         if all(os.path.getsize(f) == 0 for f in source.files):
             raise SourceError(f"{source.name}: empty file, holds no records; check the file")
-        try:
-            dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
-            _validate(dataset)  # pyarrow's JSON reader lets invalid UTF-8 into strings
-        except (DatasetsError, ValueError, OSError, UnicodeDecodeError, StopIteration, EOFError, RecursionError) as e:
-            raise (_cache_full(e) or _explain_local_failure(source, e)) from e
-        return dataset
+        return Stream(source, _reached(source, limit), limit)
     if not _hub_reachable():
         raise SourceError(
             f"cannot reach the Hugging Face Hub for {source.hub_id!r} (no network); download it on a connected "
             "machine (`huggingface-cli download --repo-type dataset ...`) and pass the local files, or use the "
             "bundled `flan` recipe"
         )
-    try:
-        return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split)
-    except (DatasetsError, ConnectionError, OSError, ValueError) as e:
-        raise SourceError(
-            f"{source.hub_id}: cannot load split {source.split!r} from the Hugging Face Hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check the id, --split and your network"
-        ) from e
+    return Stream(source, (), limit, hub_revision(source.hub_id))
+
+
+def _reached(source: Source, limit: int | None) -> tuple[str, ...]:
+    """The files that hold the first ``limit`` records: counted by reading each in turn until they are
+    found (so a later file is never opened, let alone hashed)."""
+    if limit is None or len(source.files) == 1:
+        return source.files
+    need, reached = limit, []
+    for f in source.files:
+        reached.append(f)
+        need -= Stream(source, (f,), need).count()
+        if need <= 0:
+            break
+    return tuple(reached)

@@ -1,7 +1,7 @@
 """The token spill: records → flat token files in the staging folder, resumable, and read back by the writer.
 
-Records are read in chunks of ``CHUNK`` (``Dataset.__getitem__`` on a slice of the Arrow table that
-`datasets` memory-maps from its cache, so the input is never all in memory), formatted and tokenized by
+Records are read from the source's stream (:class:`packer.sources.Stream`) in chunks of ``CHUNK``, so
+the input is never all in memory nor converted to a cache on disk, formatted and tokenized by
 :class:`packer.tokenization.Encoder`, and appended *in source order* to four flat files::
 
     <out>/.packer-staging/tokens/
@@ -20,8 +20,8 @@ Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example);
 the tokens back segment by segment.
 
 Where the chunks are encoded is the engine's business (:mod:`packer.engines`: a local process pool, or
-Ray); whichever it is, it yields them in source order, cut at :func:`chunk_ranges`, so the bytes do
-not depend on it.
+Ray); whichever it is, it yields them in source order, ``CHUNK`` records each, so the bytes do not
+depend on it.
 
 Cost: one ``encode_batch`` per chunk; the writes are sequential appends; memory O(chunk + 12 B/example).
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .pages import drop_mapped_pages, mapped_files
 from .tokenization import Encoder
 
 CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
@@ -144,7 +142,7 @@ def _commit(folder: Path, files: dict[str, Any], progress: dict[str, Any]) -> No
 
 
 def tokenize(
-    dataset,
+    stream,
     encoder: Encoder,
     folder: Path,
     identity: dict[str, Any],
@@ -153,17 +151,19 @@ def tokenize(
     where: str = "record",
     progress: bool = False,
 ) -> Spill:
-    """Tokenize every record of ``dataset`` into ``folder`` (resuming a matching earlier run), the
-    chunks encoded by ``engine.encode_chunks`` (a :class:`packer.engines.Engine`)."""
+    """Tokenize every record of ``stream`` into ``folder`` (resuming a matching earlier run), the
+    chunks encoded by ``engine.encode_chunks`` (a :class:`packer.engines.Engine`).
+
+    A finished spill says so in its marker (``finished``), so a rerun after a crash in planning or
+    writing does not read the source again."""
     folder = Path(folder)
     done = _open_spill(folder, identity)
-    start, total = int(done["records"]), len(dataset)
-    chunks = engine.encode_chunks(dataset, encoder, start, where=where) if start < total else iter(())
-    bar = tqdm(total=total, initial=start, desc="tokenize", unit="ex", disable=not progress, dynamic_ncols=True)
+    start = int(done["records"])
+    chunks = engine.encode_chunks(stream, encoder, start, where=where) if not done.get("finished") else iter(())
+    bar = tqdm(total=getattr(stream, "limit", None), initial=start, desc="tokenize", unit="ex", disable=not progress,
+               dynamic_ncols=True)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     pending = 0
-    mapped = mapped_files(dataset)
-    drop_mapped_pages(mapped)  # whatever loading touched
     try:
         for chunk in chunks:
             files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
@@ -180,10 +180,9 @@ def tokenize(
             pending += 1
             if pending >= GROUP:
                 _commit(folder, files, done)
-                drop_mapped_pages(mapped)
                 pending = 0
+        done["finished"] = True
         _commit(folder, files, done)
-        drop_mapped_pages(mapped)
     finally:
         bar.close()
         for f in files.values():
@@ -191,7 +190,7 @@ def tokenize(
         close = getattr(chunks, "close", None)
         if close is not None:
             close()  # stops a worker pool at once when a chunk failed
-    assert done["records"] == total, (done["records"], total)  # every record is kept or counted as skipped
+    total = int(done["records"])
     examples = int(done["examples"])
     lengths = np.fromfile(folder / "lengths.bin", dtype=np.int32, count=examples)
     return Spill(
@@ -202,16 +201,3 @@ def tokenize(
         records=total,
         reused_records=start,
     )
-
-
-# ---- chunking -------------------------------------------------------------------------------------
-
-
-def chunk_ranges(start: int, stop: int) -> Iterator[tuple[int, int]]:
-    """Record ranges [lo, hi) of ≤ CHUNK records from ``start``; boundaries are multiples of CHUNK from
-    record 0, whatever the resume point (the spill's commit markers fall on them)."""
-    lo = start
-    while lo < stop:
-        hi = min(stop, (lo // CHUNK + 1) * CHUNK)
-        yield lo, hi
-        lo = hi

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import fs, schema, sources
-from .build import open_source, plan_rows, source_info, tokenizer_path
+from . import fs, mix, schema
+from .build import open_source, plan_rows, tokenizer_path
 from .config import BuildConfig
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError
@@ -407,24 +407,57 @@ def _check_tokenizer(manifest: Manifest, tokenizer, name: str, report: Report) -
                        "shards were made with another tokenizer")
 
 
+def _mix_parts(cfg: dict, source_name: str) -> tuple | None:
+    """The mix to re-read: a mix file's parts, or the build's recorded parts with the sources given in
+    order (comma-separated); None for a one-source build."""
+    recorded = cfg.get("mix")
+    if recorded is None:
+        return None
+    if source_name == cfg.get("source"):  # the mix the build named (a recipe read as a mix, or the same sources)
+        return tuple(recorded)
+    if source_name.lower().endswith((".yaml", ".yml", ".json")) and os.path.isfile(source_name):
+        return tuple(mix.read_mix_file(source_name))
+    names = source_name.split(",")
+    if len(names) != len(recorded):
+        raise ConfigError(f"--source {source_name}: the build mixed {len(recorded)} sources; give its mix file or "
+                          f"all {len(recorded)} sources, comma-separated, in the build's order")
+    return tuple({**part, "source": name} for part, name in zip(recorded, names, strict=True))
+
+
+def _check_source_identity(recorded: dict, info: dict, where: str, report: Report) -> None:
+    """The source read now is the one the build recorded: the same files' sha256, or the same Hub commit."""
+    if recorded.get("kind") == "local" and info.get("kind") == "local":
+        if [f.get("sha256") for f in recorded.get("files", [])] != [f["sha256"] for f in info["files"]]:
+            report.add("source", where, "its files' sha256 differ from the ones the build recorded: another or a "
+                       "changed source")
+    elif recorded.get("kind") == "hub" and info.get("kind") == "hub":
+        if recorded.get("revision") and info.get("revision") and recorded["revision"] != info["revision"]:
+            report.add("source", where, f"the Hub dataset is at commit {info['revision']}, the build read commit "
+                       f"{recorded['revision']}: it has changed since")
+    elif recorded.get("kind") != info.get("kind"):
+        report.add("source", where, f"a {info.get('kind')} source, the build read a {recorded.get('kind')} one")
+
+
 def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Totals | None,
                   report: Report) -> None:
     cfg = manifest.config
-    config = BuildConfig(**{**cfg, "source": source_name, "out": os.devnull})
-    src = sources.resolve(source_name, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
+    config = BuildConfig(**{**cfg, "source": source_name, "out": os.devnull, "mix": _mix_parts(cfg, source_name)})
     where = f"--source {source_name}"
-    recorded = manifest.source
-    info = source_info(src)
-    local = recorded.get("kind") == "local" and info.get("kind") == "local"
-    if local and [f["sha256"] for f in recorded.get("files", [])] != [f["sha256"] for f in info["files"]]:
-        report.add("source", where, "its files' sha256 differ from the ones the build recorded: another or a "
-                   "changed source")
-    opened = open_source(config, src, tokenizer, skip_errors=True)  # the build's own reading and encoder
+    opened = open_source(config, tokenizer, skip_errors=True)  # the build's own reading and encoder
+    if opened.parts is None:
+        _check_source_identity(manifest.source, opened.source, where, report)
+    else:  # every source of the mix
+        recorded_parts = manifest.source.get("parts") or []
+        if len(recorded_parts) != len(opened.source["parts"]):
+            report.add("source", where, f"{len(opened.source['parts'])} sources, the build mixed {len(recorded_parts)}")
+        for got, recorded in zip(opened.source["parts"], recorded_parts):
+            _check_source_identity(recorded, got, f"--source {got['source']}", report)
     s = manifest.stats
-    if len(opened.dataset) != s.examples_read:
-        report.add("source", where, f"{len(opened.dataset):,} records, the build read {s.examples_read!r}")
     # the build's own chunking, in memory and in this process
-    chunks = list(LocalEngine().encode_chunks(opened.dataset, opened.encoder, 0, where=opened.where))
+    chunks = list(LocalEngine().encode_chunks(opened.stream, opened.encoder, 0, where=opened.where))
+    read = sum(len(c.lengths) + sum(c.skipped.values()) for c in chunks)
+    if read != s.examples_read:
+        report.add("source", where, f"{read:,} records, the build read {s.examples_read!r}")
     skipped: dict[str, int] = {}
     for chunk in chunks:
         for reason, k in chunk.skipped.items():
@@ -436,6 +469,8 @@ def _check_source(manifest: Manifest, source_name: str, tokenizer, totals: _Tota
     ids = cat([c.ids for c in chunks], np.int32)
     lengths = cat([c.lengths for c in chunks], np.int64)
     example_ids = cat([c.example_ids for c in chunks], np.int64)
+    if opened.parts is not None:
+        skipped = mix.split_skipped(skipped, len(opened.parts))[0]
     if skipped and cfg.get("on_error") != "skip":
         report.add("source", where, f"{sum(skipped.values()):,} records fail to format ({skipped}), yet the build "
                    "ran with --on-error raise")

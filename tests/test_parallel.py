@@ -56,32 +56,32 @@ class _CountingEncoder(Encoder):
 @pytest.fixture(scope="module")
 def flan_700():
     source = sources.resolve("flan")
-    dataset = sources.load(source).select(range(700))
+    stream = sources.open_stream(source, limit=700)
     tokenizer = load_tokenizer(tokenizer_path(None))
-    spec = make_spec(recipe=source.recipe, config=BuildConfig(source="flan", out="-"), columns=list(dataset.column_names))
-    return dataset, tokenizer, spec
+    spec = make_spec(recipe=source.recipe, config=BuildConfig(source="flan", out="-"), columns=stream.columns())
+    return stream, tokenizer, spec
 
 
 def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_700):
     monkeypatch.setattr(spill, "CHUNK", 100)
     monkeypatch.setattr(spill, "GROUP", 2)  # a commit marker every 200 records
-    dataset, tokenizer, spec = flan_700
+    stream, tokenizer, spec = flan_700
     identity = {"test": 1}
 
-    fresh = spill.tokenize(dataset, Encoder(tokenizer, spec), tmp_path / "fresh", identity, engine=LocalEngine())
+    fresh = spill.tokenize(stream, Encoder(tokenizer, spec), tmp_path / "fresh", identity, engine=LocalEngine())
     assert fresh.records == 700 and fresh.reused_records == 0
 
     folder = tmp_path / "resumed"
     crashing = _CountingEncoder(tokenizer, spec, crash_at=6)  # chunks 1-5 encoded, marker after chunk 4
     with pytest.raises(_Crash):
-        spill.tokenize(dataset, crashing, folder, identity, engine=LocalEngine())
+        spill.tokenize(stream, crashing, folder, identity, engine=LocalEngine())
     progress = json.loads((folder / spill.PROGRESS).read_text())
     assert progress["records"] == 400
     with open(folder / "ids.bin", "ab") as f:  # a torn write after the marker is dropped on resume
         f.write(b"\x01\x02\x03")
 
     counting = _CountingEncoder(tokenizer, spec)
-    resumed = spill.tokenize(dataset, counting, folder, identity, engine=LocalEngine())
+    resumed = spill.tokenize(stream, counting, folder, identity, engine=LocalEngine())
     assert resumed.reused_records == 400 and counting.calls == 3  # only the chunks after the marker
     for name in SPILL_FILES:
         assert filecmp.cmp(fresh.folder / name, folder / name, shallow=False), name
@@ -90,7 +90,7 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
 
     # Another identity: the old tokens are discarded, everything is redone.
     other = _CountingEncoder(tokenizer, spec)
-    again = spill.tokenize(dataset, other, folder, {"test": 2}, engine=LocalEngine())
+    again = spill.tokenize(stream, other, folder, {"test": 2}, engine=LocalEngine())
     assert again.reused_records == 0 and other.calls == 7
 
 

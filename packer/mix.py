@@ -1,0 +1,324 @@
+"""Mixtures: several sources in one build, each formatted by its own recipe or fields, interleaved
+deterministically for the seed.
+
+A mix is a list of parts, from the command line (``packer build flan gsm8k.jsonl chat.jsonl --mix
+0.5,0.3,0.2``) or a YAML/JSON file (``--mix mix.yaml``)::
+
+    - {source: flan, weight: 0.5}
+    - {source: gsm8k.jsonl, recipe: gsm8k, weight: 0.3}
+    - {source: chat.jsonl, messages_field: messages, weight: 0.2}
+    - {source: Open-Orca/FLAN, files: "cot_zsopt_data/*.parquet", recipe: flan, weight: 0.1}
+
+``files`` picks files inside a Hub repo or a local folder (a glob relative to it).
+
+Every part has a ``weight`` (the mix draws each next record's source with these probabilities, and
+ends when the drawn source has no record left, or at ``--limit`` records), or every part has a
+``records`` count (exactly that many of its first records, in an order shuffled for the seed; a source
+that holds fewer is an error). The draws are a pure function of the seed and the weights, so a mix is
+reproduced exactly by a rerun, a resume or ``verify --source``. Example ids in the shards are
+positions in the mix.
+
+Each part is read as its own stream (:mod:`packer.sources`) and encoded by its own
+:class:`packer.tokenization.Encoder` (so chat and prompt/completion sources mix under one tokenizer);
+:class:`MixEncoder` puts a chunk's examples back in mix order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, SourceError
+from .tokenization import Encoded, Encoder
+
+FIELDS = ("prompt_field", "completion_field", "messages_field", "text_field")
+KEYS = ("source", "weight", "records", "recipe", "split", "files", *FIELDS)
+DRAW_BLOCK = 4096  # draws are made in blocks of this many, whatever the chunk size
+SALT = 0x6D6978  # "mix": the draws' stream of random numbers is apart from the plan's for the same seed
+
+
+def parts_from_cli(sources: tuple[str, ...], mix: str | None) -> list[dict[str, Any]] | None:
+    """The mix the command line gives (None for a one-source build): weights for the sources, or a file."""
+    if mix is not None and Path(mix).suffix.lower() in (".yaml", ".yml", ".json"):
+        if sources:
+            raise ConfigError(f"--mix {mix} is a mix file, which names the sources itself; give no SOURCE with it")
+        return read_mix_file(mix)
+    if mix is None:
+        if len(sources) > 1:
+            raise ConfigError(f"{len(sources)} sources need --mix: weights (--mix 0.5,0.3,0.2) or a mix file (--mix mix.yaml)")
+        return None
+    words = [w.strip() for w in mix.split(",")]
+    if len(words) != len(sources):
+        raise ConfigError(f"--mix {mix} gives {len(words)} weights for {len(sources)} sources; give one per SOURCE")
+    return check_parts([{"source": s, "weight": _number(w, f"--mix {mix}")} for s, w in zip(sources, words, strict=True)],
+                       f"--mix {mix}")
+
+
+def _number(word: str, where: str) -> float:
+    try:
+        value = float(word)
+    except ValueError:
+        raise ConfigError(f"{where}: weight {word!r} is not a number; give weights like 0.5,0.3,0.2") from None
+    if not np.isfinite(value) or value < 0:
+        raise ConfigError(f"{where}: weight {word!r} must be a finite number ≥ 0")
+    return value
+
+
+def read_mix_file(path: str) -> list[dict[str, Any]]:
+    """The parts of a YAML or JSON mix file: a list of parts, or ``{"sources": [...]}``."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--mix {path}: cannot be read ({e.strerror or e}); check the path") from e
+    try:
+        if path.lower().endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # json and yaml raise their own error types; both mean "not a mix file"
+        raise ConfigError(f"--mix {path}: not valid {'JSON' if path.lower().endswith('.json') else 'YAML'} "
+                          f"({str(e).splitlines()[0][:150]})") from e
+    if isinstance(data, dict) and "sources" in data:
+        data = data["sources"]
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"--mix {path}: must be a list of sources ({{source, weight or records, ...}})")
+    return check_parts(data, f"--mix {path}")
+
+
+def check_parts(parts: list, where: str) -> list[dict[str, Any]]:
+    """Each part checked and normalised (keys in a fixed order, weights as given)."""
+    out = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("source"), str) or not part["source"]:
+            raise ConfigError(f"{where}: part {i + 1} is not a {{source: ..., weight: ...}} entry")
+        unknown = sorted(set(part) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: part {i + 1} ({part['source']}) has unknown keys {', '.join(unknown)}; "
+                              f"known: {', '.join(KEYS)}")
+        if ("weight" in part) == ("records" in part):
+            raise ConfigError(f"{where}: part {i + 1} ({part['source']}) needs a weight or a records count (one)")
+        clean = {k: part[k] for k in KEYS if part.get(k) is not None}
+        if "weight" in clean:
+            clean["weight"] = _number(str(clean["weight"]), where)
+        else:
+            n = clean["records"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"{where}: part {i + 1} ({part['source']}) records must be a whole number ≥ 1, got {n!r}")
+        for key in ("recipe", "split", "files", *FIELDS):
+            if key in clean and not isinstance(clean[key], str):
+                raise ConfigError(f"{where}: part {i + 1} ({part['source']}) {key} must be a string")
+        out.append(clean)
+    kinds = {"weight" in p for p in out}
+    if len(kinds) > 1:
+        raise ConfigError(f"{where}: give every source a weight, or every source a records count, not both")
+    if kinds == {True} and sum(p["weight"] for p in out) <= 0:
+        raise ConfigError(f"{where}: the weights sum to zero; give at least one source a positive weight")
+    return out
+
+
+# -- the draws --------------------------------------------------------------------------------------
+
+
+def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator[np.ndarray]:
+    """The source of each mix position, in blocks: a pure function of the parts, seed and limit."""
+    rng = np.random.default_rng([SALT, seed])
+    if "records" in parts[0]:
+        order = np.repeat(np.arange(len(parts), dtype=np.int16), [p["records"] for p in parts])
+        order = order[rng.permutation(order.size)]
+        if limit is not None:
+            order = order[:limit]
+        for lo in range(0, order.size, DRAW_BLOCK):
+            yield order[lo:lo + DRAW_BLOCK]
+        return
+    p = np.array([part["weight"] for part in parts], dtype=np.float64)
+    p /= p.sum()
+    left = limit
+    while left is None or left > 0:
+        block = rng.choice(len(parts), size=DRAW_BLOCK, p=p).astype(np.int16)
+        if left is not None:
+            block = block[:left]
+            left -= block.size
+        yield block
+
+
+def positions_sources(parts: list[dict[str, Any]], seed: int, n: int) -> np.ndarray:
+    """int16[n]: the source of each of the first ``n`` mix positions (recomputed, nothing read)."""
+    out = list(draws(parts, seed, n))
+    return np.concatenate(out)[:n] if out else np.zeros(0, np.int16)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """One part's records, taken n at a time across its stream's batches."""
+
+    def __init__(self, stream, size: int):
+        self.batches = stream.chunks(0, size)
+        self.batch: dict[str, list] = {}
+        self.offset = 0
+        self.taken = 0
+
+    def take(self, n: int) -> dict[str, list]:
+        parts: list[dict[str, list]] = []
+        while n > 0:
+            have = len(next(iter(self.batch.values()))) - self.offset if self.batch else 0
+            if have == 0:
+                nxt = next(self.batches, None)
+                if nxt is None:
+                    break
+                self.batch, self.offset = nxt[1], 0
+                continue
+            k = min(n, have)
+            parts.append({c: v[self.offset:self.offset + k] for c, v in self.batch.items()})
+            self.offset += k
+            n -= k
+        taken = {c: [x for p in parts for x in p.get(c, [None] * len(next(iter(p.values()))))]
+                 for c in dict.fromkeys(c for p in parts for c in p)}
+        self.taken += len(next(iter(taken.values()))) if taken else 0
+        return taken
+
+
+@dataclass(frozen=True, slots=True)
+class MixChunk:
+    """One chunk of the mix: per part present, its records (in its own order) and their mix positions."""
+
+    pieces: tuple[tuple[int, int, dict[str, list], np.ndarray], ...]  # (part, first index in part, records, positions)
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class MixStream:
+    """The parts' streams interleaved by the draws; the same interface as :class:`packer.sources.Stream`."""
+
+    parts: tuple[dict[str, Any], ...]
+    streams: tuple[Any, ...]  # packer.sources.Stream per part
+    seed: int
+    limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "+".join(p["source"] for p in self.parts)
+
+    def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
+        readers = [_Reader(s, size) for s in self.streams]
+        pending = np.zeros(0, np.int16)
+        blocks = draws(list(self.parts), self.seed, self.limit)
+        lo = 0
+        while True:
+            while pending.size < size:
+                block = next(blocks, None)
+                if block is None:
+                    break
+                pending = np.concatenate([pending, block])
+            chunk, pending = pending[:size], pending[size:]
+            if chunk.size == 0:
+                return
+            pieces, cut = [], chunk.size
+            firsts = [r.taken for r in readers]
+            got = []
+            for k, reader in enumerate(readers):
+                want = int((chunk == k).sum())
+                records = reader.take(want) if want else {}
+                n = len(next(iter(records.values()))) if records else 0
+                got.append(records)
+                if n < want:  # this part ran out at its (n+1)-th draw in the chunk
+                    if "records" in self.parts[k]:
+                        raise SourceError(
+                            f"{self.parts[k]['source']}: ended after {firsts[k] + n:,} records, the mix asks for "
+                            f"{self.parts[k]['records']:,}; lower its records count or check the source")
+                    cut = min(cut, int(np.flatnonzero(chunk == k)[n]))
+            ended = cut < chunk.size  # a weighted part ran out: the mix ends here
+            chunk = chunk[:cut]
+            for k, records in enumerate(got):
+                positions = np.flatnonzero(chunk == k)
+                if positions.size:
+                    records = {c: v[:positions.size] for c, v in records.items()}
+                    pieces.append((k, firsts[k], records, lo + positions))
+            if chunk.size and lo >= start:
+                yield lo, MixChunk(tuple(pieces), int(chunk.size))
+            lo += int(chunk.size)
+            if ended:
+                return
+
+    def columns(self) -> list[str]:
+        return []
+
+
+class MixEncoder:
+    """Encodes a :class:`MixChunk`: each part's records by its own Encoder, examples back in mix order."""
+
+    def __init__(self, encoders: list[Encoder], names: list[str]):
+        self.encoders, self.names = encoders, names
+
+    def encode(self, chunk: MixChunk, first_index: int, *, where: str = "record") -> Encoded:
+        done: list[Encoded] = []
+        skipped: dict[str, int] = {}
+        for k, first, records, positions in chunk.pieces:
+            enc = self.encoders[k].encode(records, first, where=f"{self.names[k]} record")
+            # example ids: from the part's own record index to the position in the mix
+            enc.example_ids = positions[enc.example_ids - first].astype(np.int64)
+            done.append(enc)
+            for reason, n in enc.skipped.items():
+                key = f"{reason}@{k}"
+                skipped[key] = skipped.get(key, 0) + n
+        if not done:
+            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64), skipped)
+        lengths = np.concatenate([e.lengths for e in done]).astype(np.int64)
+        example_ids = np.concatenate([e.example_ids for e in done])
+        ids = np.concatenate([e.ids for e in done])
+        trained = np.concatenate([e.trained for e in done])
+        order = np.argsort(example_ids, kind="stable")
+        starts = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        new_len = lengths[order]
+        new_starts = np.zeros(new_len.size + 1, np.int64)
+        np.cumsum(new_len, out=new_starts[1:])
+        index = np.repeat(starts[:-1][order] - new_starts[:-1], new_len) + np.arange(int(new_starts[-1]))
+        return Encoded(ids[index], trained[index], new_len, example_ids[order], skipped)
+
+
+def split_skipped(skipped: dict[str, int], parts: int) -> tuple[dict[str, int], list[dict[str, int]]]:
+    """A mix spill's ``reason@part`` skip counts as (by reason, by part and reason)."""
+    total: dict[str, int] = {}
+    per = [{} for _ in range(parts)]
+    for key, n in skipped.items():
+        reason, _, k = key.rpartition("@")
+        total[reason] = total.get(reason, 0) + n
+        per[int(k)][reason] = per[int(k)].get(reason, 0) + n
+    return dict(sorted(total.items())), [dict(sorted(p.items())) for p in per]
+
+
+def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,
+                plan, per_skipped: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """Each part's counts: records read, examples packed whole / split / truncated / dropped, skipped by reason."""
+    src = positions_sources(parts, seed, records)
+    example_src = src[np.asarray(example_ids)] if len(example_ids) else np.zeros(0, np.int16)
+    pieces = np.bincount(plan.example, minlength=lengths.size)
+    covered = np.bincount(plan.example, weights=plan.length, minlength=lengths.size).astype(np.int64)
+    whole = covered == lengths
+    out = []
+    for k, part in enumerate(parts):
+        mine = example_src == k
+        dropped = {**per_skipped[k]}
+        overlong = int((mine & (pieces == 0)).sum())
+        if overlong:
+            dropped["overlong"] = overlong
+        out.append({
+            "source": part["source"],
+            "records_read": int((src == k).sum()),
+            "examples": int(mine.sum()),
+            "examples_packed": int((mine & (pieces == 1) & whole).sum()),
+            "examples_split": int((mine & (pieces > 1)).sum()),
+            "examples_truncated": int((mine & (pieces > 0) & ~whole).sum()),
+            "dropped_by_reason": dict(sorted(dropped.items())),
+            "tokens": int(plan.length[example_src[plan.example] == k].sum()) if plan.example.size else 0,
+        })
+    return out

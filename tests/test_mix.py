@@ -1,0 +1,161 @@
+"""Mixtures: several sources, each formatted by its own recipe or fields, drawn by weight or count for
+the seed; per-source counts in the manifest; inspect shows them; verify --source re-reads every source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from packer import mix, schema
+from packer.cli import main
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("mixsrc")
+    with open(d / "qa.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"It is {2 * i}."}) + "\n")
+    with open(d / "chat.jsonl", "w") as f:
+        for i in range(200):
+            turns = [{"role": "user", "content": f"Say {i} in words."}, {"role": "assistant", "content": f"Number {i}!"}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    (d / "mix.yaml").write_text(
+        f"- {{source: flan, records: 60}}\n"
+        f"- {{source: {d / 'qa.jsonl'}, recipe: gsm8k, records: 50}}\n"
+        f"- {{source: {d / 'chat.jsonl'}, messages_field: messages, records: 40}}\n")
+    return {"dir": d, "qa": d / "qa.jsonl", "chat": d / "chat.jsonl", "file": d / "mix.yaml"}
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, [*args])
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / schema.MANIFEST_NAME).read_text())
+
+
+def segments(out: Path) -> dict[int, np.ndarray]:
+    """example id -> its tokens, from the shards (each example whole in one row here)."""
+    got = {}
+    for entry in manifest(out)["shards"]:
+        with pa.memory_map(str(out / entry["file"])) as f:
+            table = pa.ipc.open_stream(f).read_all()
+        for ids, lens, exs in zip(table["input_ids"].to_pylist(), table["seq_lens"].to_pylist(),
+                                  table["example_ids"].to_pylist()):
+            at = 0
+            for n, ex in zip(lens, exs):
+                got[ex] = np.asarray(ids[at:at + n])
+                at += n
+    return got
+
+
+@pytest.fixture(scope="module")
+def weighted(srcs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mixw") / "out"
+    result = cli("build", "flan", str(srcs["qa"]), str(srcs["chat"]), "--mix", "0.5,0.3,0.2", "--limit", "300",
+                 "-q", "-j", "1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_weighted_mix_counts_add_up_and_follow_the_draws(weighted, srcs):
+    m = manifest(weighted)
+    parts = m["config"]["mix"]
+    assert [p["weight"] for p in parts] == [0.5, 0.3, 0.2]
+    counts = m["stats"]["sources"]
+    assert sum(c["records_read"] for c in counts) == m["stats"]["examples_read"] == 300
+    assert sum(c["tokens"] for c in counts) == m["stats"]["tokens"]
+    drawn = np.bincount(mix.positions_sources(parts, 0, 300), minlength=3)
+    assert [c["records_read"] for c in counts] == drawn.tolist()
+    assert all(c > 0 for c in drawn) and drawn[0] > drawn[2]  # the weights show
+    assert m["source"]["kind"] == "mix" and [p["source"] for p in m["source"]["parts"]] == ["flan", str(srcs["qa"]),
+                                                                                            str(srcs["chat"])]
+
+
+def test_each_example_is_its_own_sources_tokens(weighted, srcs, tmp_path):
+    """Chat and prompt/completion in one build: every segment equals that record built alone."""
+    alone = {}
+    for k, (src, extra) in enumerate([("flan", ["--limit", "300"]), (str(srcs["qa"]), []), (str(srcs["chat"]), [])]):
+        out = tmp_path / f"alone{k}"
+        result = cli("build", src, *extra, "-q", "-j", "1", "--out", str(out))
+        assert result.exit_code == 0, result.output
+        alone[k] = segments(out)
+    parts = manifest(weighted)["config"]["mix"]
+    src = mix.positions_sources(parts, 0, 300)
+    got = segments(weighted)
+    assert sorted(got) == list(range(300))
+    for position, tokens in got.items():
+        k = int(src[position])
+        index = int((src[:position] == k).sum())  # the record's index in its own source
+        assert np.array_equal(tokens, alone[k][index]), (position, k, index)
+
+
+def test_inspect_shows_the_mix_and_verify_checks_every_source(weighted, srcs, tmp_path):
+    shown = cli("inspect", str(weighted))
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.strip().startswith("mix"))
+    assert "w 0.5" in lines[head + 1] and "w 0.3" in lines[head + 2] and "w 0.2" in lines[head + 3]
+    ok = cli("verify", str(weighted), "--source", f"flan,{srcs['qa']},{srcs['chat']}")
+    assert ok.exit_code == 0, ok.output
+    changed = tmp_path / "qa.jsonl"
+    changed.write_text(srcs["qa"].read_text().replace("plus 7?", "plus seven?"))
+    bad = cli("verify", str(weighted), "--source", f"flan,{changed},{srcs['chat']}")
+    assert bad.exit_code == 1 and f"--source {changed}: its files' sha256 differ" in bad.output
+
+
+def test_mix_is_deterministic_for_the_seed_and_any_j(srcs, weighted, tmp_path):
+    args = ["build", "flan", str(srcs["qa"]), str(srcs["chat"]), "--mix", "0.5,0.3,0.2", "--limit", "300", "-q"]
+    again = tmp_path / "again"
+    assert cli(*args, "-j", "2", "--out", str(again)).exit_code == 0
+    for name in ("manifest.json", "shard-00000.arrow"):
+        assert (again / name).read_bytes() == (weighted / name).read_bytes(), name
+    other = tmp_path / "seed1"
+    assert cli(*args, "--seed", "1", "--out", str(other)).exit_code == 0
+    assert manifest(other)["stats"]["sources"] != manifest(weighted)["stats"]["sources"]
+
+
+def test_mix_file_with_record_counts(srcs, tmp_path):
+    out = tmp_path / "out"
+    result = cli("build", "--mix", str(srcs["file"]), "-q", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    counts = manifest(out)["stats"]["sources"]
+    assert [c["records_read"] for c in counts] == [60, 50, 40]
+    assert manifest(out)["config"]["mix"][1]["recipe"] == "gsm8k"
+    ok = cli("verify", str(out), "--source", str(srcs["file"]))
+    assert ok.exit_code == 0, ok.output
+
+
+def _file(tmp: Path, text: str, name: str = "m.yaml") -> str:
+    (tmp / name).write_text(text)
+    return str(tmp / name)
+
+
+@pytest.mark.parametrize(("make", "needle"), [
+    (lambda t, s: ["flan", str(s["qa"]), "--mix", "0.5,half"], "weight 'half' is not a number"),
+    (lambda t, s: ["flan", str(s["qa"]), "--mix", "0,0"], "the weights sum to zero"),
+    (lambda t, s: ["flan", str(s["qa"]), "--mix", "1,1,1"], "gives 3 weights for 2 sources"),
+    (lambda t, s: ["flan", str(s["qa"])], "2 sources need --mix"),
+    (lambda t, s: ["flan", str(s["qa"]), "--mix", "1,1", "--prompt-field", "q"], "set them per source in a mix file"),
+    (lambda t, s: ["--mix", _file(t, "- {source: flan, weight: 1, colour: red}\n")], "unknown keys colour"),
+    (lambda t, s: ["--mix", _file(t, f"- {{source: {t / 'nope.jsonl'}, weight: 1}}\n")], "nope.jsonl: no such file"),
+    (lambda t, s: ["--mix", _file(t, "- {source: flan, weight: 1}\n- {source: flan, records: 5}\n")],
+     "a weight, or every source a records count"),
+    (lambda t, s: ["--mix", _file(t, "[{source: flan, weight: 1}")], "not valid YAML"),
+    (lambda t, s: ["--mix", _file(t, "{\"sources\": 3}", "m.json")], "must be a list of sources"),
+    (lambda t, s: ["--mix", _file(t, f"- {{source: {s['qa']}, records: 500}}\n- {{source: flan, records: 10}}\n")],
+     "qa.jsonl: ended after 200 records, the mix asks for 500"),
+])
+def test_bad_mix_is_one_line_and_writes_nothing(srcs, tmp_path, make, needle):
+    out = tmp_path / "out"
+    result = cli("build", *make(tmp_path, srcs), "-q", "--out", str(out))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    line, = result.stderr.splitlines()
+    assert needle in line, line
+    assert not (out / schema.MANIFEST_NAME).exists() and not list(out.glob("shard-*"))
