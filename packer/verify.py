@@ -47,6 +47,7 @@ from .config import BuildConfig
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError
 from .schema import Manifest
+from .spill import CHUNK
 from .tokenization import load_tokenizer, tokenizer_info
 
 MAX_ROWS_SHOWN = 5
@@ -550,31 +551,37 @@ def _reference_trained(opened, example_ids: np.ndarray, lengths: np.ndarray) -> 
     """The loss mask of the kept examples, recomputed apart from the build's encoder (which maps span
     ends with ``char_to_token``): a token is trained when its character offsets overlap a trained
     span, so a character spelled in several byte tokens is trained whole. The EOS packer appends takes
-    the last segment's flag. ``None`` when the token counts differ from ``lengths``."""
-    encoder = opened.encoder
-    backend, formatter, eos = encoder.backend, encoder.formatter, encoder.eos
-    out: list[np.ndarray] = []
-    step = 1024
-    for lo in range(0, example_ids.size, step):
-        wanted = example_ids[lo : lo + step]
-        records = opened.dataset[int(wanted[0]) : int(wanted[-1]) + 1]
-        names = list(records)
-        texts, spans, last_flags = [], [], []
-        for k in wanted - wanted[0]:
-            segments = formatter({name: records[name][int(k)] for name in names})
-            texts.append("".join(text for text, _ in segments))
-            bounds = np.cumsum([0] + [len(text) for text, _ in segments])
-            spans.append([(bounds[j], bounds[j + 1]) for j, (_, flag) in enumerate(segments) if flag])
-            last_flags.append(segments[-1][1])
-        for enc, example_spans, last_flag in zip(
-                backend.encode_batch(texts, add_special_tokens=encoder.add_special_tokens), spans, last_flags):
-            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-            mask = np.zeros(len(offsets), bool)
-            for start, end in example_spans:
-                mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start) & (offsets[:, 1] > offsets[:, 0])
-            if not enc.ids or enc.ids[-1] != eos:
-                mask = np.append(mask, last_flag)
-            out.append(mask)
+    the last segment's flag. The source is read again as a stream; ``None`` when the token counts
+    differ from ``lengths``."""
+    wanted = set(example_ids.tolist())
+    masks: dict[int, np.ndarray] = {}
+    for lo, chunk in opened.stream.chunks(0, CHUNK):
+        if isinstance(chunk, mix.MixChunk):  # each part's records by its own encoder, at their mix positions
+            pieces = [(opened.encoder.encoders[k], records, positions) for k, _, records, positions in chunk.pieces]
+        else:
+            n = len(next(iter(chunk.values()))) if chunk else 0
+            pieces = [(opened.encoder, chunk, np.arange(lo, lo + n))]
+        for encoder, records, positions in pieces:
+            names = list(records)
+            rows = [(int(p), {name: records[name][i] for name in names})
+                    for i, p in enumerate(positions) if int(p) in wanted]
+            texts, spans, last_flags = [], [], []
+            for _, record in rows:
+                segments = encoder.formatter(record)
+                texts.append("".join(text for text, _ in segments))
+                bounds = np.cumsum([0] + [len(text) for text, _ in segments])
+                spans.append([(bounds[j], bounds[j + 1]) for j, (_, flag) in enumerate(segments) if flag])
+                last_flags.append(segments[-1][1])
+            encodings = encoder.backend.encode_batch(texts, add_special_tokens=encoder.add_special_tokens)
+            for (position, _), enc, example_spans, last_flag in zip(rows, encodings, spans, last_flags):
+                offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                mask = np.zeros(len(offsets), bool)
+                for start, end in example_spans:
+                    mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start) & (offsets[:, 1] > offsets[:, 0])
+                if not enc.ids or enc.ids[-1] != encoder.eos:
+                    mask = np.append(mask, last_flag)
+                masks[position] = mask
+    out = [masks.get(int(e), np.zeros(0, bool)) for e in example_ids]
     if [m.size for m in out] != lengths.tolist():
         return None
     return np.concatenate(out) if out else np.zeros(0, bool)
