@@ -29,8 +29,10 @@ import itertools
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -119,7 +121,7 @@ class _Workers:
 
     def __init__(self, n: int, encoder: Encoder, where: str):
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.outboxes = [], [], []
         try:
             for _ in range(n):
                 mine, theirs = ctx.Pipe()
@@ -129,12 +131,18 @@ class _Workers:
                 theirs.close()
                 self.procs.append(proc)
                 self.conns.append(mine)
+                # A chunk of records can outgrow the pipe's buffer: sent from this thread, it would block
+                # while the worker blocks sending back its previous result, which this thread has not yet
+                # taken (a deadlock). A feeder thread per worker sends; this thread only receives.
+                outbox: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=_feed, args=(mine, outbox), daemon=True).start()
+                self.outboxes.append(outbox)
         except BaseException:
             self.kill()
             raise
 
     def send(self, k: int, chunk: tuple[int, dict]) -> None:
-        self.conns[k % len(self.conns)].send(chunk)
+        self.outboxes[k % len(self.outboxes)].put(chunk)
 
     def receive(self, k: int) -> Encoded:
         i = k % len(self.conns)
@@ -154,8 +162,19 @@ class _Workers:
                 proc.kill()  # SIGKILL: a worker holds nothing to clean up, the parent writes everything
         for proc in self.procs:
             proc.join()
+        for outbox in self.outboxes:
+            outbox.put(None)  # the feeder ends (a send to a dead worker fails at once, and ends it too)
         for conn in self.conns:
             conn.close()
+
+
+def _feed(conn, outbox: queue.SimpleQueue) -> None:
+    """Send the chunks put in ``outbox`` to one worker, until ``None`` or the worker is gone."""
+    while (chunk := outbox.get()) is not None:
+        try:
+            conn.send(chunk)
+        except (OSError, ValueError):  # the worker was killed, or the pipe closed: nothing is waiting
+            return
 
 
 def _worker_main(conn, parent: int, encoder: Encoder, where: str) -> None:
