@@ -76,7 +76,7 @@ class BuildConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
 
-        if not self.source.strip():
+        if not isinstance(self.source, str) or not self.source.strip():
             raise ConfigError("SOURCE is empty; give a recipe, a file, folder or glob, or a Hub id (see --help)")
 
         for option, path in (("SOURCE", self.source), ("--out", self.out)):

@@ -19,7 +19,7 @@ from conftest import BUNDLED_TOKENIZER, make_build
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
 
-from packer import BuildConfig, inspect_, render, schema, sources
+from packer import BuildConfig, inspect_, render, schema
 from packer.build import open_source
 from packer.cli import main
 from packer.engines import LocalEngine
@@ -58,10 +58,9 @@ class Reshuffle(Sampler):
 def _examples(config: BuildConfig) -> list[dict]:
     """The build's examples (its own reading, formatting and tokenizing), as padded training takes them."""
     tokenizer = load_tokenizer(str(BUNDLED_TOKENIZER))
-    src = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
-    opened = open_source(config, src, tokenizer, skip_errors=False)
+    opened = open_source(config, tokenizer, skip_errors=False)
     out = []
-    for chunk in LocalEngine().encode_chunks(opened.dataset, opened.encoder, 0, where=opened.where):
+    for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0, where=opened.where):
         ends = np.cumsum(chunk.lengths)
         for ids, trained in zip(np.split(chunk.ids, ends[:-1]), np.split(chunk.trained, ends[:-1]), strict=True):
             out.append({"input_ids": ids.tolist(), "labels": np.where(trained == 1, ids, -100).tolist()})

@@ -86,11 +86,11 @@ def test_bound_plus_one_on_synthetic_shapes(shape, budget):
 def gsm8k_lengths(gsm8k_file, llama2_tokenizer) -> np.ndarray:
     """Every GSM8K train example's length, through packer's own format and tokenize steps."""
     src = sources.resolve(str(gsm8k_file), recipe="gsm8k")
-    ds = sources.load(src)
+    stream = sources.open_stream(src)
     spec = make_spec(recipe=src.recipe, config=BuildConfig(source=str(gsm8k_file), recipe="gsm8k", out="-"),
-                     columns=list(ds.column_names))
+                     columns=stream.columns())
     enc = Encoder(load_tokenizer(tokenizer_path(str(llama2_tokenizer))), spec)
-    return np.concatenate([enc.encode(ds[i : i + 2000], i).lengths for i in range(0, len(ds), 2000)])
+    return np.concatenate([enc.encode(records, lo).lengths for lo, records in stream.chunks(0, 2000)])
 
 
 @pytest.mark.parametrize("budget, bfd_over", [(2048, 6), (4096, 1)])
