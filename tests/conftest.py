@@ -13,6 +13,15 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 BUNDLED_TOKENIZER = ROOT / "data" / "tokenizer"
 
 
+def one_line(result) -> str:
+    """The one stderr line of a CLI run (click's CliRunner) that failed as a user error: exit code 2."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
 def make_build(out: Path, source: str = "flan", **options) -> Path:
     """Build into ``out`` through the library (the CLI tests go through click) and return ``out``."""
     build(BuildConfig(source=source, out=str(out), **options))

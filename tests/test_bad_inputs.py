@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import BUNDLED_TOKENIZER, make_build
+from conftest import BUNDLED_TOKENIZER, make_build, one_line
 
 from packer import schema
 from packer.cli import main
@@ -168,13 +168,6 @@ def _mixed(tmp: Path) -> Path:
 def build_cli(*args: str):
     return CliRunner().invoke(main, ["build", *args, "-q"])
 
-
-def one_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize(("make", "needles"), _cases())

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA, make_build
+from conftest import SHARED_DATA, make_build, one_line
 from test_build import segments_of
 
 from packer import schema
@@ -197,13 +197,6 @@ def test_null_bos_token_renders_nothing(tmp_path):
 def build_cli(*args: str):
     return CliRunner().invoke(main, ["build", *args, "-q", "-j", "1"])
 
-
-def one_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def test_error_cases_one_line(tmp_path):

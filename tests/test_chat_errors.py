@@ -10,6 +10,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from conftest import one_line
 from test_chat import write_jsonl
 
 from packer import chat
@@ -46,12 +47,6 @@ def build(tmp_path, jinja: str, records: list[dict], *extra: str):
                                      "--out", str(out), "-q", *extra])
 
 
-def one_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def skipped(result) -> dict:
