@@ -173,8 +173,8 @@ def _feed(conn, outbox: queue.SimpleQueue) -> None:
     while (chunk := outbox.get()) is not None:
         try:
             conn.send(chunk)
-        except (OSError, ValueError):  # the worker was killed, or the pipe closed: nothing is waiting
-            return
+        except Exception:  # the worker was killed and the pipe closed under us (OSError, or TypeError
+            return  # when the close lands mid-send): the build is ending and nothing waits for this chunk
 
 
 def _worker_main(conn, parent: int, encoder: Encoder, where: str) -> None:
