@@ -13,6 +13,31 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 BUNDLED_TOKENIZER = ROOT / "data" / "tokenizer"
 
 
+def rewrite_column(path: Path, column: str, change) -> None:
+    """Rewrite the one-batch shard at ``path`` with ``change(flat_values, offsets)`` applied to one column
+    (``offsets`` None for a scalar column); the other columns are written back as they were."""
+    import pyarrow as pa
+
+    from packer import schema
+
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
+    columns = []
+    for name in schema.COLUMNS:
+        col = table.column(name).chunk(0)
+        if name == column:
+            if isinstance(col, pa.ListArray):
+                values = col.values.to_numpy().copy()
+                change(values, col.offsets.to_numpy())
+                col = pa.ListArray.from_arrays(col.offsets, pa.array(values, col.type.value_type))
+            else:
+                values = col.to_numpy().copy()
+                change(values, None)
+                col = pa.array(values, col.type)
+        columns.append(col)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+
+
 def one_line(result) -> str:
     """The one stderr line of a CLI run (click's CliRunner) that failed as a user error: exit code 2."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)

@@ -9,9 +9,8 @@ import json
 import shutil
 
 import numpy as np
-import pyarrow as pa
 import pytest
-from conftest import make_build
+from conftest import make_build, rewrite_column
 
 from packer import schema
 from packer.errors import ShardFormatError
@@ -34,22 +33,7 @@ def damage(out, column: str, change) -> None:
     """Apply ``change(values, offsets)`` to one column of shard 0, keeping the file's size."""
     path = out / schema.shard_name(0)
     before = path.stat().st_size
-    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
-    columns = []
-    for name in schema.COLUMNS:
-        col = table.column(name).chunk(0)
-        if name == column:
-            if isinstance(col, pa.ListArray):
-                values = col.values.to_numpy().copy()
-                change(values, col.offsets.to_numpy())
-                col = pa.ListArray.from_arrays(col.offsets, pa.array(values, col.type.value_type))
-            else:
-                values = col.to_numpy().copy()
-                change(values, None)
-                col = pa.array(values, col.type)
-        columns.append(col)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+    rewrite_column(path, column, change)
     assert path.stat().st_size == before
 
 

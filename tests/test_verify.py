@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from conftest import BUNDLED_TOKENIZER, make_build
+from conftest import BUNDLED_TOKENIZER, make_build, rewrite_column
 
 from packer import fs, schema
 from packer.cli import main
@@ -61,22 +61,7 @@ def rewrite_shard(folder: Path, column: str, change) -> None:
     """Rewrite shard 0 with ``change(flat_values, offsets)`` applied to one column, and re-record its bytes and
     sha256 in the manifest, so that only the row checks can see what changed."""
     path = shard(folder)
-    table = read_table(path).combine_chunks()
-    columns = []
-    for name in schema.COLUMNS:
-        col = table.column(name).chunk(0)
-        if name == column:
-            if isinstance(col, pa.ListArray):
-                values = col.values.to_numpy().copy()
-                change(values, col.offsets.to_numpy())
-                col = pa.ListArray.from_arrays(col.offsets, pa.array(values, col.type.value_type))
-            else:
-                values = col.to_numpy().copy()
-                change(values, None)
-                col = pa.array(values, col.type)
-        columns.append(col)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+    rewrite_column(path, column, change)
 
     def fix(m):
         m["shards"][0]["bytes"] = path.stat().st_size
