@@ -60,7 +60,7 @@ class Engine(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LocalEngine:
-    """This machine: ``num_proc`` tokenizing processes, shards written one after another."""
+    """This machine: ``num_proc`` tokenizing processes, then ``num_proc`` threads writing shards."""
 
     num_proc: int = 1
 
@@ -77,7 +77,7 @@ class LocalEngine:
                      totals: dict[str, int], progress: bool) -> list[ShardEntry]:
         with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
             return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, totals=totals,
-                                on_rows=bar.update)
+                                on_rows=bar.update, threads=self.num_proc)
 
 
 def for_config(config: BuildConfig) -> Engine:

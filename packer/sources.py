@@ -1,8 +1,9 @@
 """Reading inputs as a stream: a recipe, a local file/folder/glob, or a Hub dataset id.
 
 ``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
-:class:`Stream`, records read in order, a chunk at a time, through `datasets`' streaming readers
-(an ``IterableDataset``): nothing is converted to an Arrow cache and nothing is downloaded whole, so
+:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet and Arrow files by
+:mod:`packer.readers`, CSV and text files and Hub datasets through `datasets`' streaming readers (an
+``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
 ``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
 file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
 one-line `SourceError` that names the file, the line where it can, and the fix.
@@ -15,7 +16,7 @@ A folder is read the way the Hub reads a dataset repository (`datasets`' own dat
 from __future__ import annotations
 
 import glob
-import json
+import itertools
 import os
 import re
 import socket
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import readers
 from .errors import ConfigError, PackerError, SourceError
 from .recipes import RECIPES, Recipe, get_recipe
 
@@ -184,57 +186,7 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
     )
 
 
-def _first_bad_json_line(path: str) -> tuple[int, str] | None:
-    """(line number, what is wrong) of the first line that is not UTF-8 or not JSON (line 0: a .gz that
-    is not whole gzip data); None if all is fine."""
-    import gzip
-    import zlib
-
-    number = 0
-    try:
-        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            if path.endswith((".json", ".json.gz")):
-                try:
-                    json.loads(f.read().decode("utf-8"))
-                    return None
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                    f.seek(0)  # not one document (or not UTF-8): find the line
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    return number, f"not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the file as UTF-8"
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        return number, f"malformed JSON ({e.msg}); fix or remove that line"
-                    except RecursionError:
-                        return number, "JSON nested too deeply to read (over ~1,000 levels); flatten or remove that record"
-                    if not isinstance(record, dict):
-                        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-                            type(record), "a number")
-                        return number, f"{kind}, not a record ({{...}}); each line must hold one JSON object"
-                    try:  # Python's json accepts a lone surrogate escape (\ud800), Arrow does not
-                        json.dumps(record, ensure_ascii=False).encode("utf-8")
-                    except UnicodeEncodeError:
-                        return number, "a \\uXXXX escape of half a surrogate pair (not a character); fix that text"
-    # gzip reads ahead: a line number would be a guess, so these name the file only (line 0)
-    except EOFError:
-        return 0, "the gzip data ends early (a truncated file); download or compress it again"
-    except (gzip.BadGzipFile, zlib.error) as e:
-        where = "not gzip data" if number == 0 else "corrupt or extra data after the gzip data"
-        return 0, f"{where} ({e}); check the file is a complete .gz, or drop the .gz suffix if it is plain text"
-    return None
-
-
 def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
-    if source.builder == "json":
-        for path in source.files:
-            bad = _first_bad_json_line(path)
-            if bad is not None:
-                line, msg = bad
-                return SourceError(f"{path}:{line}: {msg}" if line else f"{path}: {msg}")
     if isinstance(error, UnicodeDecodeError) or isinstance(error.__cause__, UnicodeDecodeError):
         return SourceError(f"{source.name}: not UTF-8 text; re-encode the file as UTF-8")
     cause = error.__cause__ or error.__context__ or error
@@ -323,6 +275,21 @@ class Stream:
     def chunks(self, start: int = 0, size: int = BATCH) -> Iterator[tuple[int, dict[str, list]]]:
         """``(first record index, records as columns)`` of ``size`` records each (the last may be fewer),
         from record ``start`` (records before it are read and passed over, not formatted)."""
+        if self.source.kind == "local" and self.source.builder in readers.OWN:
+            return self._own_chunks(start, size)
+        return self._datasets_chunks(start, size)
+
+    def _own_chunks(self, start: int, size: int) -> Iterator[tuple[int, dict[str, list]]]:
+        """Local JSON, Parquet and Arrow files, read by :mod:`packer.readers` (no `datasets`)."""
+        every = itertools.chain.from_iterable(readers.records(self.source.builder, f) for f in self.files)
+        todo = itertools.islice(every, start, self.limit)
+        done = start
+        while batch := list(itertools.islice(todo, size)):
+            names = dict.fromkeys(name for record in batch for name in record)  # a key some records lack: None
+            yield done, {name: [record.get(name) for record in batch] for name in names}
+            done += len(batch)
+
+    def _datasets_chunks(self, start: int, size: int) -> Iterator[tuple[int, dict[str, list]]]:
         done = start
         try:
             with _torch_unseen():
@@ -349,9 +316,10 @@ class Stream:
             done += n
 
     def columns(self) -> list[str]:
-        """The record fields, from the source's features or, when a reader does not know them in advance,
-        from its first records (read even under a limit of 0, which a mix part may have)."""
-        for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, 1):
+        """The record fields: those of the first ``BATCH`` records (read even under a limit of 0, which a
+        mix part may have), or the source's features where `datasets` knows them in advance."""
+        own = self.source.kind == "local" and self.source.builder in readers.OWN
+        for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, BATCH if own else 1):
             return list(batch)
         return []
 

@@ -9,7 +9,9 @@ the whole block.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +25,11 @@ ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
 TOKENS_PER_BATCH = 1 << 20  # ... and this many tokens, which bounds the memory of assembling one
 
 
-def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.RecordBatch:
+def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
+             counts: dict[str, int] | None = None) -> pa.RecordBatch:
     """The Arrow record batch of rows [row_lo, row_hi) of the plan: three int32 token columns and a
-    one-byte loss flag per token are its only batch-sized arrays."""
+    one-byte loss flag per token are its only batch-sized arrays. Its counts (rows, tokens, loss
+    tokens, segments that hold no trained token) are added into ``counts``."""
     s_lo, s_hi = int(plan.row_splits[row_lo]), int(plan.row_splits[row_hi])
     seg_len = plan.length[s_lo:s_hi]
     seg_ex = plan.example[s_lo:s_hi]
@@ -52,19 +56,32 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int) -> pa.Reco
     token_splits = seg_out[seg_splits]
     num_loss = np.add.reduceat(target, token_splits[:-1]).astype(np.int32) if total else np.zeros(0, np.int32)
     max_seqlen = np.maximum.reduceat(seg_len, seg_splits[:-1]).astype(np.int32)
+    if counts is not None:
+        counts["rows"] += row_hi - row_lo
+        counts["tokens"] += total
+        counts["loss_tokens"] += int(num_loss.sum())
+        if total:
+            counts["segments_without_loss"] += int((np.add.reduceat(target, seg_out[:-1]) == 0).sum())
 
-    tok_off = pa.array(token_splits.astype(np.int32))
-    seg_off = pa.array(seg_splits.astype(np.int32))
+    tok_off = _arrow(token_splits.astype(np.int32))
+    seg_off = _arrow(seg_splits.astype(np.int32))
     columns = [
-        pa.ListArray.from_arrays(tok_off, pa.array(input_ids)),
-        pa.ListArray.from_arrays(tok_off, pa.array(position)),
-        pa.ListArray.from_arrays(tok_off, pa.array(labels)),
-        pa.ListArray.from_arrays(seg_off, pa.array(seg_len.astype(np.int32))),
-        pa.ListArray.from_arrays(seg_off, pa.array(store.example_ids[seg_ex].astype(np.int64))),
-        pa.array(num_loss, pa.int32()),
-        pa.array(max_seqlen, pa.int32()),
+        pa.ListArray.from_arrays(tok_off, _arrow(input_ids)),
+        pa.ListArray.from_arrays(tok_off, _arrow(position)),
+        pa.ListArray.from_arrays(tok_off, _arrow(labels)),
+        pa.ListArray.from_arrays(seg_off, _arrow(seg_len.astype(np.int32))),
+        pa.ListArray.from_arrays(seg_off, _arrow(store.example_ids[seg_ex].astype(np.int64))),
+        _arrow(num_loss),
+        _arrow(max_seqlen),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+
+
+def _arrow(values: np.ndarray) -> pa.Array:
+    """A numpy array of numbers as an Arrow array sharing its memory. Not ``pa.array``: it imports pandas
+    (0.2 s of every build) to ask whether its argument is a pandas object."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
 def _read_segments(store: TokenStore, seg_src, seg_out, seg_len, input_ids: np.ndarray, trained: np.ndarray) -> None:
@@ -119,22 +136,18 @@ def batch_bounds(plan: Plan, lo: int, hi: int) -> Iterator[tuple[int, int]]:
 
 
 def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
-                on_rows: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+                on_rows: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> dict[str, int]:
     """Write rows [lo, hi) as one Arrow stream file; returns its counts (rows, tokens, loss tokens and
-    segments that hold no trained token, which a truncated completion-only example becomes)."""
+    segments that hold no trained token, which a truncated completion-only example becomes). When
+    ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
         for b_lo, b_hi in batch_bounds(plan, lo, hi):
-            batch = assemble(plan, store, b_lo, b_hi)
+            if stop is not None and stop.is_set():
+                break
+            batch = assemble(plan, store, b_lo, b_hi, counts)
             writer.write_batch(batch)
-            trained = batch.column(2).values.to_numpy() != schema.IGNORE_INDEX
-            seq_lens = batch.column(3).values.to_numpy().astype(np.int64)
-            starts = np.cumsum(seq_lens) - seq_lens
-            counts["rows"] += b_hi - b_lo
-            counts["tokens"] += len(trained)
-            counts["loss_tokens"] += int(trained.sum())
-            counts["segments_without_loss"] += int((np.add.reduceat(trained, starts) == 0).sum()) if len(trained) else 0
-            del batch, trained  # before the next one is assembled: one batch in memory at a time
+            del batch  # before the next one is assembled: one batch in memory at a time
             on_rows(b_hi - b_lo)
     return counts
 
@@ -152,13 +165,31 @@ def add_counts(totals: dict[str, int], counts: dict[str, int]) -> None:
 
 
 def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int, totals: dict[str, int],
-                 on_rows: Callable[[int], None] = lambda n: None) -> list[schema.ShardEntry]:
-    """Write every shard into ``staging``, one after another; their manifest entries, in order (their
-    loss counts are added into ``totals``)."""
-    entries = []
-    for index, (lo, hi) in enumerate(shard_bounds(plan, shard_bytes)):
+                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> list[schema.ShardEntry]:
+    """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order (their
+    loss counts are added into ``totals``). Threads, not processes: assembling is numpy, and writing
+    and hashing are pyarrow's and hashlib's, which release the GIL; each thread writes whole shards, so
+    the bytes do not depend on ``threads``."""
+    bounds = shard_bounds(plan, shard_bytes)
+    stop = threading.Event()
+
+    def one(index: int) -> tuple[schema.ShardEntry, dict[str, int]]:
         path = staging / schema.shard_name(index)
-        counts = write_shard(plan, store, path, lo, hi, on_rows)
+        counts = write_shard(plan, store, path, *bounds[index], on_rows, stop)
+        return shard_entry(path, counts) if not stop.is_set() else None, counts
+
+    if threads <= 1 or len(bounds) <= 1:
+        done = [one(index) for index in range(len(bounds))]
+    else:
+        with ThreadPoolExecutor(min(threads, len(bounds)), thread_name_prefix="packer-write") as pool:
+            futures = [pool.submit(one, index) for index in range(len(bounds))]
+            try:
+                done = [future.result() for future in futures]
+            except BaseException:  # an error or Ctrl-C: the others end after their current batch
+                stop.set()
+                for future in futures:
+                    future.cancel()
+                raise
+    for _, counts in done:
         add_counts(totals, counts)
-        entries.append(shard_entry(path, counts))
-    return entries
+    return [entry for entry, _ in done]
