@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import spill as spill_
 from .config import BuildConfig

@@ -126,15 +126,16 @@ def _text_field(record: dict[str, Any], name: str, *, allow_empty: bool = False)
 
 # Default-ignorable characters (zero-width spaces and joiners, BOM, soft hyphen, variation selectors,
 # bidi marks, fillers): a text of only these and whitespace shows nothing and is empty.
-_INVISIBLE = dict.fromkeys(
-    [0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFEFF, 0xFFA0,
-     *range(0x180B, 0x1810), *range(0x200B, 0x2010), *range(0x202A, 0x202F), *range(0x2060, 0x2070),
-     *range(0xFE00, 0xFE10)]
-)
+_INVISIBLE = frozenset(map(chr, [
+    0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFEFF, 0xFFA0,
+    *range(0x180B, 0x1810), *range(0x200B, 0x2010), *range(0x202A, 0x202F), *range(0x2060, 0x2070),
+    *range(0xFE00, 0xFE10),
+]))
 
 
 def _blank(text: str) -> bool:
-    return not text.strip() or not text.translate(_INVISIBLE).strip()
+    # stops at the first visible character, most often the first: a whole-text translate cost ~15 µs a field
+    return all(c.isspace() or c in _INVISIBLE for c in text)
 
 
 class Formatter:

@@ -1,0 +1,142 @@
+"""Local JSON, Parquet and Arrow files are read by packer.readers, not `datasets`: the records as written
+(checked against `datasets`' own reading where that is right, and against the text where it is not),
+the same shards whatever the file type, and one clear line for what cannot be read."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from conftest import one_line
+
+from packer import schema, sources
+from packer.cli import main
+
+RECORDS = [
+    {"prompt": f"What is {i} plus {i}?", "completion": f"{2 * i}", "id": i, "score": i / 4,
+     "meta": {"tags": ["a", "b"][: i % 3], "source": "test"}}
+    for i in range(2500)
+]
+
+
+def _records(path: Path, limit: int | None = None) -> list[dict]:
+    stream = sources.open_stream(sources.resolve(str(path)), limit=limit)
+    out = []
+    for _, columns in stream.chunks():
+        names = list(columns)
+        out += [dict(zip(names, row)) for row in zip(*columns.values())]
+    return out
+
+
+def _datasets_records(builder: str, path: Path) -> list[dict]:
+    import datasets
+
+    ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    return list(ds)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_parquet_and_arrow_read_as_datasets_reads_them(tmp_path):
+    """Files that carry their types: the records equal `datasets`' own streaming reader's, in order."""
+    table = pa.Table.from_pylist(RECORDS)
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=700)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=600)
+    for name, builder in (("d.parquet", "parquet"), ("d.arrow", "arrow")):
+        mine = _records(tmp_path / name)
+        assert len(mine) == len(RECORDS)
+        assert mine == _datasets_records(builder, tmp_path / name), name
+    assert _records(tmp_path / "d.parquet", limit=1234) == _records(tmp_path / "d.parquet")[:1234]
+
+
+def test_arrow_file_format_is_read_too(tmp_path):
+    table = pa.Table.from_pylist(RECORDS[:50])
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    assert _records(tmp_path / "d.arrow") == table.to_pylist()
+
+
+def test_jsonl_reads_each_record_as_written(tmp_path):
+    """A JSON line is its record exactly: where `datasets` is right (same keys and types on every line)
+    the two agree; where its Arrow inference is not, the text wins: a date stays a string, an int an int,
+    and a key a record lacks is absent (None in the columns), not an empty struct field."""
+    path = _write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    assert _records(path) == _datasets_records("json", path) == RECORDS
+    odd = [{"prompt": "2020-01-01", "completion": "x"}, {"prompt": "p", "completion": "y", "n": 3},
+           {"prompt": "q", "completion": "z", "n": 2.5}]
+    path = _write_jsonl(tmp_path / "odd.jsonl", odd)
+    assert _records(path) == [{"prompt": "2020-01-01", "completion": "x", "n": None},
+                              {"prompt": "p", "completion": "y", "n": 3}, {"prompt": "q", "completion": "z", "n": 2.5}]
+    assert type(_records(path)[1]["n"]) is int
+
+
+def test_a_date_like_prompt_builds_as_text(tmp_path):
+    """`datasets` read "2020-01-02" as a datetime, and the build refused the record as not text."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"2020-01-{d:02d}", "completion": "a weekday"}
+                                               for d in range(1, 29)])
+    result = CliRunner().invoke(main, ["build", str(path), "--prompt-field", "prompt", "--completion-field",
+                                       "completion", "--out", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output
+    row = CliRunner().invoke(main, ["inspect", str(tmp_path / "o"), "--row", "0", "--json"])
+    assert "2020-01-" in row.stdout
+
+
+def test_json_document_gzip_and_bom(tmp_path):
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps(RECORDS[:300], indent=2))
+    assert _records(array) == RECORDS[:300]
+    texts = tmp_path / "t.json"
+    texts.write_text(json.dumps(["one", "two"]))
+    assert _records(texts) == [{"text": "one"}, {"text": "two"}]
+    gz = tmp_path / "d.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n\n" for r in RECORDS[:30]).encode()))
+    assert _records(gz) == RECORDS[:30]
+
+
+def test_same_shards_from_jsonl_and_parquet(tmp_path):
+    records = [{k: r[k] for k in ("prompt", "completion")} for r in RECORDS]
+    _write_jsonl(tmp_path / "d.jsonl", records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.parquet"):
+        result = CliRunner().invoke(main, ["build", str(tmp_path / name), "--prompt-field", "prompt",
+                                           "--completion-field", "completion", "--out", str(tmp_path / f"out-{name}"), "-q",
+                                           "--pack", "bfd", "--max-tokens", "512", "--max-len", "512"])
+        assert result.exit_code == 0, result.output
+    a, b = (sorted((tmp_path / f"out-{n}").glob("*.arrow")) for n in ("d.jsonl", "d.parquet"))
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b] and a
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"prompt": "a",\n "completion": "b"}', "holds one JSON object (keys prompt, completion), not records"),
+    ('[{"prompt": "a", "completion": "b"}, 3]', "item 2 of the array is a number, not a record"),
+])
+def test_json_document_errors(tmp_path, content, needle):
+    path = tmp_path / "d.json"
+    path.write_text(content)
+    result = CliRunner().invoke(main, ["build", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert needle in one_line(result) and str(path) in one_line(result)
+    assert not (tmp_path / "o" / schema.MANIFEST_NAME).exists()
+
+
+def test_local_build_imports_neither_datasets_nor_pandas(tmp_path):
+    """`import datasets` was a third of the bundled sample's build; pandas came with it, and with
+    ``pa.array``/``to_numpy`` on numpy data."""
+    code = (
+        "import sys; from packer.cli import main\ntry:\n    main(['build', 'flan', '--out', sys.argv[1], '--limit', "
+        "'1200', '-q'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print(sorted(m for m in ('datasets', 'pandas', 'torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
