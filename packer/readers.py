@@ -20,6 +20,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import SourceError
@@ -34,25 +35,69 @@ def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     return _arrow_records(builder, path)
 
 
+def count(builder: str, path: str, need: int) -> int:
+    """How many records the file holds, counted up to ``need`` (more are not looked for), without
+    making them: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch lengths. A line that
+    is not a record is counted here, and fails the build when it is read."""
+    if builder != "json":
+        with _arrow_errors(builder, path):
+            if builder == "parquet":
+                import pyarrow.parquet as pq
+
+                with pq.ParquetFile(path) as f:
+                    return f.metadata.num_rows
+            return sum(batch.num_rows for batch in _arrow_batches(builder, path))
+    with _json_errors(path), _open(path) as f:
+        if _is_document(f):
+            return sum(1 for _ in _document_records(path, f.read()))
+        n = 0
+        for _ in _json_lines(f):
+            n += 1
+            if n >= need:
+                break
+        return n
+
+
 def _json_records(path: str) -> Iterator[dict[str, Any]]:
+    with _json_errors(path), _open(path) as f:
+        if _is_document(f):
+            yield from _document_records(path, f.read())
+            return
+        for number, raw in _json_lines(f):
+            yield _record(path, number, raw)
+
+
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _is_document(f) -> bool:
+    """Whether the file is one JSON document, an array (else it is JSON Lines); ``f`` is left at its start."""
+    start = f.read(1 << 16).lstrip()
+    if start.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+        start = start[3:].lstrip()
+    f.seek(0)
+    return start.startswith(b"[")
+
+
+def _json_lines(f) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of every non-blank line."""
+    for number, raw in enumerate(f, start=1):
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        if raw.strip():
+            yield number, raw
+
+
+@contextmanager
+def _json_errors(path: str):
+    """Reading failures of a JSON file as one-line ``SourceError``s (a gzip one names the file only: gzip
+    reads ahead, so a line number would be a guess)."""
     try:
-        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            start = f.read(1 << 16).lstrip()
-            if start.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
-                start = start[3:].lstrip()
-            f.seek(0)
-            if start.startswith(b"["):  # one JSON document: an array of records
-                yield from _document_records(path, f.read())
-                return
-            for number, raw in enumerate(f, start=1):
-                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]
-                if not raw.strip():
-                    continue
-                yield _record(path, number, raw)
+        yield
     except EOFError:
         raise SourceError(f"{path}: the gzip data ends early (a truncated file); download or compress it again") from None
-    except (gzip.BadGzipFile, zlib.error) as e:  # gzip reads ahead: a line number would be a guess
+    except (gzip.BadGzipFile, zlib.error) as e:
         with open(path, "rb") as raw:
             where = "corrupt or extra data after the gzip data" if raw.read(2) == b"\x1f\x8b" else "not gzip data"
         raise SourceError(f"{path}: {where} ({e}); check the file is a complete .gz, or drop the .gz suffix if it "
@@ -137,11 +182,17 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def _arrow_records(builder: str, path: str) -> Iterator[dict[str, Any]]:
+    with _arrow_errors(builder, path):
+        for batch in _arrow_batches(builder, path):
+            yield from batch.to_pylist()
+
+
+@contextmanager
+def _arrow_errors(builder: str, path: str):
     import pyarrow as pa
 
     try:
-        for batch in _arrow_batches(builder, path):
-            yield from batch.to_pylist()
+        yield
     except (pa.ArrowException, OSError) as e:
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "check the file is complete and of that type") from None

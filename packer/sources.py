@@ -360,7 +360,8 @@ def _reached(source: Source, limit: int | None) -> tuple[str, ...]:
     need, reached = limit, []
     for f in source.files:
         reached.append(f)
-        need -= Stream(source, (f,), need).count()
+        own = source.builder in readers.OWN  # counted without making the records
+        need -= readers.count(source.builder, f, need) if own else Stream(source, (f,), need).count()
         if need <= 0:
             break
     return tuple(reached)

@@ -140,3 +140,20 @@ def test_local_build_imports_neither_datasets_nor_pandas(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_count_without_reading_records(tmp_path):
+    """--limit over several files counts each file's records without making them (and stops at need)."""
+    from packer import readers
+
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:700])
+    table = pa.Table.from_pylist(RECORDS[:700])
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=100)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=64)
+    (tmp_path / "a.json").write_text(json.dumps(RECORDS[:70]))
+    assert readers.count("json", str(jsonl), 10_000) == 700
+    assert readers.count("json", str(jsonl), 250) == 250
+    assert readers.count("json", str(tmp_path / "a.json"), 10_000) == 70
+    assert readers.count("parquet", str(tmp_path / "d.parquet"), 10) == 700
+    assert readers.count("arrow", str(tmp_path / "d.arrow"), 10_000) == 700
