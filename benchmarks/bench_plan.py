@@ -71,11 +71,11 @@ def real_data() -> list[tuple[str, np.ndarray, np.ndarray]]:
     out = []
     for name, source, recipe, tok in cases:
         src = sources.resolve(source, recipe=recipe)
-        ds = sources.load(src)
+        stream = sources.open_stream(src)
         spec = make_spec(recipe=src.recipe, config=BuildConfig(source=source, recipe=recipe, out="-"),
-                         columns=list(ds.column_names))
+                         columns=stream.columns())
         enc = Encoder(load_tokenizer(tokenizer_path(tok)), spec)
-        parts = [enc.encode(ds[i : i + 2000], i) for i in range(0, len(ds), 2000)]
+        parts = [enc.encode(records, lo) for lo, records in stream.chunks(0, 2000)]
         out.append((name, np.concatenate([p.ids for p in parts]), np.concatenate([p.lengths for p in parts])))
     return out
 
