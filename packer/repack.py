@@ -31,7 +31,7 @@ greedy path, ~50-100 µs with the subset-sum. Measured figures: README, Planning
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -169,19 +169,16 @@ def _refill(counts: np.ndarray, cap: int):
             return None
         need, full = _row(count, present, bits, mirror, cap)
         m = 1 + (min(count[s] // c for s, c in need.items()) if full else 0)
-        gone = False
         for s, c in need.items():
             count[s] -= c * (m - 1)
-            if not count[s]:
-                gone = True
+            if not count[s]:  # used up
+                del present[bisect_left(present, s)]
                 bits ^= 1 << s
                 mirror ^= 1 << (cap - s)
             t_row.append(r)
             t_size.append(s)
             t_count.append(c)
             t_rep.append(m)
-        if gone:
-            present = [s for s in present if count[s]]
         r += m
     return (*(np.asarray(t, np.int64) for t in (t_row, t_size, t_count, t_rep)), r)
 
