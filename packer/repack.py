@@ -96,11 +96,30 @@ def _pair(count: list[int], bits: int, mirror: int, cap: int, room: int) -> int:
     return 0
 
 
-def _row(count: list[int], present: list[int], bits: int, mirror: int, cap: int) -> tuple[dict[int, int], bool]:
+def _sand(count: list[int], bits: int, m: int, sand: int, cap: int, room: int) -> int:
+    """The most copies j of the smallest size ``m`` such that one more item left fills ``room - j * m``
+    exactly; 0 if none. ``sand`` has bit cap - j * m set for j = 1, 2, ...: bit b of
+    ``sand >> (cap - room)`` is set when room - b is a multiple of m."""
+    most = min(count[m], room // m)
+    if not most:
+        return 0
+    y = (sand >> (cap - room)) & bits & ~((1 << (room - most * m)) - 1)
+    while y:
+        b = (y & -y).bit_length() - 1  # the lowest: the most copies of m
+        j = (room - b) // m
+        if count[b] > (j if b == m else 0):
+            return j
+        y ^= 1 << b
+    return 0
+
+
+def _row(count: list[int], present: list[int], bits: int, mirror: int, cap: int,
+         sand: int) -> tuple[dict[int, int], bool]:
     """One MBS row from the items left: {size: copies} (taken from ``count``) and whether it is full.
 
-    The largest item, then items largest first until one item or a pair fills the row exactly
-    (at most ``GREEDY`` steps); otherwise the subset-sum fills it as closely as it can.
+    The largest item, then items largest first until one item or a pair fills the row exactly, or
+    (``sand``, see :func:`_sand`) copies of the smallest size and one item do (at most ``GREEDY``
+    steps); otherwise the subset-sum fills it as closely as it can.
     """
     largest = present[-1]
     need = {largest: 1}
@@ -117,6 +136,11 @@ def _row(count: list[int], present: list[int], bits: int, mirror: int, cap: int)
                 need[b] = need.get(b, 0) + 1
                 count[b] -= 1
                 room -= b
+                b = room
+            elif sand and (j := _sand(count, bits, present[0], sand, cap, room)):
+                need[present[0]] = need.get(present[0], 0) + j
+                count[present[0]] -= j
+                room -= j * present[0]
                 b = room
             else:
                 fits = bits & ((1 << (room + 1)) - 1)
@@ -149,7 +173,7 @@ def _row(count: list[int], present: list[int], bits: int, mirror: int, cap: int)
     return need, not room
 
 
-def _refill(counts: np.ndarray, cap: int):
+def _refill(counts: np.ndarray, cap: int, sand: bool):
     """MBS rows over the multiset ``counts[size]``: (row, size, copies, repeats) arrays and the row count,
     or None past ``MAX_BUILDS`` rows built. A full row is repeated while the counts allow it."""
     count = counts.tolist()
@@ -163,11 +187,15 @@ def _refill(counts: np.ndarray, cap: int):
     t_count: list[int] = []
     t_rep: list[int] = []
     r = builds = 0
+    smallest = multiples = 0
     while present:
         builds += 1
         if builds > MAX_BUILDS:
             return None
-        need, full = _row(count, present, bits, mirror, cap)
+        if sand and present[0] != smallest:  # the multiples of the smallest size left, for _sand
+            smallest = present[0]
+            multiples = sum(1 << (cap - j * smallest) for j in range(1, cap // smallest + 1))
+        need, full = _row(count, present, bits, mirror, cap, multiples)
         m = 1 + (min(count[s] // c for s, c in need.items()) if full else 0)
         for s, c in need.items():
             count[s] -= c * (m - 1)
@@ -183,9 +211,9 @@ def _refill(counts: np.ndarray, cap: int):
     return (*(np.asarray(t, np.int64) for t in (t_row, t_size, t_count, t_rep)), r)
 
 
-def _deal(items: np.ndarray, sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int] | None:
+def _deal(items: np.ndarray, sizes: np.ndarray, cap: int, sand: bool) -> tuple[np.ndarray, int] | None:
     """Refill ``items`` into rows: (local row of each item, number of rows), or None past the bound."""
-    out = _refill(np.bincount(sizes[items], minlength=cap + 1), cap)
+    out = _refill(np.bincount(sizes[items], minlength=cap + 1), cap, sand)
     if out is None:
         return None
     t_row, t_size, t_count, t_rep, nrows = out
@@ -200,6 +228,49 @@ def _deal(items: np.ndarray, sizes: np.ndarray, cap: int) -> tuple[np.ndarray, i
     return local, nrows
 
 
+def _wanted(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, cap: int) -> np.ndarray:
+    """Full bins that hold the items the loose bins want: for a bin short of ``g`` tokens, an item of
+    ``g`` (it fills the bin) and for each size ``a`` in it one of ``a + g`` (one exchange fills it),
+    from as many bins as the loose bins that want it. A class of identical loose bins all short of
+    one filler size (a 2,045-token item alone wants a 3) gets too few of it from the even spread."""
+    gap = cap - loads[bin_of]
+    short = np.flatnonzero(gap > 0)
+    pairs = np.unique(bin_of[short] * (cap + 1) + sizes[short])  # (bin, size) once each
+    want = pairs % (cap + 1) + cap - loads[pairs // (cap + 1)]  # size + gap
+    want = np.concatenate([want, cap - loads[loads < cap]])  # the gaps themselves
+    need = np.bincount(want[want <= cap], minlength=cap + 1)
+    lend = np.flatnonzero((gap == 0) & (need[sizes] > 0))  # items of full bins with a wanted size
+    lend = lend[np.argsort(sizes[lend], kind="stable")]
+    first = np.searchsorted(sizes[lend], sizes[lend])  # where each item's size begins
+    return np.unique(bin_of[lend[np.arange(lend.size) - first < need[sizes[lend]]]])
+
+
+def _refill_window(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int, second: bool):
+    """The loose bins and as many full bins, spread evenly over the opening order (BFD opens bins
+    largest item first, so every size class lends items, small fillers included), refilled
+    together: (bin_of, nbins) renumbered, or None when nothing is won or past the bound. The
+    ``second`` refill also borrows the :func:`_wanted` bins and spends the smallest size early."""
+    loads = np.bincount(bin_of, weights=sizes, minlength=nbins).astype(np.int64)
+    loose = np.flatnonzero(loads < cap)
+    full = np.flatnonzero(loads == cap)
+    lend = min(full.size, loose.size)
+    win = np.union1d(loose, full[(np.arange(lend) * full.size) // max(lend, 1)])
+    if second:
+        win = np.union1d(win, _wanted(sizes, bin_of, loads, cap))
+    inwin = np.zeros(nbins, bool)
+    inwin[win] = True
+    work = np.flatnonzero(inwin[bin_of])
+    dealt = _deal(work, sizes, cap, second)
+    if dealt is None or dealt[1] >= win.size:
+        return None
+    row, nrows = dealt
+    bin_of = bin_of.copy()
+    bin_of[work] = win[row]  # the new rows take the window's first bin ids; the rest empty
+    used = np.zeros(nbins, bool)
+    used[bin_of] = True
+    return (np.cumsum(used) - 1)[bin_of], nbins - (win.size - nrows)
+
+
 def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> tuple[np.ndarray, int]:
     """Move items between bins so that fewer bins are used, when refilling the loose bins finds how.
 
@@ -207,26 +278,17 @@ def fewer_rows(sizes: np.ndarray, bin_of: np.ndarray, nbins: int, cap: int) -> t
     ``nbins`` bins, numbered in opening order as BFD does. Returns ``(bin_of, nbins)`` with the bins
     renumbered ``0..nbins-1`` (emptied bins removed, the others in their order). Unchanged when
     nothing is won, when the bins are at ⌈sum / cap⌉ already, or past ``MAX_BUILDS``.
+
+    A second refill (:func:`_refill_window`) runs only where the first leaves more than
+    ⌈sum / cap⌉ + 1 bins.
     """
     if nbins == 0:
         return bin_of, nbins
-    loads = np.bincount(bin_of, weights=sizes, minlength=nbins).astype(np.int64)
-    if nbins <= -(-int(loads.sum()) // cap):
-        return bin_of, nbins
-    loose = np.flatnonzero(loads < cap)
-    full = np.flatnonzero(loads == cap)
-    # as many full bins lend their items, spread evenly over the opening order: every size class
-    lend = min(full.size, loose.size)
-    win = np.union1d(loose, full[(np.arange(lend) * full.size) // max(lend, 1)])
-    inwin = np.zeros(nbins, bool)
-    inwin[win] = True
-    work = np.flatnonzero(inwin[bin_of])
-    dealt = _deal(work, sizes, cap)
-    if dealt is None or dealt[1] >= win.size:  # past the bound, or nothing won: BFD's bins stay
-        return bin_of, nbins
-    row, nrows = dealt
-    bin_of = bin_of.copy()
-    bin_of[work] = win[row]  # the new rows take the window's first bin ids; the rest empty
-    used = np.zeros(nbins, bool)
-    used[bin_of] = True
-    return (np.cumsum(used) - 1)[bin_of], nbins - (win.size - nrows)
+    lower = -(-int(sizes.sum()) // cap)
+    for second in (False, True):
+        if nbins <= lower + second:
+            break
+        out = _refill_window(sizes, bin_of, nbins, cap, second)
+        if out is not None:
+            bin_of, nbins = out
+    return bin_of, nbins
