@@ -14,19 +14,26 @@ The refill. The items of every *loose* row (gap > 0), and of as many *full* rows
 items, small fillers included), are packed again by *minimum bin slack* (Gupta & Ho, MBS'): each
 new row takes the largest item left, then items largest first until one item or a pair of items
 fills the row exactly (a pair summing to ``room`` is found in one shift and AND of two bitsets of
-the sizes left: ``present`` and its mirror). Where that fails, an exact bounded subset-sum over at
+the sizes left: ``bits`` and its mirror). Where that fails, an exact bounded subset-sum over at
 most ``MAX_SIZES`` sizes (bitset over a Python int) fills it as closely as it can. A row filled
 exactly is then *repeated* as long as the counts allow: identical rows are built once, so the
-work follows the number of distinct compositions (a few thousand), not of rows (tens of thousands).
-The refill is kept only when it needs fewer rows than it was given: never more rows than BFD.
+work follows the number of distinct compositions (one to five thousand), not of rows (tens to
+hundreds of thousands). The refill is kept only when it needs fewer rows than it was given: never
+more rows than BFD.
 
-Bound. At most ``MAX_BUILDS`` rows are built (each: at most ``GREEDY`` greedy steps, then at most
-one subset-sum); past that the refill is abandoned and BFD's rows stay: a bound on work, not on
-time, so the result is the same on any machine. 1M lengths build 1-2k rows, 10M 2-5k.
+A second refill runs only where the first leaves more than bound + 1 rows (seen at 10M lengths,
+not below): its window also borrows the full rows that hold the fillers the gaps want (a row short
+of g tokens wants an item of g, or of a + g for each of its sizes a), and its rows take copies of
+the smallest size early (MBS leaves them for last, where alone they fill rows of their own with a
+gap: 51 x 40 tokens, 8 short).
 
-Cost. O(n) numpy to gather the rows' items and map the new rows back; per built row ~5-20 µs on the
-greedy path, ~50-100 µs with the subset-sum. Measured figures: README, Planning;
-``benchmarks/bench_plan.py``.
+Bound. At most ``MAX_BUILDS`` rows are built in a refill (each: at most ``GREEDY`` greedy steps,
+then at most one subset-sum); past that the refill is abandoned and the rows it was given stay: a
+bound on work, not on time, so the result is the same on any machine.
+
+Cost. O(n) numpy to gather the rows' items and map the new rows back, plus the rows built; at 1M
+lengths less than BFD's own time, at 10M under a second more (``benchmarks/bench_plan.py``; the
+figures: README, Planning).
 """
 
 from __future__ import annotations
@@ -80,8 +87,16 @@ def _best_subset(sizes: list[int], counts: list[int], room: int) -> list[tuple[i
     return taken
 
 
+def _bitset(positions: np.ndarray, cap: int) -> int:
+    """A Python int with bit p set for each p in ``positions`` (all in [0, cap]), in O(cap)."""
+    flags = np.zeros(cap + 1, bool)
+    flags[positions] = True
+    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+
 def _pair(count: list[int], bits: int, mirror: int, cap: int, room: int) -> int:
-    """The larger of the smaller items of a pair of sizes left (``count`` > 0) that sums to ``room``; 0 if none.
+    """The smaller item b of a pair of sizes left (``count`` > 0) that sums to ``room``, the largest
+    such b (both items as large as can be: the small ones stay for later rows); 0 if none.
 
     ``bits`` has bit s set and ``mirror`` bit cap - s for each size s present when the row began (a
     size used up since is skipped by its count): bit b of ``mirror >> (cap - room)`` is set when
@@ -177,11 +192,9 @@ def _refill(counts: np.ndarray, cap: int, sand: bool):
     """MBS rows over the multiset ``counts[size]``: (row, size, copies, repeats) arrays and the row count,
     or None past ``MAX_BUILDS`` rows built. A full row is repeated while the counts allow it."""
     count = counts.tolist()
-    present = np.flatnonzero(counts).tolist()  # sizes left, ascending
-    bits = mirror = 0
-    for s in present:
-        bits |= 1 << s
-        mirror |= 1 << (cap - s)
+    sizes = np.flatnonzero(counts)
+    present = sizes.tolist()  # sizes left, ascending
+    bits, mirror = _bitset(sizes, cap), _bitset(cap - sizes, cap)
     t_row: list[int] = []
     t_size: list[int] = []
     t_count: list[int] = []
@@ -194,7 +207,7 @@ def _refill(counts: np.ndarray, cap: int, sand: bool):
             return None
         if sand and present[0] != smallest:  # the multiples of the smallest size left, for _sand
             smallest = present[0]
-            multiples = sum(1 << (cap - j * smallest) for j in range(1, cap // smallest + 1))
+            multiples = _bitset(cap - np.arange(smallest, cap + 1, smallest), cap)
         need, full = _row(count, present, bits, mirror, cap, multiples)
         m = 1 + (min(count[s] // c for s, c in need.items()) if full else 0)
         for s, c in need.items():
