@@ -41,10 +41,10 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    - ``optimal``: ``bfd``, then the rows it left with a gap, with as many full rows lending their
      items, are packed again by minimum bin slack with exact fills (:mod:`packer.repack`), kept only
      where that needs fewer rows: never more rows than ``bfd``, and ⌈tokens / max_tokens⌉ (+ 1 at
-     most) on real data and on synthetic lengths of every shape tried, where ``bfd`` is a few rows
-     over (GSM8K with Llama 2 at 2,048 tokens: 739 rows where ``bfd`` needs 745). Identical rows are
-     built once, so the refill costs less than ``bfd`` itself at 1M lengths and well under a second
-     more at 10M; it is bounded by work (rows built), not by time.
+     most) on real data (GSM8K with Llama 2 at 2,048 tokens: 739 rows where ``bfd`` needs 745) and
+     on synthetic lengths of four shapes from 10k to 10M. Identical rows are built once, so the
+     refill costs less than ``bfd`` itself at 1M lengths and about a second at 10M; it is bounded
+     by work (rows built), not by time.
      It is a mode of its own, not a change to ``bfd``: ``bfd`` stays exact best-fit-decreasing (the
      textbook algorithm the tests and TRL's ``pack_dataset`` are compared with), and a finished
      build's manifest names its mode, which ``packer verify`` replans to check the rows.
