@@ -134,14 +134,15 @@ def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, i
 
 
 def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) -> list[dict[str, Any]]:
-    """Rows, fill and optimizer steps of padding, ``batch`` and ``bfd`` for these segment lengths.
+    """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
     tokens. The mode the build used is measured on its actual rows; the others are planned from the
     lengths with ``packer.plan.plan``. ``batch`` and padding group the build's batch size
-    (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` packs into the build's ``max_tokens``, or for a
-    batch build into its largest row: the same peak memory per row as the batch rows. Steps assume one
-    row per rank per micro-batch and no gradient accumulation: ``ceil(rows / world_size)``.
+    (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` and ``optimal`` pack into the build's
+    ``max_tokens``, or for a batch build into its largest row: the same peak memory per row as the
+    batch rows. Steps assume one row per rank per micro-batch and no gradient accumulation:
+    ``ceil(rows / world_size)``.
     """
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
@@ -157,13 +158,14 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
         b = DEFAULT_BATCH
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
-    if config["pack"] == "bfd":
+    if config["pack"] in ("bfd", "optimal"):
         budget = int(config.get("max_tokens") or config.get("max_len") or longest)
-        bfd_rows = int(np.asarray(row_splits).size - 1)
     else:
         budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-        bfd_rows = plan(lengths, mode="bfd", max_len=longest, max_tokens=budget, seed=seed).num_rows
+    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config["pack"] else
+              plan(lengths, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
+              for mode in ("bfd", "optimal")}
 
     def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> dict[str, Any]:
         steps = math.ceil(rows / world)
@@ -184,7 +186,8 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
     return [
         entry("padded", batch_rows, padded, padded_max, f"{b} examples per batch, padded to the longest in it"),
         entry("batch", batch_rows, tokens, row_max, f"{b} examples per row, concatenated: no padding"),
-        entry("bfd", bfd_rows, tokens, budget, f"rows filled up to {budget:,} tokens"),
+        entry("bfd", packed["bfd"], tokens, budget, f"rows filled up to {budget:,} tokens"),
+        entry("optimal", packed["optimal"], tokens, budget, f"bfd's rows refilled: {packed['bfd'] - packed['optimal']:,} fewer"),
     ]
 
 

@@ -120,11 +120,13 @@ def summary_lines(view: dict, color: bool) -> list[str]:
                 f"   {m['note']}")
         lines.append(click.style(line, bold=True) if m["built"] else line)
     by = {m["mode"]: m for m in modes}
-    pad, batch, bfd = by["padded"], by["batch"], by["bfd"]
+    pad, batch, bfd, opt = by["padded"], by["batch"], by["bfd"], by["optimal"]
+    fewer = 1 - bfd["rows"] / max(1, batch["rows"])  # negative where the batch rows are larger than bfd's budget
     lines.append(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad['padding']:.0%} fewer "
-          f"tokens computed. bfd: {1 - bfd['rows'] / max(1, batch['rows']):.0%} fewer rows, but "
+          f"tokens computed. bfd: {abs(fewer):.0%} {'fewer' if fewer >= 0 else 'more'} rows, but "
           f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
-          "(retune the learning rate; the loss curve changes).")
+          f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt['rows']:,} rows, "
+          f"{bfd['rows'] - opt['rows']:,} fewer.")
     return _plain(lines, color)
 
 

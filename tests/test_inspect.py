@@ -10,10 +10,12 @@ import fsspec
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import make_build
 
 from packer import inspect_, schema
 from packer.build import tokenizer_path
 from packer.cli import main
+from packer.plan import plan
 from packer.tokenization import load_tokenizer
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -33,11 +35,17 @@ def tok():
 # -- summary --------------------------------------------------------------------------------------
 
 
-def test_summary_compares_modes_on_the_builds_own_rows(flan_batch, flan_bfd):
-    for directory in (flan_batch, flan_bfd):
+@pytest.fixture(scope="module")
+def flan_optimal(tmp_path_factory):
+    """flan_bfd's records and rows of 1,024 tokens, under --pack optimal."""
+    return make_build(tmp_path_factory.mktemp("flan_optimal"), limit=300, pack="optimal", max_len=1024, overlong="split")
+
+
+def test_summary_compares_modes_on_the_builds_own_rows(flan_batch, flan_bfd, flan_optimal):
+    for directory in (flan_batch, flan_bfd, flan_optimal):
         view = json.loads(run(directory, "--json"))
         stats, modes = view["stats"], {m["mode"]: m for m in view["modes"]}
-        assert set(modes) == {"padded", "batch", "bfd"}
+        assert set(modes) == {"padded", "batch", "bfd", "optimal"}
         assert [m["mode"] for m in view["modes"] if m["built"]] == [view["pack"]]
         built = modes[view["pack"]]
         assert built["rows"] == stats["rows"]  # the built mode is measured, not re-planned
@@ -47,7 +55,8 @@ def test_summary_compares_modes_on_the_builds_own_rows(flan_batch, flan_bfd):
             assert m["optimizer_steps"] == m["rows"]  # world size 1
         assert modes["batch"]["padding"] == modes["bfd"]["padding"] == 0
         assert modes["padded"]["rows"] == modes["batch"]["rows"]  # same steps as padded training
-        assert stats["lower_bound"] <= modes["bfd"]["rows"]
+        assert stats["lower_bound"] <= modes["optimal"]["rows"] <= modes["bfd"]["rows"]
+        assert modes["optimal"]["peak_row_tokens"] == modes["bfd"]["peak_row_tokens"]
         if view["pack"] == "batch":  # bfd then packs into the largest batch row: never more rows
             assert modes["bfd"]["rows"] <= modes["batch"]["rows"]
             assert modes["bfd"]["peak_row_tokens"] == modes["batch"]["peak_row_tokens"]
@@ -55,10 +64,23 @@ def test_summary_compares_modes_on_the_builds_own_rows(flan_batch, flan_bfd):
     assert batch["padded"]["computed_tokens"] == json.loads(run(flan_batch, "--json"))["stats"]["padded_tokens"]
 
 
+def test_optimal_line_counts_the_rows_of_a_refill_that_wins():
+    """47, 47, 37, 37, 16, 16 into rows of 100: BFD pairs the 47s (6 left, nothing fits), then 37 + 37 +
+    16, and the last 16 alone: 3 rows; 47 + 37 + 16 twice fills 2 rows exactly, the lower bound."""
+    lengths = np.array([47, 47, 37, 37, 16, 16])
+    bfd = plan(lengths, mode="bfd", max_len=100)
+    modes = {m["mode"]: m for m in inspect_.compare_modes(bfd.length, bfd.row_splits,
+                                                           {"pack": "bfd", "max_tokens": 100, "max_len": 100})}
+    assert modes["bfd"]["rows"] == 3 and modes["bfd"]["built"]
+    assert modes["optimal"] == {"mode": "optimal", "rows": 2, "tokens": 200, "computed_tokens": 200, "padding": 0.0,
+                                "peak_row_tokens": 100, "fill": 1.0, "optimizer_steps": 2, "examples_per_step": 3.0,
+                                "built": False, "note": "bfd's rows refilled: 1 fewer"}
+
+
 def test_summary_text(flan_batch):
     out = run(flan_batch)
     assert "the modes on these" in out
-    for mode in ("padded", "batch", "bfd"):
+    for mode in ("padded", "batch", "bfd", "optimal"):
         assert re.search(rf"^\s+[▸ ] {mode}\s+\d", out, re.M), out
     assert "▸ batch" in out and "fewer" in out
     assert not ANSI.search(out)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
 from packer import inspect_, render, schema
 from packer.build import BuildResult, tokenizer_path
+from packer.plan import plan
 from packer.tokenization import load_tokenizer
 from packer.verify import verify
 
@@ -77,3 +80,18 @@ def test_verify_lines_are_the_verdict_then_each_problem(flan_batch):
     assert render.verify_lines(report) == [report.verdict()]
     report.add("files", "x.arrow", "missing")
     assert render.verify_lines(report) == [report.verdict(), "  x.arrow: missing"]
+
+
+def test_summary_modes_table_has_an_optimal_line(flan_bfd):
+    """47, 47, 37, 37, 16, 16 into rows of 100: bfd 3 rows, optimal 2 (tests/test_inspect.py says why)."""
+    lengths = np.array([47, 47, 37, 37, 16, 16])
+    bfd = plan(lengths, mode="bfd", max_len=100)
+    view = {**inspect_.summary(flan_bfd, compare=False),
+            "modes": inspect_.compare_modes(bfd.length, bfd.row_splits, {"pack": "bfd", "max_tokens": 100})}
+    lines = render.summary_lines(view, color=False)
+    assert lines[-3:-1] == [
+        "  ▸ bfd           3           3            2.0        200     0.0%       100  66.7%   rows filled up to 100 tokens",
+        "    optimal       2           2            3.0        200     0.0%       100 100.0%   bfd's rows refilled: 1 fewer",
+    ]
+    assert lines[-1].endswith("optimal: bfd's budget in 2 rows, 1 fewer.")
+    assert "bfd: 200% more rows" in lines[-1]  # batch (8 a row) needs 1 row: 3 bfd rows are 200% more
