@@ -1,9 +1,10 @@
 """``packer inspect --plot FILE.png``: one figure of a build, from :func:`packer.inspect_.plot_data`.
 
 Four panels: the example lengths (tokens kept in the rows) against ``--max-len``; the fill of every
-row, sorted; the examples per row (``bfd``/``wrap``); for ``batch`` mode each row's tokens against what
-a padded batch of the same examples would hold (the padding packer removed); and the same examples
-under padded / batch / bfd: tokens computed, rows, optimizer steps (``inspect_.compare_modes``). matplotlib is imported here only (the ``plot`` extra), with the Agg
+row, sorted; the examples per row (``bfd``/``optimal``/``wrap``); for ``batch`` mode each row's tokens
+against what a padded batch of the same examples would hold (the padding packer removed); and the
+same examples under padded / batch / bfd / optimal: tokens computed, rows, optimizer steps
+(``inspect_.compare_modes``). matplotlib is imported here only (the ``plot`` extra), with the Agg
 backend, so it never needs a display.
 """
 
