@@ -273,7 +273,7 @@ def _check_size(segments: list[tuple[str, bool]]) -> None:
 
 def _token_at(enc, char: int, *, forward: bool) -> int | None:
     """The token holding character ``char``; whitespace a tokenizer dropped maps to its neighbour."""
-    n = len(enc.ids)
+    n = len(enc)
     step = 1 if forward else -1
     for _ in range(64):
         token = enc.char_to_token(char)
@@ -291,7 +291,7 @@ def _last_token_of_char(enc, token: int, end: int) -> int:
     ``char_to_token`` gives a character's *first* token; a character the tokenizer spells in several
     tokens (byte fallback: an emoji is four byte tokens in Llama 2) is trained only if all of them are.
     Special tokens have no characters (``token_to_chars`` is None) and end the walk."""
-    n = len(enc.ids)
+    n = len(enc)
     while token + 1 < n:
         chars = enc.token_to_chars(token + 1)
         if chars is None or chars[0] >= end or chars[1] <= chars[0]:
