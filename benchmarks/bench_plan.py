@@ -59,7 +59,7 @@ SHAPES = ("lognormal", "uniform", "bimodal", "equal")
 def real_data() -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, token ids, lengths) of every example, through packer's own format and tokenize steps."""
     from packer import BuildConfig, sources
-    from packer.build import tokenizer_path
+    from packer.pipeline import tokenizer_path
     from packer.formatting import make_spec
     from packer.tokenization import Encoder, load_tokenizer
 

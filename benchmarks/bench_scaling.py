@@ -21,7 +21,7 @@ LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
 CHILD = r"""
 import gzip, os, sys, tempfile, time
 from packer import BuildConfig, sources
-from packer.build import tokenizer_path
+from packer.pipeline import tokenizer_path
 from packer.formatting import make_spec
 from packer.tokenization import Encoder, load_tokenizer
 from packer.engines import LocalEngine

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from packer import schema
-from packer.build import tokenizer_path
+from packer.pipeline import tokenizer_path
 
 try:
     from common import tiny_llama

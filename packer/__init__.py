@@ -1,25 +1,27 @@
 """packer: pack fine-tuning data once, offline, into Arrow shards that train without padding or collation.
 
-Importing packer does not import torch: the torch side (``PackedDataset``, ``make_dataloader``,
-``prepare``) lives in ``packer.loader`` and ``packer.attention`` and is imported on first use.
+Importing packer imports nothing heavy: every name below is loaded on first use (PEP 562), so the
+``packer`` command can take Ctrl-C from its first moment (see ``packer/__main__.py``) and
+``import packer`` never imports torch: the torch side (``PackedDataset``, ``make_dataloader``,
+``prepare``) lives in ``packer.loader`` and ``packer.attention``.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .build import BuildResult, build
-from .config import BuildConfig
-from .errors import (
-    ConfigError,
-    OutputError,
-    PackerError,
-    RecordError,
-    ShardFormatError,
-    SourceError,
-    TokenizerError,
-)
-from .plan import Plan
-
-_TORCH_SIDE = {
+_WHERE = {
+    "BuildConfig": "config",
+    "BuildResult": "pipeline",
+    "build": "pipeline",
+    "Plan": "plan",
+    "ConfigError": "errors",
+    "OutputError": "errors",
+    "PackerError": "errors",
+    "RecordError": "errors",
+    "ShardFormatError": "errors",
+    "SourceError": "errors",
+    "TokenizerError": "errors",
     "PackedDataset": "loader",
     "PackedDataLoader": "loader",
     "make_dataloader": "loader",
@@ -28,28 +30,13 @@ _TORCH_SIDE = {
 
 
 def __getattr__(name: str):
-    if name in _TORCH_SIDE:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_TORCH_SIDE[name]}", __name__), name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module 'packer' has no attribute {name!r}")
 
 
-__all__ = [
-    "BuildConfig",
-    "BuildResult",
-    "ConfigError",
-    "OutputError",
-    "PackedDataLoader",
-    "PackedDataset",
-    "PackerError",
-    "Plan",
-    "RecordError",
-    "ShardFormatError",
-    "SourceError",
-    "TokenizerError",
-    "__version__",
-    "build",
-    "make_dataloader",
-    "prepare",
-]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
+
+__all__ = ["__version__", *sorted(_WHERE)]

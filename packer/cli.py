@@ -20,8 +20,8 @@ from pathlib import Path
 import click
 
 from . import inspect_, output, render, schema
-from .build import BuildResult, tokenizer_path
-from .build import build as run_build
+from .pipeline import BuildResult, tokenizer_path
+from .pipeline import build as run_build
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
 from .mix import parts_from_cli

@@ -1,4 +1,4 @@
-"""Engines: where the two parallel steps of a build run. The pipeline (:mod:`packer.build`) is the
+"""Engines: where the two parallel steps of a build run. The pipeline (:mod:`packer.pipeline`) is the
 same whichever runs them, and so are the bytes.
 
 An engine provides

@@ -7,7 +7,7 @@ import re
 
 import click
 
-from .build import BuildResult
+from .pipeline import BuildResult
 from .verify import Report
 
 # One colour per segment of a drawn row, in turn.

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import fs, mix, schema
-from .build import open_source, plan_rows, tokenizer_path
+from .pipeline import open_source, plan_rows, tokenizer_path
 from .config import BuildConfig
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError

@@ -62,3 +62,35 @@ def test_console_script_runs_without_torch(tmp_path):
         "assert 'torch' not in sys.modules, 'packer build imported torch'"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], check=True)
+
+
+def test_import_packer_is_light_and_its_names_still_resolve():
+    code = ("import sys, packer\nheavy = [m for m in ('numpy', 'pyarrow', 'click', 'tokenizers') if m in sys.modules]\n"
+            "assert not heavy, heavy\nfrom packer import BuildConfig, build, Plan, SourceError\n"
+            "assert callable(build) and build.__module__ == 'packer.pipeline', build\n"
+            "assert packer.build is build and 'build' in dir(packer)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ctrl_c_while_python_imports_the_command_is_one_line(tmp_path):
+    """Ctrl-C delivered in the middle of the heavy imports (the moment numpy is first imported): before
+    the console entry installed its handler first, Python printed a KeyboardInterrupt traceback."""
+    code = (
+        "import builtins, os, signal, sys\nreal = builtins.__import__\n"
+        "def hook(name, *a, **k):\n"
+        "    if name == 'numpy':\n        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = hook\n"
+        "sys.argv = ['packer', 'build', 'flan', '--out', sys.argv[1]]\n"
+        "from packer.__main__ import main\nmain()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (130, "packer: interrupted\n"), (done.returncode, done.stderr)
+    assert not (tmp_path / "o").exists()
+
+
+def test_console_entry_runs_the_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "packer", "build", "flan", "--limit", "30", "-q", "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o" / "manifest.json").is_file()

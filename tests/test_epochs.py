@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
 
 from packer import BuildConfig, inspect_, render, schema
-from packer.build import open_source
+from packer.pipeline import open_source
 from packer.cli import main
 from packer.engines import LocalEngine
 from packer.errors import ConfigError

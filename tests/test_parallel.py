@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import filecmp
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-from packer import BuildConfig, build, schema, sources, spill
-from packer.build import tokenizer_path
+from packer import BuildConfig, build, pipeline, schema, sources, spill
+from packer.pipeline import tokenizer_path
 from packer.engines import LocalEngine
 from packer.formatting import make_spec
 from packer.tokenization import Encoder, load_tokenizer
@@ -95,21 +94,19 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
 
 
 def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
-    build_module = importlib.import_module("packer.build")  # packer.build is also the function
-
     config = BuildConfig(source="flan", out=str(tmp_path / "out"), limit=1500, batch_size=4, max_len=512)
-    real_plan = build_module.make_plan
+    real_plan = pipeline.make_plan
 
     def crash(*args, **kwargs):
         raise _Crash("killed after tokenizing")
 
-    monkeypatch.setattr(build_module, "make_plan", crash)
+    monkeypatch.setattr(pipeline, "make_plan", crash)
     with pytest.raises(_Crash):
         build(config)
     staging = tmp_path / "out" / ".packer-staging" / schema.TOKENS_DIR
     assert json.loads((staging / spill.PROGRESS).read_text())["records"] == 1500
 
-    monkeypatch.setattr(build_module, "make_plan", real_plan)
+    monkeypatch.setattr(pipeline, "make_plan", real_plan)
     seen = []
     real_tokenize = spill.tokenize
     monkeypatch.setattr(spill, "tokenize", lambda *a, **k: seen.append(real_tokenize(*a, **k)) or seen[-1])

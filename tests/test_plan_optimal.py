@@ -11,7 +11,7 @@ from conftest import make_build
 from test_plan import _rows_as_sets, check_plan, flan_like, random_lengths, reference_bfd_loads
 
 from packer import BuildConfig, repack, sources
-from packer.build import tokenizer_path
+from packer.pipeline import tokenizer_path
 from packer.formatting import make_spec
 from packer.plan import plan, rank_work_ratio
 from packer.repack import _best_subset, _sand

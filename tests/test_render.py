@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from packer import inspect_, render, schema
-from packer.build import BuildResult, tokenizer_path
+from packer.pipeline import BuildResult, tokenizer_path
 from packer.plan import plan
 from packer.tokenization import load_tokenizer
 from packer.verify import verify
