@@ -59,8 +59,8 @@ SHAPES = ("lognormal", "uniform", "bimodal", "equal")
 def real_data() -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, token ids, lengths) of every example, through packer's own format and tokenize steps."""
     from packer import BuildConfig, sources
-    from packer.pipeline import tokenizer_path
     from packer.formatting import make_spec
+    from packer.pipeline import tokenizer_path
     from packer.tokenization import Encoder, load_tokenizer
 
     cases = [("sample, bundled tokenizer", "flan", None, None)]

@@ -20,11 +20,11 @@ from pathlib import Path
 import click
 
 from . import inspect_, output, render, schema
-from .pipeline import BuildResult, tokenizer_path
-from .pipeline import build as run_build
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
 from .mix import parts_from_cli
+from .pipeline import BuildResult, tokenizer_path
+from .pipeline import build as run_build
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
 

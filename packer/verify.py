@@ -42,10 +42,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import fs, mix, schema
-from .pipeline import open_source, plan_rows, tokenizer_path
 from .config import BuildConfig
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError
+from .pipeline import open_source, plan_rows, tokenizer_path
 from .schema import Manifest
 from .spill import CHUNK
 from .tokenization import load_tokenizer, tokenizer_info

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -141,15 +142,30 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
     segments that hold no trained token, which a truncated completion-only example becomes). When
     ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        for b_lo, b_hi in batch_bounds(plan, lo, hi):
+    with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
+          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer):
+        for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts):
             if stop is not None and stop.is_set():
                 break
-            batch = assemble(plan, store, b_lo, b_hi, counts)
             writer.write_batch(batch)
-            del batch  # before the next one is assembled: one batch in memory at a time
-            on_rows(b_hi - b_lo)
+            del batch  # before the one after next is assembled: two batches in memory at most
+            on_rows(rows)
     return counts
+
+
+def _assembled_ahead(pool: ThreadPoolExecutor, plan: Plan, store: TokenStore, bounds: Iterator[tuple[int, int]],
+                     counts: dict[str, int]) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """(record batch, rows) for each of ``bounds``, the next one assembled in ``pool`` while this one is
+    written: the reads and numpy release the GIL, so assembling and writing overlap."""
+    ahead: deque = deque()
+    for b_lo, b_hi in bounds:
+        ahead.append((pool.submit(assemble, plan, store, b_lo, b_hi, counts), b_hi - b_lo))
+        if len(ahead) > 1:
+            future, rows = ahead.popleft()
+            yield future.result(), rows
+    while ahead:
+        future, rows = ahead.popleft()
+        yield future.result(), rows
 
 
 def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:

@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
 
 from packer import BuildConfig, inspect_, render, schema
-from packer.pipeline import open_source
 from packer.cli import main
 from packer.engines import LocalEngine
 from packer.errors import ConfigError
 from packer.loader import PackedDataset
+from packer.pipeline import open_source
 from packer.plan import plan_epochs
 from packer.tokenization import load_tokenizer
 from packer.verify import verify

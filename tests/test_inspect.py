@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from conftest import make_build
 
 from packer import inspect_, schema
-from packer.pipeline import tokenizer_path
 from packer.cli import main
+from packer.pipeline import tokenizer_path
 from packer.plan import plan
 from packer.tokenization import load_tokenizer
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from packer import BuildConfig, build, pipeline, schema, sources, spill
-from packer.pipeline import tokenizer_path
 from packer.engines import LocalEngine
 from packer.formatting import make_spec
+from packer.pipeline import tokenizer_path
 from packer.tokenization import Encoder, load_tokenizer
 
 SPILL_FILES = ("ids.bin", "trained.bin", "lengths.bin", "example_ids.bin")

@@ -11,8 +11,8 @@ from conftest import make_build
 from test_plan import _rows_as_sets, check_plan, flan_like, random_lengths, reference_bfd_loads
 
 from packer import BuildConfig, repack, sources
-from packer.pipeline import tokenizer_path
 from packer.formatting import make_spec
+from packer.pipeline import tokenizer_path
 from packer.plan import plan, rank_work_ratio
 from packer.repack import _best_subset, _sand
 from packer.tokenization import Encoder, load_tokenizer
