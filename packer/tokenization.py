@@ -232,9 +232,9 @@ class Encoder:
         total = int(starts[-1])
         raw = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(sizes.sum()))
         flat = np.insert(raw, np.cumsum(sizes)[add_eos], np.int32(eos)) if add_eos.any() else raw
-        # trained tokens: every token holding a character of a trained span, as +1/-1 marks summed up
-        marks_on: list[int] = []
-        marks_off: list[int] = []
+        # trained tokens: every token holding a character of a trained span
+        trained = np.zeros(total, dtype=np.uint8)
+        starts_list = starts.tolist()
         for k, (start, end) in zip(span_example, span_chars):
             enc = encodings[k]
             first = enc.char_to_token(start)
@@ -246,13 +246,8 @@ class Encoder:
             if last is not None:
                 last = _last_token_of_char(enc, last, end)
             if first is not None and last is not None and first <= last:
-                base = int(starts[k])
-                marks_on.append(base + first)
-                marks_off.append(base + last + 1)
-        trained = np.zeros(total, dtype=np.uint8)
-        if marks_on:
-            delta = np.bincount(marks_on, minlength=total + 1) - np.bincount(marks_off, minlength=total + 1)
-            trained[np.cumsum(delta[:total]) > 0] = 1
+                base = starts_list[k]
+                trained[base + first : base + last + 1] = 1
         ends = starts[1:][add_eos] - 1
         trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
         return Encoded(flat, trained, lengths, example_ids, skipped)
