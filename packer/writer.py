@@ -161,11 +161,15 @@ def _assembled_ahead(pool: ThreadPoolExecutor, plan: Plan, store: TokenStore, bo
     for b_lo, b_hi in bounds:
         ahead.append((pool.submit(assemble, plan, store, b_lo, b_hi, counts), b_hi - b_lo))
         if len(ahead) > 1:
-            future, rows = ahead.popleft()
-            yield future.result(), rows
+            yield _take(ahead)
     while ahead:
-        future, rows = ahead.popleft()
-        yield future.result(), rows
+        yield _take(ahead)
+
+
+def _take(ahead: deque) -> tuple[pa.RecordBatch, int]:
+    # no name here outlives the call: a batch handed out is freed as soon as its writer drops it
+    future, rows = ahead.popleft()
+    return future.result(), rows
 
 
 def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:
