@@ -1,13 +1,14 @@
 """Local data files read record by record, without `datasets`: JSON Lines and JSON by Python's ``json``,
-Parquet and Arrow by pyarrow. (CSV and text files, and every Hub dataset, are read by `datasets`:
-see :mod:`packer.sources`.)
+Parquet, Arrow and CSV by pyarrow. (Text files and every Hub dataset are read by `datasets`: see
+:mod:`packer.sources`.)
 
 Why not `datasets` for these: a JSON line read by ``json.loads`` is the record exactly as written. The
 Arrow JSON reader `datasets` uses infers a type per column and block, so a date-like string became a
 ``datetime`` (``"2020-01-01"`` could not be built as text), a field of mixed object shapes became a JSON
 *string*, and a key a record lacks became a ``None`` in it. Reading this way also spares a build
 ``import datasets`` (about a second, a third of the bundled sample's whole build) and its per-block
-schema work. Parquet and Arrow files carry their types, which pyarrow's batches give as they are.
+schema work. Parquet and Arrow files carry their types, which pyarrow's batches give as they are; a
+CSV file has none, so every cell is the text it holds.
 
 A record is the n-th record of its file when it is the n-th object on a non-blank line (JSON Lines),
 or the n-th item of the top-level array (a JSON document). Every failure is a ``SourceError`` that
@@ -16,6 +17,7 @@ names the file and, for JSON, the line.
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import zlib
@@ -25,13 +27,15 @@ from typing import Any
 
 from .errors import SourceError
 
-OWN = ("json", "parquet", "arrow")  # the builders (file kinds) read here
+OWN = ("json", "parquet", "arrow", "csv")  # the builders (file kinds) read here
 
 
 def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     """The records of one local file, in file order."""
     if builder == "json":
         return _json_records(path)
+    if builder == "csv":
+        return _csv_records(path)
     return _arrow_records(builder, path)
 
 
@@ -39,6 +43,8 @@ def count(builder: str, path: str, need: int) -> int:
     """How many records the file holds, counted up to ``need`` (more are not looked for), without
     making them: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch lengths. A line that
     is not a record is counted here, and fails the build when it is read."""
+    if builder == "csv":
+        return sum(1 for _ in _csv_records(path))
     if builder != "json":
         with _arrow_errors(builder, path):
             if builder == "parquet":
@@ -181,6 +187,31 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _csv_records(path: str) -> Iterator[dict[str, Any]]:
+    """Every cell as the text it is (a CSV file has no types: `datasets`' pandas reader made a column of
+    numbers floats, and "4" a completion the build refused as not text); an empty cell is null.
+    Quoted cells may span lines."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    try:
+        with open(path, "rb") as f:
+            names = next(csv.reader([f.readline().decode("utf-8-sig")]), [])
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}:1: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+    except csv.Error as e:
+        raise SourceError(f"{path}:1: the header line is not CSV ({e}); fix it") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+    convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
+                                  null_values=[""])
+    with _arrow_errors("csv", path):
+        reader = pcsv.open_csv(path, parse_options=pcsv.ParseOptions(newlines_in_values=True),
+                               convert_options=convert)
+        for batch in reader:
+            yield from batch.to_pylist()
+
+
 def _arrow_records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     with _arrow_errors(builder, path):
         for batch in _arrow_batches(builder, path):
@@ -194,6 +225,8 @@ def _arrow_errors(builder: str, path: str):
     try:
         yield
     except (pa.ArrowException, OSError) as e:
+        if "invalid UTF8" in str(e):
+            raise SourceError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "check the file is complete and of that type") from None
 

@@ -157,3 +157,31 @@ def test_count_without_reading_records(tmp_path):
     assert readers.count("json", str(tmp_path / "a.json"), 10_000) == 70
     assert readers.count("parquet", str(tmp_path / "d.parquet"), 10) == 700
     assert readers.count("arrow", str(tmp_path / "d.arrow"), 10_000) == 700
+
+
+def test_csv_cells_are_the_text_they_hold(tmp_path):
+    """Every cell as written (Python's csv module is the reference): numbers stay text ("1.0" is not
+    "1"), quoted cells keep their commas and newlines, "NA" is text, and only an empty cell is null."""
+    import csv
+
+    rows = [["question", "answer", "note"], ["What is 2+2?", "4", "NA"], ["Say hi, twice", "hi\nhi", ""],
+            ["What is 0.5+0.5?", "1.0", "null"]] + [[f"q{i}", str(i), "x"] for i in range(3000)]
+    path = tmp_path / "d.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    with open(path, newline="") as f:
+        reference = [{k: (v if v != "" else None) for k, v in r.items()} for r in csv.DictReader(f)]
+    assert _records(path) == reference
+    assert _records(path)[:3] == [{"question": "What is 2+2?", "answer": "4", "note": "NA"},
+                                  {"question": "Say hi, twice", "answer": "hi\nhi", "note": None},
+                                  {"question": "What is 0.5+0.5?", "answer": "1.0", "note": "null"}]
+    result = CliRunner().invoke(main, ["build", str(path), "--prompt-field", "question", "--completion-field",
+                                       "answer", "--out", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output  # `datasets` read "answer" as floats, refused as not text
+
+
+def test_csv_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes("prompt,completion\nq,caf\xe9\n".encode("latin-1"))
+    result = CliRunner().invoke(main, ["build", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "d.csv: not UTF-8 text; re-encode the file as UTF-8" in one_line(result)
