@@ -317,11 +317,12 @@ class Stream:
 
     def columns(self) -> list[str]:
         """The record fields: those of the first ``BATCH`` records (read even under a limit of 0, which a
-        mix part may have), or the source's features where `datasets` knows them in advance."""
+        mix part may have), or the source's features where `datasets` knows them in advance. A source
+        without a single record is a ``SourceError``."""
         own = self.source.kind == "local" and self.source.builder in readers.OWN
         for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, BATCH if own else 1):
             return list(batch)
-        return []
+        raise SourceError(f"{self.name}: holds no records; check the file or --split")
 
     def count(self) -> int:
         return sum(len(next(iter(b.values()))) for _, b in self.chunks() if b)

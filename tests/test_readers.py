@@ -185,3 +185,11 @@ def test_csv_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes("prompt,completion\nq,caf\xe9\n".encode("latin-1"))
     result = CliRunner().invoke(main, ["build", str(path), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "d.csv: not UTF-8 text; re-encode the file as UTF-8" in one_line(result)
+
+
+@pytest.mark.parametrize("name, content", [("d.csv", "prompt,completion\n"), ("d.jsonl", "\n  \n\n")])
+def test_a_file_without_records_says_so(tmp_path, name, content):
+    """Not "cannot tell which fields to train on; the columns are (none)", as a header-only CSV said."""
+    (tmp_path / name).write_text(content)
+    result = CliRunner().invoke(main, ["build", str(tmp_path / name), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and f"{name}: holds no records" in one_line(result)
