@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import itertools
 import json
 import zlib
 from collections.abc import Iterator
@@ -40,11 +41,11 @@ def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
 
 
 def count(builder: str, path: str, need: int) -> int:
-    """How many records the file holds, counted up to ``need`` (more are not looked for), without
-    making them: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch lengths. A line that
-    is not a record is counted here, and fails the build when it is read."""
-    if builder == "csv":
-        return sum(1 for _ in _csv_records(path))
+    """How many records the file holds, counted up to ``need`` (more are not looked for), without making
+    them where the format allows: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch
+    lengths. A line that is not a record is counted here, and fails the build when it is read."""
+    if builder == "csv":  # quoted cells may span lines: the records are parsed, up to need
+        return sum(1 for _ in itertools.islice(_csv_records(path), need))
     if builder != "json":
         with _arrow_errors(builder, path):
             if builder == "parquet":
