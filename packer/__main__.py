@@ -16,6 +16,11 @@ def _interrupted(signum, frame) -> None:
 
 
 def main():
+    # Only where Ctrl-C is Python's to handle: a shell starts a background job with it ignored, and so it stays
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        from .cli import main as command
+
+        return command()
     signal.signal(signal.SIGINT, _interrupted)  # until the command's own handling is in place
     from .cli import main as command
 
