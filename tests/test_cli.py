@@ -94,3 +94,22 @@ def test_console_entry_runs_the_command(tmp_path):
                            str(tmp_path / "o")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o" / "manifest.json").is_file()
+
+
+def test_ctrl_c_inherited_ignored_stays_ignored(tmp_path):
+    """A shell starts a background job with SIGINT ignored; Python keeps it so, and so does the command."""
+    import signal
+
+    code = (
+        "import builtins, os, signal, sys\nreal = builtins.__import__\n"
+        "def hook(name, *a, **k):\n"
+        "    if name == 'numpy':\n        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = hook\n"
+        "sys.argv = ['packer', 'build', 'flan', '--limit', '30', '-q', '--out', sys.argv[1]]\n"
+        "from packer.__main__ import main\nmain()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o" / "manifest.json").is_file()
