@@ -150,16 +150,17 @@ class _Shards:
         o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
         s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
         cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-        np.cumsum(cols["seq_lens"][s0:s1], out=cu[1:])
+        cols["seq_lens"][s0:s1].cumsum(out=cu[1:])
         cu_t = torch.from_numpy(cu)
+        # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
         if filler:
             labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
         else:
-            labels = torch.from_numpy(cols["labels"][o0:o1].astype(np.int64)).view(1, -1)
+            labels = torch.from_numpy(cols["labels"][o0:o1].astype(np.int64)[None])
         max_len = int(cols["max_seqlen"][j])
         return {
-            "input_ids": torch.from_numpy(cols["input_ids"][o0:o1].astype(np.int64)).view(1, -1),
-            "position_ids": torch.from_numpy(cols["position_ids"][o0:o1].astype(np.int64)).view(1, -1),
+            "input_ids": torch.from_numpy(cols["input_ids"][o0:o1].astype(np.int64)[None]),
+            "position_ids": torch.from_numpy(cols["position_ids"][o0:o1].astype(np.int64)[None]),
             "labels": labels,
             "cu_seq_lens_q": cu_t,
             "cu_seq_lens_k": cu_t,
