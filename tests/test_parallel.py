@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import filecmp
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from packer import BuildConfig, build, pipeline, schema, sources, spill
+from packer import BuildConfig, RecordError, build, engines, pipeline, schema, sources, spill
 from packer.engines import LocalEngine
 from packer.formatting import make_spec
 from packer.pipeline import tokenizer_path
@@ -117,3 +118,37 @@ def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     build(config.replace(out=str(reference)))
     _same_tree(tmp_path / "out", reference)
+
+
+class _SlowChunk(Encoder):
+    """Chunk 1 takes a second longer: later chunks, on the other worker, finish before it."""
+
+    def encode(self, records, first_index, *, where="record"):
+        if first_index == 1000:
+            time.sleep(1.0)
+        return super().encode(records, first_index, where=where)
+
+
+def _chunks(records: list[dict], size: int = 1000):
+    for lo in range(0, len(records), size):
+        batch = records[lo : lo + size]
+        yield lo, {k: [r[k] for r in batch] for k in batch[0]}
+
+
+def test_workers_finishing_out_of_order_hand_on_in_source_order():
+    """A slow chunk holds nothing up (the other worker keeps going), and the results still come in source
+    order, and of errors, the first in source order is the one raised (as with one process)."""
+    tokenizer = load_tokenizer(tokenizer_path(None))
+    records = [{"prompt": f"What is {i} plus {i}?", "completion": str(2 * i)} for i in range(5000)]
+    spec = make_spec(recipe=None, config=BuildConfig(source="x", out="-", prompt_field="prompt",
+                                                     completion_field="completion"), columns=["prompt", "completion"])
+    slow, plain = _SlowChunk(tokenizer, spec), Encoder(tokenizer, spec)
+    got = list(engines._pool_chunks(_chunks(records), slow, 2, "record"))
+    want = [plain.encode(c, lo) for lo, c in _chunks(records)]
+    assert [e.example_ids.tolist() for e in got] == [e.example_ids.tolist() for e in want]
+    assert all((g.ids == w.ids).all() and (g.trained == w.trained).all() for g, w in zip(got, want, strict=True))
+
+    records[1500]["completion"] = None  # chunk 1, the slow one
+    records[2100]["completion"] = 7  # chunk 2, done a second earlier on the other worker
+    with pytest.raises(RecordError, match=r"record 1501: field 'completion' is null"):
+        list(engines._pool_chunks(_chunks(records), slow, 2, "record"))
