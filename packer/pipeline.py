@@ -171,9 +171,6 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     staging = output.prepare(out)  # a matching interrupted spill is resumed
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, where=opened.where, progress=progress)
-    if tokens.records == 0:
-        output.discard(out)
-        raise SourceError(f"{opened.name}: holds no records; check the file or --split")
     lengths, skipped = tokens.lengths, tokens.skipped
     per_part: list[dict[str, int]] = []
     if opened.parts is not None:

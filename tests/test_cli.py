@@ -72,19 +72,24 @@ def test_import_packer_is_light_and_its_names_still_resolve():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_ctrl_c_while_python_imports_the_command_is_one_line(tmp_path):
-    """Ctrl-C delivered in the middle of the heavy imports (the moment numpy is first imported): before
-    the console entry installed its handler first, Python printed a KeyboardInterrupt traceback."""
+def _ctrl_c_at_numpy_import(out, *args: str, **popen):
+    """``packer build flan ARGS --out OUT`` through the console entry, with SIGINT sent to itself the
+    moment numpy is first imported (in the middle of the command's heavy imports)."""
     code = (
         "import builtins, os, signal, sys\nreal = builtins.__import__\n"
         "def hook(name, *a, **k):\n"
         "    if name == 'numpy':\n        os.kill(os.getpid(), signal.SIGINT)\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = hook\n"
-        "sys.argv = ['packer', 'build', 'flan', '--out', sys.argv[1]]\n"
+        "sys.argv = ['packer', 'build', 'flan', *sys.argv[2:], '--out', sys.argv[1]]\n"
         "from packer.__main__ import main\nmain()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", code, str(out), *args], capture_output=True, text=True, **popen)
+
+
+def test_ctrl_c_while_python_imports_the_command_is_one_line(tmp_path):
+    """Before the console entry installed its handler first, Python printed a KeyboardInterrupt traceback."""
+    done = _ctrl_c_at_numpy_import(tmp_path / "o")
     assert (done.returncode, done.stderr) == (130, "packer: interrupted\n"), (done.returncode, done.stderr)
     assert not (tmp_path / "o").exists()
 
@@ -100,16 +105,7 @@ def test_ctrl_c_inherited_ignored_stays_ignored(tmp_path):
     """A shell starts a background job with SIGINT ignored; Python keeps it so, and so does the command."""
     import signal
 
-    code = (
-        "import builtins, os, signal, sys\nreal = builtins.__import__\n"
-        "def hook(name, *a, **k):\n"
-        "    if name == 'numpy':\n        os.kill(os.getpid(), signal.SIGINT)\n"
-        "    return real(name, *a, **k)\n"
-        "builtins.__import__ = hook\n"
-        "sys.argv = ['packer', 'build', 'flan', '--limit', '30', '-q', '--out', sys.argv[1]]\n"
-        "from packer.__main__ import main\nmain()\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o")], capture_output=True, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    done = _ctrl_c_at_numpy_import(tmp_path / "o", "--limit", "30", "-q",
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o" / "manifest.json").is_file()
