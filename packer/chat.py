@@ -28,7 +28,6 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from .errors import RecordError, TokenizerError
@@ -38,9 +37,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "fu
 TRAIN_ON = ("assistant", "last", "all")
 _MEDIA = ("image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# What an end-of-turn token looks like across the templates people use: <|im_end|>, <|eot_id|>,
-# <｜end▁of▁sentence｜>, <end_of_turn>, </s>, <|END_OF_TURN_TOKEN|>, ...
-_SPECIAL_LOOKING = re.compile(r"<\|[^<>|\s]{1,48}\|>|<｜[^<>]{1,48}｜>|<[A-Za-z_]{2,48}>|</s>")
 _PROBE = "PACKERPROBEX"
 # Real templates render a conversation in milliseconds; one that runs for seconds loops (a template is code)
 RENDER_TIME_LIMIT_S = 5.0
@@ -116,29 +112,12 @@ def normalize_tools(tools: Any, field: str) -> list[dict] | None:
     return drop_nones(tools)  # [] stays []: transformers picks a "tool_use" template for any tools but None
 
 
-def read_chat_templates(folder: Path, config: dict) -> str | dict[str, str] | None:
-    """A tokenizer folder's chat template(s), as transformers' ``from_pretrained`` loads them: the config's
-    ``chat_template`` (a list of named ones becomes a dict by name), unless the folder has template files
-    (``chat_template.jinja`` is "default", ``additional_chat_templates/NAME.jinja`` is NAME), which then
-    replace it; a lone "default" is a plain template."""
-    template = config.get("chat_template")
-    if isinstance(template, (list, tuple)):
-        template = {t["name"]: t["template"] for t in template}
-    files = {}
-    if (folder / "chat_template.jinja").is_file():
-        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
-        files[extra.name.removesuffix(".jinja")] = extra.read_text(encoding="utf-8")
-    if files:
-        template = files["default"] if list(files) == ["default"] else files
-    return template
-
-
-def chat_renderer(template: str | dict[str, str], special_tokens: dict[str, str], name: str):
+def chat_renderer(template: str | dict[str, str], special_tokens: dict[str, str], name: str,
+                  control_tokens: list[str] = ()):
     """A :class:`ChatTemplate`, or for named templates a :class:`NamedChatTemplates` that picks one per record."""
     if isinstance(template, dict):
-        return NamedChatTemplates(template, special_tokens, name)
-    return ChatTemplate(template, special_tokens, name)
+        return NamedChatTemplates(template, special_tokens, name, control_tokens)
+    return ChatTemplate(template, special_tokens, name, control_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,13 +129,18 @@ class Rendered:
 class ChatTemplate:
     """One chat template with the tokenizer's special tokens, rendered by transformers' code."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str], name: str):
+    def __init__(self, source: str, special_tokens: dict[str, str], name: str, control_tokens=(), *,
+                 probe_tools: bool = False):
         import jinja2
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.source = source
         self.special_tokens = special_tokens  # as apply_chat_template passes them: a null one is absent
         self.name = name
+        # the tokenizer's own added tokens, longest first: what a turn's end or header token can be
+        tokens = sorted({t for t in control_tokens if t.strip()}, key=len, reverse=True)
+        self.control = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        self.probe_tools = probe_tools  # a template picked for records with tools is probed with a tool
         self.tagged = bool(_GENERATION_TAG.search(source))
         try:  # a broken template is reported once, naming it, before any record is read
             _compile_jinja_template(source)
@@ -201,104 +185,88 @@ class ChatTemplate:
 
     # -- untagged templates: where each assistant turn's output lies in the render
 
-    def _try(self, messages: list[dict], *, generation_prompt: bool = False) -> str | None:
+    def _try(self, messages: list[dict], *, generation_prompt: bool = False, tools: list[dict] | None = None) -> str | None:
         """A probe render, or None where the template refuses the probe conversation; a template that does not
         end is not waited for again and again: its time-out stops the probe (and is the record's error)."""
         try:
-            return self.render(messages, generation_prompt=generation_prompt)[0]
+            return self.render(messages, tools, generation_prompt=generation_prompt)[0]
         except RecordError as e:
             if e.reason == "chat_template_timeout":
                 raise
             return None
 
     @cached_property
-    def _probe(self) -> tuple[list[str], list[str]]:
-        """(assistant header candidates, longest first; end-of-turn candidates) from probe renders."""
+    def _probe(self) -> _Probe:
+        """How the template writes an assistant turn, learnt from renders of probe conversations: with the probe
+        tool given to a template that needs tools (a named ``tool_use`` one is always given it)."""
         user = [{"role": "user", "content": _PROBE}]
-        bare, prompted = self._try(user), self._try(user, generation_prompt=True)
-        if bare is None or prompted is None:
-            bare = prompted = ""
-        header = prompted[len(bare):] if prompted.startswith(bare) else ""
-        header = re.sub(r"<think>\s*$", "", header)  # a prompt that opens the reasoning: the model writes it
-        # heads of the generation prompt cut after a tag or newline (DeepSeek writes "<｜Assistant｜>" before a
-        # turn but prompts with "<｜Assistant｜><think>\n"), never one that a user turn also writes
-        cuts = {header} | {header[: m.end()] for m in re.finditer(r">|\n", header)}
-        headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
-        ends: list[str] = []
-        # the first special-looking token after an assistant turn, followed by nothing, a user turn or a tool
-        # turn: its end-of-turn token, or, for a template that closes no turn (GLM-4), the header of the turn
-        # that follows (<|user|>, <|observation|>), which is what the template's tagged twin trains as the end
-        for tail in ([], [{"role": "user", "content": _PROBE + "2"}], [{"role": "tool", "content": _PROBE + "3"}]):
-            text = self._try([*user, {"role": "assistant", "content": _marker(0)}, *tail])
-            if text is None:
-                continue
-            after = text[text.find(_marker(0)) + len(_marker(0)):] if _marker(0) in text else ""
-            if not tail and after.strip() and not _SPECIAL_LOOKING.sub("", after).strip():
-                ends.append(after.rstrip())  # a closing run such as <|END_RESPONSE|><|END_OF_TURN_TOKEN|>
-            found = _SPECIAL_LOOKING.search(after)
-            if found:
-                ends.append(found.group())
-        # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the special-looking
-        # token that ends the render of a conversation whose last turn is a call
-        call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
-        text = self._try([*user, {"role": "assistant", "content": "", "tool_calls": [call]}]) or ""
-        closing = [m for m in _SPECIAL_LOOKING.finditer(text) if m.start() > text.find(_PROBE + "4")]
-        if _PROBE + "4" in text and closing and not text[closing[-1].end():].strip():
-            ends.append(closing[-1].group())
-        eos = self.special_tokens.get("eos_token")
-        if eos:
-            ends.append(eos)
-        ends = list(dict.fromkeys(ends))
-        return headers, ends
+        for tools in ((None, [_PROBE_TOOL]) if not self.probe_tools else ([_PROBE_TOOL],)):
+            bare, prompted = self._try(user, tools=tools), self._try(user, tools=tools, generation_prompt=True)
+            if bare is not None and prompted is not None:
+                break
+        else:
+            raise TokenizerError(f"{self.name}: packer cannot learn how the template writes an assistant turn: it "
+                                 "refuses packer's probe conversation (one user turn); give a {% generation %}-tagged "
+                                 "template with --chat-template")
+        return _learn(self, user, tools, bare, prompted)
 
     def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[tuple[int, int]]:
-        headers, ends = self._probe
+        probe = self._probe
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        marked = [{**m, "content": _marker(i)} if i in turns else m for i, m in enumerate(messages)]
-        scaffold, _ = self.render(marked, tools)
+        # only non-empty text is replaced by a marker: the template sees text where the record has text
+        marked = [{**m, "content": _marker(i)} if i in turns and _has_text(m) else m for i, m in enumerate(messages)]
+        try:
+            scaffold, _ = self.render(marked, tools)
+        except RecordError as e:
+            if e.reason == "chat_template_timeout":
+                raise
+            raise RecordError(f"packer's probe render of this conversation (each assistant text replaced by a marker) "
+                              f"fails, though the conversation renders ({e}); give a {{% generation %}}-tagged "
+                              "template with --chat-template", "chat_probe_failed") from None
         spans = []
         pos = cur = 0  # in the marked render, in the real one
         for k, i in enumerate(turns):
             where = f"assistant turn {i}"
-            mark, anchor = scaffold.find(_marker(i), pos), _marker(i)
-            if mark < 0:  # content a template leaves out when there are tool calls (gpt-oss): anchor on the
-                # first call after the turn's header (the tool definitions before it name the tools too)
-                heads = [found for h in headers if (found := scaffold.find(h, pos)) >= 0]
-                names = [n for n in _tool_names(messages[i]) if heads and n in scaffold[min(heads):]]
-                if names:
-                    anchor = names[0]
-                    mark = scaffold.find(anchor, min(heads))
+            message = messages[i]
+            mark, anchor = (scaffold.find(_marker(i), pos), _marker(i)) if _has_text(message) else (-1, "")
+            if mark < 0:  # no text (a tool call alone), or text a template leaves out beside tool calls (gpt-oss):
+                # anchor on the first call, or the reasoning, after the turn's header
+                heads = [found for h in probe.headers if (found := scaffold.find(h, pos)) >= 0]
+                base = min(heads) if heads else pos
+                for anchor in (*_tool_names(message), _reasoning(message)):
+                    if anchor and (mark := scaffold.find(anchor, base)) >= 0:
+                        break
             if mark < 0:
                 raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
                                   "chat_span_not_found")
             before = scaffold[pos:mark]
-            header = next((h for h in headers if h in before), None)
-            reasoning = _reasoning(messages[i])
+            header = next((h for h in probe.headers if h in before), None)
+            reasoning = _reasoning(message)
             at = before.rfind(reasoning) if reasoning else -1
             if header is not None and at >= 0 and header in before[:at]:
                 # the reasoning rendered as a message of its own before the content (gpt-oss's analysis channel)
                 # is part of the turn's output: the output starts after the header before the reasoning
                 before = before[:at]
             if header is not None:  # the output starts after the last such header before the content
-                nth = before.count(header)
                 start = cur
-                for _ in range(nth):
+                for _ in range(before.count(header)):
                     found = text.find(header, start)
-                    if found < 0:
-                        start = -1
+                    start = found + len(header) if found >= 0 else -1
+                    if start < 0:
                         break
-                    start = found + len(header)
             else:  # no header (DeepSeek's reply after tool outputs): the output starts where the content does
                 found = text.find(before, cur)
                 start = found + len(before) if found >= 0 else -1
+            if start >= 0 and probe.prefill and text.startswith(probe.prefill, start) and not (
+                    reasoning and reasoning in text[start:start + len(probe.prefill) + len(reasoning)]):
+                start += len(probe.prefill)  # the generation prompt's own pre-fill (an empty think block), not output
             after_mark = mark + len(anchor)
             limit = scaffold.find(_marker(turns[k + 1]), after_mark) if k + 1 < len(turns) else -1
             limit = len(scaffold) if limit < 0 else limit
             tail = scaffold[after_mark:limit]
-            hits = [(tail.find(e), -len(e), e) for e in ends if e in tail]
-            if start < 0 or not (hits or not tail.strip()):
-                raise RecordError(f"{where}: cannot locate its output in the rendered conversation",
-                                  "chat_span_not_found")
+            hits = [(tail.find(e), -len(e), e) for e in probe.ends if e in tail]
+            if start < 0:
+                raise RecordError(f"{where}: cannot locate its output in the rendered conversation", "chat_span_not_found")
             if hits:
                 end_token = min(hits)[2]
                 found = text.find(end_token, start)
@@ -307,13 +275,129 @@ class ChatTemplate:
                                       "chat_span_not_found")
                 end = found + len(end_token)
                 next_pos = after_mark + tail.find(end_token) + len(end_token)
-            else:  # the render ends with this turn and no end-of-turn token (GLM-4): the output runs to the end
-                end = len(text.rstrip())
+            elif k + 1 == len(turns) and not _rendered_after(messages, i, text, start):
+                end = next_pos = len(text)  # a final turn that nothing closes: its span runs to the end, the EOS ends it
                 next_pos = len(scaffold)
-            _check_span(messages[i], text, start, end, where, content_rendered=anchor == _marker(i))
+            else:  # a turn that nothing closes, followed by more: it ends with its own text
+                visible = _visible(message)
+                found = text.find(visible, start) if visible and anchor == _marker(i) and not _tool_names(message) else -1
+                if found < 0:
+                    raise RecordError(f"{where}: cannot tell where its output ends (the template writes no end-of-turn "
+                                      "token after it); give a {% generation %}-tagged template with --chat-template",
+                                      "chat_span_not_found")
+                end = found + len(visible)
+                next_pos = after_mark
+            _check_span(message, text, start, end, where, content_rendered=anchor == _marker(i))
+            _check_others(messages, i, turns[k + 1] if k + 1 < len(turns) else len(messages), text, start, end, where)
             spans.append((start, end))
             pos, cur = next_pos, end
         return spans
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "packer_probe", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    headers: list[str]  # the assistant header (the role header), then shorter heads of it, longest first
+    prefill: str  # what the generation prompt writes after the header (an opened or empty think block)
+    ends: list[str]  # what may close a turn
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted: str) -> _Probe:
+    """Header, pre-fill and turn ends from probe renders. End-of-turn tokens are the tokenizer's own (its added
+    tokens, whatever their spelling); a template written for another tokenizer is read from its renders alone:
+    what it writes after an assistant turn that ends the conversation, and the closing it writes after a user
+    turn where it writes the same after an assistant turn."""
+    control = template.control
+    gen = prompted[_common(bare, prompted):]
+    said = _marker(0)
+    turn = {"role": "assistant", "content": said}
+    call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
+    one = template._try([*user, turn], tools=tools)
+    then_user = template._try([*user, turn, {"role": "user", "content": _PROBE + "2"}], tools=tools)
+    then_tool = template._try([*user, turn, {"role": "tool", "content": _PROBE + "3"}], tools=tools)
+    thinking = template._try([*user, {**turn, "reasoning_content": _PROBE + "R"}], tools=tools)
+    calling = template._try([*user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools) or ""
+    # the role header: the longest head of the generation prompt that every kind of turn writes before its output
+    # (a prompt that opens or pre-fills a think block writes more than a turn with reasoning of its own does)
+    header = gen
+    for render, piece in ((one, said), (then_user, said), (thinking, _PROBE + "R")):
+        if render is not None and piece in render:
+            if piece not in render[: render.find(said)] and piece != said:
+                piece = said
+            lead = render[_common(bare, render): render.find(piece)]
+            header = header[: _common(header, lead)] if lead else header
+    if header != gen:  # cut back to the end of a token or line, never inside a word
+        cuts = [m.end() for m in re.finditer(r"\n", header)] + [m.end() for m in control.finditer(header)] if control \
+            else [m.end() for m in re.finditer(r"\n", header)]
+        header = header[: max(cuts)] if cuts else header
+    if not header.strip():
+        header = gen
+    cuts = {header} | {header[: m.end()] for m in re.finditer(r"\n", header)}
+    if control:
+        cuts |= {header[: m.end()] for m in control.finditer(header)}
+    headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
+    prefill = gen[len(header):] if gen.startswith(header) and header in headers else ""
+    ends: list[str] = []
+    if one is not None and said in one:
+        closing = one[one.find(said) + len(said):].rstrip()
+        if closing:
+            ends.append(closing)  # what closes a turn that ends the conversation
+        user_end = one.find(_PROBE) + len(_PROBE)
+        user_closing = one[user_end: _common(bare, one)].rstrip() if _PROBE in one else ""
+        if user_closing and then_user is not None and then_user[then_user.find(said) + len(said):].startswith(user_closing):
+            ends.append(user_closing)  # the closing every turn gets (<|im_end|>, <turn|>, <|end|>)
+    for render in (one, then_user, then_tool):  # the first of the tokenizer's own tokens after the turn's text
+        if control and render is not None and said in render:
+            found = control.search(render, render.find(said) + len(said))
+            if found:
+                ends.append(found.group())
+    # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the last of the
+    # tokenizer's tokens in a conversation whose last turn is a call, where nothing but whitespace follows it
+    if control and _PROBE + "4" in calling:
+        closing = [m for m in control.finditer(calling) if m.start() > calling.find(_PROBE + "4")]
+        if closing and not calling[closing[-1].end():].strip():
+            ends.append(closing[-1].group())
+    if template.special_tokens.get("eos_token"):
+        ends.append(template.special_tokens["eos_token"])
+    return _Probe(headers, prefill, list(dict.fromkeys(e for e in ends if e.strip())))
+
+
+def _has_text(message: dict) -> bool:
+    return isinstance(message.get("content"), str) and bool(message["content"].strip())
+
+
+def _visible(message: dict) -> str:
+    return (message.get("content") or "").split("</think>")[-1].strip()
+
+
+def _rendered_after(messages: list[dict], i: int, text: str, start: int) -> bool:
+    """Whether any later message's text is rendered after ``start``."""
+    return any(_has_text(m) and m["content"].strip() in text[start:] for m in messages[i + 1:])
+
+
+def _check_others(messages: list[dict], i: int, next_turn: int, text: str, start: int, end: int, where: str) -> None:
+    """A template may render the messages that follow a turn inside it (Gemma 4 writes tool results into the model
+    turn): their text is not the assistant's, so a span that holds it is refused rather than trained."""
+    own = _visible(messages[i])
+    own_end = text.find(own, start) + len(own) if own and own in text[start:end] else start
+    for j in range(i + 1, next_turn):
+        other = (messages[j].get("content") or "").strip() if _has_text(messages[j]) else ""
+        if other and other in text[own_end:end]:
+            raise RecordError(f"{where}: the template renders message {j} ({messages[j]['role']}) inside it and packer "
+                              "finds no end of turn before it; give a {% generation %}-tagged template with "
+                              "--chat-template", "chat_span_not_found")
 
 
 def _tool_names(message: dict) -> list[str]:
@@ -355,18 +439,29 @@ class NamedChatTemplates:
     ``default``); transformers' method is called, so the choice is its own. All are compiled up front, so a
     broken one is reported before any record is read."""
 
-    def __init__(self, templates: dict[str, str], special_tokens: dict[str, str], name: str):
+    def __init__(self, templates: dict[str, str], special_tokens: dict[str, str], name: str, control_tokens=()):
         self.chat_template = templates  # the attribute get_chat_template reads
-        self.by_source = {source: ChatTemplate(source, special_tokens, f"{name} {key!r}")
+        # each template is probed with what it will render: the one records with tools get, with a tool
+        with_tools, without = self._source([_PROBE_TOOL]), self._source(None)
+        self.by_source = {source: ChatTemplate(source, special_tokens, f"{name} {key!r}", control_tokens,
+                                               probe_tools=source == with_tools and source != without)
                           for key, source in templates.items()}
 
-    def pick(self, tools: list[dict] | None) -> ChatTemplate:
+    def _source(self, tools: list[dict] | None) -> str | None:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
         try:
-            return self.by_source[PreTrainedTokenizerBase.get_chat_template(self, None, tools)]
-        except ValueError as e:  # several templates and no "default", for a record without tools
-            raise RecordError(str(e).split("!")[0], "chat_template_error") from None
+            return PreTrainedTokenizerBase.get_chat_template(self, None, tools)
+        except ValueError:  # several templates and no "default", for a record without tools
+            return None
+
+    def pick(self, tools: list[dict] | None) -> ChatTemplate:
+        source = self._source(tools)
+        if source is None:
+            names = ", ".join(map(repr, self.chat_template))
+            raise RecordError(f"the tokenizer has several chat templates ({names}) and none named 'default' for a "
+                              "conversation without tools", "chat_template_error")
+        return self.by_source[source]
 
     def __call__(self, messages: list[dict], tools: list[dict] | None, train_on: str) -> Rendered:
         return self.pick(tools)(messages, tools, train_on)

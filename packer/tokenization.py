@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .chat import chat_renderer, read_chat_templates
+from .chat import chat_renderer
 from .errors import RecordError, TokenizerError
 from .formatting import FormatSpec, Formatter
 
@@ -29,33 +29,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class Tokenizer:
-    """A Hugging Face fast tokenizer read straight from its files, without `transformers`' tokenizer classes.
-
-    Loading a tokenizer through transformers imports torch when it is installed, and `packer build` must
-    not; the build needs only the Rust tokenizer (tokenizer.json), the special tokens and the chat
-    template (tokenizer_config.json, chat_template.jinja), which transformers' own renderer renders
-    (see packer/chat.py). The attribute names follow transformers'.
+    """A tokenizer folder loaded as transformers' ``AutoTokenizer`` loads it, so that packer's tokens are
+    transformers' tokens: the class its ``tokenizer_config.json`` names builds the Rust tokenizer (transformers
+    re-derives some tokenizers' pre-tokenizer and decoder from the config: Llama's ``legacy`` and
+    ``add_prefix_space``, Qwen2's byte-level offsets), and packer tokenizes with that class's
+    ``backend_tokenizer``. The class is taken from the ``transformers`` namespace, which imports that one
+    module: ``AutoTokenizer`` itself imports torch, and `packer build` must not. The chat template(s) and the
+    named special tokens a template sees are the class's own (what ``apply_chat_template`` passes).
     """
 
     def __init__(self, folder: Path, name_or_path: str):
-        from tokenizers import Tokenizer as RustTokenizer
-
+        hf = _tokenizer_class(folder).from_pretrained(str(folder), local_files_only=True)
         self.name_or_path = name_or_path
-        self.backend_tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
-        config = _read_json(folder / "tokenizer_config.json")
-        config.update({k: v for k, v in _read_json(folder / "special_tokens_map.json").items() if k not in config})
-        # the named special tokens a chat template sees, as transformers' special_tokens_map gives them:
-        # a null one is absent (so `{{ bos_token }}` renders nothing), model-specific ones included
-        named = {f"{role}_token": config.get(f"{role}_token") for role in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")}
-        if isinstance(config.get("extra_special_tokens"), dict):
-            named.update(config["extra_special_tokens"])
-        named = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()}
-        self.special_tokens_map = {k: v for k, v in named.items() if isinstance(v, str)}
+        self.backend_tokenizer = hf.backend_tokenizer
+        self.special_tokens_map = dict(hf.special_tokens_map)
         for role in ("bos", "eos", "pad", "unk"):
             token = self.special_tokens_map.get(f"{role}_token")
             setattr(self, f"{role}_token", token)
             setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
-        self.chat_template = read_chat_templates(folder, config)  # a dict when the tokenizer has named ones
+        self.chat_template = hf.chat_template  # a dict when the tokenizer has named ones
         self.chat_template_name = f"{name_or_path}'s chat template"
 
     def __len__(self) -> int:
@@ -67,13 +59,41 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def control_tokens(self) -> list[str]:
+        """The tokenizer's added tokens that are not whitespace (special or not): what a chat template's
+        turn markers are when the tokenizer is the template's own."""
+        return [t.content for t in self.backend_tokenizer.get_added_tokens_decoder().values() if t.content.strip()]
+
     def chat(self):
         """The chat template as a :class:`packer.chat.ChatTemplate` (compiled, so a broken one fails here)."""
-        return chat_renderer(self.chat_template, self.special_tokens_map, self.chat_template_name)
+        return chat_renderer(self.chat_template, self.special_tokens_map, self.chat_template_name,
+                             self.control_tokens())
+
+
+def _tokenizer_class(folder: Path):
+    """The class ``AutoTokenizer`` picks for a tokenizer folder: the one ``tokenizer_config.json`` names (a
+    byte-level tokenizer.json that names LlamaTokenizer, which would force Metaspace, gets the generic backend,
+    as in ``AutoTokenizer``); the generic fast backend where none is named or transformers has no such class."""
+    import transformers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    name = _read_json(folder / "tokenizer_config.json").get("tokenizer_class") or "TokenizersBackend"
+    try:
+        cls = getattr(transformers, name)
+    except (AttributeError, ImportError):
+        return TokenizersBackend
+    if not (isinstance(cls, type) and issubclass(cls, TokenizersBackend)):
+        return TokenizersBackend
+    if name.removesuffix("Fast") == "LlamaTokenizer" and TokenizersBackend._tokenizer_json_has_byte_level(str(folder)):
+        return TokenizersBackend
+    return cls
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # transformers reports an unreadable config when it loads the folder
 
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Tokenizer:

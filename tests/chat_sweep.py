@@ -87,6 +87,12 @@ def conversations() -> list[tuple[str, dict]]:
             m(u, [{"type": "text", "text": "Summarise: "}, {"type": "text", "text": "cats sleep a lot."}]),
             m(a, [{"type": "text", "text": "Cats sleep most of the day."}])]}),
         ("tools_no_call", {"tools": [WEATHER], "messages": [m(u, "Say hi."), m(a, "Hi!")]}),
+        ("reasoning_tool_call_empty_content", {"tools": [WEATHER], "messages": [
+            m(s, "You are a helpful agent."), m(u, "Is it warm in Lyon?"),
+            m(a, "", reasoning_content="I should check the weather.",
+              tool_calls=[_call("get_weather", {"city": "Lyon"}, cid="c1")]),
+            m("tool", '{"temp": 24}', name="get_weather", tool_call_id="c1"),
+            m(a, "Yes, 24 °C.", reasoning_content="24 °C is warm.")]}),
     ]
 
 
@@ -113,6 +119,100 @@ TWIN_TRAINS_HEADER = {
     "deepseek_r1_distill": re.compile(r"<｜Assistant｜>|<｜tool▁outputs▁end｜>"),
     "gptoss": re.compile(r"<\|start\|>assistant"),
 }
+
+
+# -- the offset reference: what a trained conversation must look like, located in transformers' render by
+# character offsets, apart from packer's span code (it shares no function with packer/chat.py)
+
+# The strings that close a turn in the templates swept here; the first after a turn's output (and any run
+# of them directly after it) is the turn's end. GLM-4 closes no turn: the next header is its end, as in its twin.
+END_OF_TURN = re.compile("|".join(map(re.escape, sorted({
+    "<|im_end|>", "<turn|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|return|>", "<|call|>",
+    "<｜end▁of▁sentence｜>", "<|END_OF_TURN_TOKEN|>", "<|END_RESPONSE|>", "</s>", "<|endoftext|>", "<|user|>",
+    "<|observation|>"}, key=len, reverse=True))))
+# The role word of an assistant header (the last one before a turn's output is its header)
+ROLE = re.compile(r"assistant|Assistant|ASSISTANT|model|CHATBOT|Chatbot")
+
+
+def _pieces(message: dict) -> list[str]:
+    """What a message contributes that a render shows verbatim: an assistant's reasoning, visible text and
+    tool-call names; any other message's content."""
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    if message["role"] != "assistant":
+        return [content.strip()] if content.strip() else []
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    if "</think>" in content:
+        reasoning = reasoning or content.split("</think>")[0].split("<think>")[-1]
+    names = [c["function"]["name"] for c in message.get("tool_calls") or ()]
+    return [p for p in (reasoning.strip(), content.split("</think>")[-1].strip(), *names) if p]
+
+
+def offset_reference(text: str, messages: list[dict], offsets: list[tuple[int, int]], trained: list) -> list[str]:
+    """What is wrong with ``trained`` (one flag per token; ``offsets`` its characters in ``text``; one flag more
+    where packer appends an EOS):
+
+    - every token of an assistant turn, from its first rendered piece to its end of turn, is trained (the
+      rendered content of other messages inside it excepted);
+    - no token of another message's rendered content is trained, nor the role word of a turn's header;
+    - nothing is trained outside the turns (from a header's role word to the end of turn, or to the next
+      message where the turn has no end-of-turn string);
+    - a final turn with no end-of-turn string is closed by the EOS packer appends, trained (after one that has
+      an end of turn, the EOS may be trained or not: the model stops at the end of turn).
+    """
+    located = []  # per message: (role, [(start, end)] of its pieces found in order)
+    cursor = 0
+    for message in messages:
+        found, at = [], cursor
+        for piece in _pieces(message):  # in the order templates write them, else anywhere after the last message
+            at = text.find(piece, at) if at >= 0 else -1
+            at = at if at >= 0 else text.find(piece, cursor)
+            if at >= 0:
+                found.append((at, at + len(piece)))
+                at += len(piece)
+        located.append((message["role"], found))
+        if found:
+            cursor = max(b for _, b in found)
+    others = [span for role, found in located if role != "assistant" for span in found]
+
+    def tokens(a: int, b: int) -> list[int]:
+        return [i for i, (x, y) in enumerate(offsets) if x < b and a < y and y > x]
+
+    eos = len(trained) > len(offsets)  # the EOS packer appends where the render does not end with it
+    problems, allowed = [], set()
+    for k, (role, found) in enumerate(located):
+        if role != "assistant" or not found:
+            continue
+        first, last = min(a for a, _ in found), max(b for _, b in found)
+        prev = max((b for _, f in located[:k] for _, b in f), default=0)
+        nxt = min((a for _, f in located[k + 1:] for a, _ in f), default=len(text))
+        roles = list(ROLE.finditer(text, prev, first))
+        head = roles[-1].end() if roles else prev
+        end = nxt
+        eot = END_OF_TURN.search(text, last, nxt)
+        if eot:
+            end = eot.end()
+            while (more := END_OF_TURN.match(text, end)):
+                end = more.end()
+        inside_others = {i for a, b in others if a < end and b > first for i in tokens(a, b)}
+        must = [i for i in tokens(first, eot.end() if eot else last) if i not in inside_others]
+        where = f"turn {k}"
+        if missing := [i for i in must if not trained[i]]:
+            problems.append(f"{where}: untrained output {text[offsets[missing[0]][0]:offsets[missing[-1]][1]]!r}")
+        if roles and any(trained[i] for i in tokens(*roles[-1].span())):
+            problems.append(f"{where}: its header {roles[-1].group()!r} is trained")
+        allowed |= set(tokens(head, end)) - inside_others
+        if eos and nxt == len(text):  # the final turn; where no string closes it, the EOS packer appends does
+            allowed.add(len(offsets))
+            if not eot and not trained[len(offsets)]:
+                problems.append(f"{where}: closes with no end-of-turn string and the EOS after it is not trained")
+    for a, b in others:
+        if any(trained[i] for i in tokens(a, b)):
+            problems.append(f"another message's content is trained: {text[a:b][:40]!r}")
+    if stray := [i for i, t in enumerate(trained) if t and i not in allowed]:
+        shown = "the appended EOS" if stray[0] == len(offsets) else repr(
+            text[offsets[stray[0]][0]:offsets[min(stray[-1], len(offsets) - 1)][1]][:60])
+        problems.append(f"trained outside every assistant turn: {shown}")
+    return problems
 
 
 @dataclass
@@ -226,6 +326,95 @@ def check_pair(hf, folder, name, original, twin, cases) -> tuple[Outcome, Outcom
     return results["original"], results["twin"]
 
 
+def originals(folder: Path | None = None) -> list[tuple[str, Path]]:
+    """(name, path) of every TRL template that is not a tagged twin, with or without a twin, multimodal ones
+    included (they render text-only conversations as text)."""
+    if folder is None:
+        import trl
+
+        folder = Path(trl.__file__).parent / "chat_templates"
+    return [(p.stem, p) for p in sorted(folder.glob("*.jinja")) if not p.stem.endswith("_training")]
+
+
+@dataclass
+class Checked:
+    exact: int = 0  # tokens equal apply_chat_template's, and the offset reference finds nothing wrong
+    refused_both: int = 0  # transformers refuses the conversation, and so does packer
+    refused: dict[str, int] = field(default_factory=dict)  # packer refuses what transformers renders: reason -> n
+    wrong: list[str] = field(default_factory=list)
+
+
+def check_template(hf, folder, path, cases) -> Checked:
+    """Every conversation through packer's build Encoder with the template, against the offset reference."""
+    from packer.chat import normalize_messages, normalize_tools
+
+    out = Checked()
+    source = path.read_text()
+    eos = hf.eos_token_id
+    for case, record in cases:
+        messages = normalize_messages(record["messages"], "messages")
+        tools = normalize_tools(record.get("tools"), "tools")
+        try:
+            text = hf.apply_chat_template(messages, tools=tools, chat_template=source, tokenize=False)
+            ref_ids = list(hf.apply_chat_template(messages, tools=tools, chat_template=source, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+        except Exception:
+            text = None
+        ids, trained, error = _packer(folder, path, record)
+        if text is None:
+            if error is None:
+                out.wrong.append(f"{case}: transformers refuses, packer does not")
+            else:
+                out.refused_both += 1
+            continue
+        if error is not None:
+            reason = re.sub(r"^record \d+: |; fix the record.*$", "", error)
+            reason = re.sub(r"turn \d+", "turn N", reason)[:110]
+            out.refused[reason] = out.refused.get(reason, 0) + 1
+            continue
+        if ids != ref_ids + ([eos] if not ref_ids or ref_ids[-1] != eos else []):
+            out.wrong.append(f"{case}: tokens differ from apply_chat_template(tokenize=True)")
+            continue
+        offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        problems = offset_reference(text, messages, offsets, trained)
+        if problems:
+            out.wrong.append(f"{case}: {'; '.join(problems)}")
+        else:
+            out.exact += 1
+    return out
+
+
+def reference_sweep(folder: Path = QWEN3, *, verbose: bool = True, names: set[str] | None = None) -> dict[str, Checked]:
+    """Every TRL template (tests/chat_sweep.py's offset reference) x every conversation; prints a table."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    cases = conversations()
+    report = {}
+    for name, path in originals():
+        if names is not None and name not in names:
+            continue
+        report[name] = c = check_template(hf, folder, path, cases)
+        if verbose:
+            print(f"{name:28s} exact {c.exact:2d} · both refuse {c.refused_both:2d} · packer refuses "
+                  f"{sum(c.refused.values()):2d} · wrong {len(c.wrong):2d}")
+            for reason, n in c.refused.items():
+                print(f"    refused x{n}: {reason}")
+            for w in c.wrong:
+                print(f"    wrong: {w[:240]}")
+    if verbose:
+        total = len(report) * len(cases)
+        exact = sum(c.exact for c in report.values())
+        both = sum(c.refused_both for c in report.values())
+        refused = sum(sum(c.refused.values()) for c in report.values())
+        wrong = sum(len(c.wrong) for c in report.values())
+        clean = sum(not c.wrong and not c.refused for c in report.values())
+        print(f"{len(report)} templates x {len(cases)} conversations = {total}: exact {exact}, both refuse {both}, "
+              f"packer refuses {refused}, wrong {wrong}; templates with nothing wrong or refused: {clean}/{len(report)} "
+              f"({folder.name} tokenizer)")
+    return report
+
+
 def sweep(folder: Path = QWEN3, *, verbose: bool = True) -> dict[str, tuple[Outcome, Outcome]]:
     from transformers import AutoTokenizer
 
@@ -252,4 +441,6 @@ def sweep(folder: Path = QWEN3, *, verbose: bool = True) -> dict[str, tuple[Outc
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    sweep(Path(sys.argv[1]) if len(sys.argv) > 1 else QWEN3)
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else QWEN3
+    reference_sweep(folder)
+    sweep(folder)
