@@ -180,7 +180,8 @@ class ChatTemplate:
                                   "empty_completion")
         else:
             text, _ = self.render(messages, tools)
-            spans = self._locate(messages, tools, text)
+            turns = self._locate(messages, tools, text)
+            return Rendered(text, turns[-1] if train_on == "last" else [s for turn in turns for s in turn])
         return Rendered(text, spans[-1:] if train_on == "last" else spans)
 
     # -- untagged templates: where each assistant turn's output lies in the render
@@ -210,7 +211,8 @@ class ChatTemplate:
                                  "template with --chat-template")
         return _learn(self, user, tools, bare, prompted)
 
-    def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[tuple[int, int]]:
+    def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[list[tuple[int, int]]]:
+        """Per assistant turn, the character spans of its output in ``text``."""
         probe = self._probe
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         # only non-empty text is replaced by a marker: the template sees text where the record has text
@@ -288,10 +290,39 @@ class ChatTemplate:
                 end = found + len(visible)
                 next_pos = after_mark
             _check_span(message, text, start, end, where, content_rendered=anchor == _marker(i))
-            _check_others(messages, i, turns[k + 1] if k + 1 < len(turns) else len(messages), text, start, end, where)
-            spans.append((start, end))
+            spans.append(self._without_others(messages, i, turns[k + 1] if k + 1 < len(turns) else len(messages),
+                                              text, start, end, where))
             pos, cur = next_pos, end
         return spans
+
+    def _without_others(self, messages: list[dict], i: int, next_turn: int, text: str, start: int, end: int,
+                        where: str) -> list[tuple[int, int]]:
+        """The turn's span, less the messages that follow it where the template writes them inside the turn
+        (Gemma 4 writes tool results into the model turn, after the calls and before the turn's text): the
+        output is the calls through the first end of turn before them, then the turn's own text after them."""
+        own = _visible(messages[i])
+        own_at = text.rfind(own, start, end) if own else -1
+        inside = []
+        for j in range(i + 1, next_turn):
+            other = messages[j]["content"].strip() if _has_text(messages[j]) else ""
+            for form in (other, json.dumps(other)[1:-1]) if other else ():  # as written, or as a JSON string
+                at = text.find(form, start, end)
+                if at >= 0 and not (own_at >= 0 and own_at <= at and at + len(form) <= own_at + len(own)):
+                    inside.append((at, at + len(form)))
+                    break
+        if not inside:
+            return [(start, end)]
+        first, last = min(a for a, _ in inside), max(b for _, b in inside)
+        cuts = [(found, e) for e in self._probe.ends if (found := text.find(e, start, first)) >= 0]
+        if not cuts:
+            raise RecordError(f"{where}: the template renders a later message inside it and packer finds no end of turn "
+                              "before it; give a {% generation %}-tagged template with --chat-template",
+                              "chat_span_not_found")
+        found, token = min(cuts, key=lambda c: (c[0], -len(c[1])))
+        pieces = [(start, found + len(token))]
+        if own_at >= last:
+            pieces.append((own_at, end))
+        return pieces
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "packer_probe", "description": "A probe.", "parameters": {
@@ -305,12 +336,19 @@ class _Probe:
     ends: list[str]  # what may close a turn
 
 
-def _common(a: str, b: str) -> int:
+def _common(a: str, b: str, control: re.Pattern | None = None) -> int:
+    """The length of the common head of ``a`` and ``b``; where they part inside a token (``<|end|>\n<|im_end|>``
+    against ``<|end|>\n<|assistant|>``), cut back to the end of the last line, tag or token of the tokenizer."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
+    if n < min(len(a), len(b)):
+        bounds = [0] + [k + 1 for k in range(n) if a[k] in "\n>]"]
+        if control is not None:
+            bounds += [m.end() for m in control.finditer(a, 0, n)]
+        n = max(bounds)
     return n
 
 
@@ -320,7 +358,7 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
     what it writes after an assistant turn that ends the conversation, and the closing it writes after a user
     turn where it writes the same after an assistant turn."""
     control = template.control
-    gen = prompted[_common(bare, prompted):]
+    gen = prompted[_common(bare, prompted, control):]
     said = _marker(0)
     turn = {"role": "assistant", "content": said}
     call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
@@ -336,7 +374,7 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
         if render is not None and piece in render:
             if piece not in render[: render.find(said)] and piece != said:
                 piece = said
-            lead = render[_common(bare, render): render.find(piece)]
+            lead = render[_common(bare, render, control): render.find(piece)]
             header = header[: _common(header, lead)] if lead else header
     if header != gen:  # cut back to the end of a token or line, never inside a word
         cuts = [m.end() for m in re.finditer(r"\n", header)] + [m.end() for m in control.finditer(header)] if control \
@@ -350,12 +388,13 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
     headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
     prefill = gen[len(header):] if gen.startswith(header) and header in headers else ""
     ends: list[str] = []
+    closing = ""
     if one is not None and said in one:
         closing = one[one.find(said) + len(said):].rstrip()
         if closing:
             ends.append(closing)  # what closes a turn that ends the conversation
         user_end = one.find(_PROBE) + len(_PROBE)
-        user_closing = one[user_end: _common(bare, one)].rstrip() if _PROBE in one else ""
+        user_closing = one[user_end: _common(bare, one, control)].rstrip() if _PROBE in one else ""
         if user_closing and then_user is not None and then_user[then_user.find(said) + len(said):].startswith(user_closing):
             ends.append(user_closing)  # the closing every turn gets (<|im_end|>, <turn|>, <|end|>)
     for render in (one, then_user, then_tool):  # the first of the tokenizer's own tokens after the turn's text
@@ -364,8 +403,9 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
             if found:
                 ends.append(found.group())
     # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the last of the
-    # tokenizer's tokens in a conversation whose last turn is a call, where nothing but whitespace follows it
-    if control and _PROBE + "4" in calling:
+    # tokenizer's tokens in a conversation whose last turn is a call, where nothing but whitespace follows it;
+    # in a template that closes no turn (GLM-4) that is the call's own closing tag, and the next header ends the turn
+    if control and closing and _PROBE + "4" in calling:
         closing = [m for m in control.finditer(calling) if m.start() > calling.find(_PROBE + "4")]
         if closing and not calling[closing[-1].end():].strip():
             ends.append(closing[-1].group())
@@ -385,19 +425,6 @@ def _visible(message: dict) -> str:
 def _rendered_after(messages: list[dict], i: int, text: str, start: int) -> bool:
     """Whether any later message's text is rendered after ``start``."""
     return any(_has_text(m) and m["content"].strip() in text[start:] for m in messages[i + 1:])
-
-
-def _check_others(messages: list[dict], i: int, next_turn: int, text: str, start: int, end: int, where: str) -> None:
-    """A template may render the messages that follow a turn inside it (Gemma 4 writes tool results into the model
-    turn): their text is not the assistant's, so a span that holds it is refused rather than trained."""
-    own = _visible(messages[i])
-    own_end = text.find(own, start) + len(own) if own and own in text[start:end] else start
-    for j in range(i + 1, next_turn):
-        other = (messages[j].get("content") or "").strip() if _has_text(messages[j]) else ""
-        if other and other in text[own_end:end]:
-            raise RecordError(f"{where}: the template renders message {j} ({messages[j]['role']}) inside it and packer "
-                              "finds no end of turn before it; give a {% generation %}-tagged template with "
-                              "--chat-template", "chat_span_not_found")
 
 
 def _tool_names(message: dict) -> list[str]:

@@ -130,6 +130,7 @@ END_OF_TURN = re.compile("|".join(map(re.escape, sorted({
     "<|im_end|>", "<turn|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|return|>", "<|call|>",
     "<｜end▁of▁sentence｜>", "<|END_OF_TURN_TOKEN|>", "<|END_RESPONSE|>", "</s>", "<|endoftext|>", "<|user|>",
     "<|observation|>"}, key=len, reverse=True))))
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # The role word of an assistant header (the last one before a turn's output is its header)
 ROLE = re.compile(r"assistant|Assistant|ASSISTANT|model|CHATBOT|Chatbot")
 
@@ -160,22 +161,41 @@ def offset_reference(text: str, messages: list[dict], offsets: list[tuple[int, i
       an end of turn, the EOS may be trained or not: the model stops at the end of turn).
     """
     located = []  # per message: (role, [(start, end)] of its pieces found in order)
-    cursor = 0
-    for message in messages:
+    # the assistants' own texts wherever they are: another message's text found inside one is a quote
+    quoted = [(m.start(), m.end()) for message in messages if message["role"] == "assistant"
+              for piece in _pieces(message) for m in re.finditer(re.escape(piece), text)]
+
+    def find(piece: str, at: int) -> int:
+        while (at := text.find(piece, at)) >= 0 and any(x <= at and at + len(piece) <= y and (x, y) != (at, at + len(
+                piece)) for x, y in quoted):
+            at += 1
+        return at
+
+    begins = ends = 0  # where the last message found begins and ends (a template may write a tool result
+    for message in messages:  # inside the assistant message before it, ahead of that message's text: Gemma 4)
+        cursor = ends if message["role"] == "assistant" else begins
         found, at = [], cursor
         for piece in _pieces(message):  # in the order templates write them, else anywhere after the last message
-            at = text.find(piece, at) if at >= 0 else -1
-            at = at if at >= 0 else text.find(piece, cursor)
+            if message["role"] != "assistant":
+                if find(piece, cursor) < 0:
+                    piece = json.dumps(piece)[1:-1]  # a result written as a JSON string (gpt-oss)
+                at = find(piece, cursor)
+            else:
+                at = text.find(piece, at) if at >= 0 else -1
+                at = at if at >= 0 else text.find(piece, cursor)
             if at >= 0:
                 found.append((at, at + len(piece)))
                 at += len(piece)
         located.append((message["role"], found))
         if found:
-            cursor = max(b for _, b in found)
+            begins, ends = min(a for a, _ in found), max(b for _, b in found)
     others = [span for role, found in located if role != "assistant" for span in found]
 
     def tokens(a: int, b: int) -> list[int]:
         return [i for i, (x, y) in enumerate(offsets) if x < b and a < y and y > x]
+
+    def after(a: int, b: int) -> list[int]:  # the tokens from character a to b, and one that straddles b
+        return [i for i, (x, y) in enumerate(offsets) if x < b and a <= x and y > x]
 
     eos = len(trained) > len(offsets)  # the EOS packer appends where the render does not end with it
     problems, allowed = [], set()
@@ -183,24 +203,29 @@ def offset_reference(text: str, messages: list[dict], offsets: list[tuple[int, i
         if role != "assistant" or not found:
             continue
         first, last = min(a for a, _ in found), max(b for _, b in found)
-        prev = max((b for _, f in located[:k] for _, b in f), default=0)
-        nxt = min((a for _, f in located[k + 1:] for a, _ in f), default=len(text))
+        prev = max((b for _, f in located[:k] for _, b in f if b <= first), default=0)
+        nxt = min((a for _, f in located[k + 1:] for a, _ in f if a >= last), default=len(text))
         roles = list(ROLE.finditer(text, prev, first))
         head = roles[-1].end() if roles else prev
         end = nxt
         eot = END_OF_TURN.search(text, last, nxt)
-        if eot:
+        if eot:  # and the closing run after it (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>, <|end|>\n</s>) may be trained
             end = eot.end()
-            while (more := END_OF_TURN.match(text, end)):
+            while (more := re.compile(r"\s*(?:" + END_OF_TURN.pattern + ")").match(text, end)):
                 end = more.end()
         inside_others = {i for a, b in others if a < end and b > first for i in tokens(a, b)}
-        must = [i for i in tokens(first, eot.end() if eot else last) if i not in inside_others]
+        # the pieces, what lies between two of them (unless another message's text does), and the end of turn
+        pieces = sorted(found) + ([eot.span()] if eot else [])
+        must = set(tokens(*pieces[0]))
+        for (_, b), (a2, b2) in zip(pieces, pieces[1:]):
+            must |= set(tokens(a2, b2)) | (set() if any(b <= x < a2 for x, _ in others) else set(tokens(b, a2)))
+        must = sorted(must - inside_others)
         where = f"turn {k}"
         if missing := [i for i in must if not trained[i]]:
             problems.append(f"{where}: untrained output {text[offsets[missing[0]][0]:offsets[missing[-1]][1]]!r}")
         if roles and any(trained[i] for i in tokens(*roles[-1].span())):
             problems.append(f"{where}: its header {roles[-1].group()!r} is trained")
-        allowed |= set(tokens(head, end)) - inside_others
+        allowed |= set(tokens(head, end) + after(head, end)) - inside_others
         if eos and nxt == len(text):  # the final turn; where no string closes it, the EOS packer appends does
             allowed.add(len(offsets))
             if not eot and not trained[len(offsets)]:
@@ -375,8 +400,13 @@ def check_template(hf, folder, path, cases) -> Checked:
         if ids != ref_ids + ([eos] if not ref_ids or ref_ids[-1] != eos else []):
             out.wrong.append(f"{case}: tokens differ from apply_chat_template(tokenize=True)")
             continue
-        offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        problems = offset_reference(text, messages, offsets, trained)
+        if _GENERATION.search(source):  # a tagged template: packer trains what its tags hold, exactly
+            mask = hf.apply_chat_template(messages, tools=tools, chat_template=source, tokenize=True,
+                                          return_dict=True, return_assistant_tokens_mask=True)["assistant_masks"]
+            problems = [] if trained[: len(ref_ids)] == list(mask) else ["mask differs from return_assistant_tokens_mask"]
+        else:
+            offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            problems = offset_reference(text, messages, offsets, trained)
         if problems:
             out.wrong.append(f"{case}: {'; '.join(problems)}")
         else:
@@ -384,17 +414,45 @@ def check_template(hf, folder, path, cases) -> Checked:
     return out
 
 
-def reference_sweep(folder: Path = QWEN3, *, verbose: bool = True, names: set[str] | None = None) -> dict[str, Checked]:
-    """Every TRL template (tests/chat_sweep.py's offset reference) x every conversation; prints a table."""
+# The strings templates write as markup tokens (<|im_end|>, <turn|>, <|turn>, <｜User｜>, <end_of_turn>, [gMASK]).
+# A model's own tokenizer holds its template's markup as added tokens; Qwen3's holds only Qwen's.
+MARKUP = re.compile(r"<\|[^<>\s]{1,40}\|>|<\|[^<>|\s]{1,40}>|<[^<>|\s/]{1,40}\|>|<｜[^<>]{1,40}｜>|<[a-z]+_of_[a-z]+>"
+                    r"|\[gMASK\]|<sop>")
+
+
+@functools.cache
+def own_tokenizer(source: str, base: Path = QWEN3) -> Path:
+    """``base`` with the template's markup added as special tokens, saved by transformers' ``save_pretrained``:
+    the template meets a tokenizer that is its own, as a model's is."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(folder))
+    hf = AutoTokenizer.from_pretrained(str(base))
+    markup = sorted(set(MARKUP.findall(source)) - set(hf.get_vocab()))
+    if not markup:
+        return base
+    hf.add_tokens(markup, special_tokens=True)
+    folder = Path(tempfile.mkdtemp(prefix="packer-sweep-tokenizer-"))
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def reference_sweep(folder: Path = QWEN3, *, own: bool = True, verbose: bool = True,
+                    names: set[str] | None = None) -> dict[str, Checked]:
+    """Every TRL template x every conversation against the offset reference; prints a table. ``own``: each template
+    with ``folder``'s tokenizer plus the template's markup tokens (see ``own_tokenizer``), else ``folder``'s as it is
+    (the markup is then text to it)."""
+    from transformers import AutoTokenizer
+
     cases = conversations()
     report = {}
     for name, path in originals():
         if names is not None and name not in names:
             continue
-        report[name] = c = check_template(hf, folder, path, cases)
+        tokenizer = own_tokenizer(path.read_text(), folder) if own else folder
+        hf = AutoTokenizer.from_pretrained(str(tokenizer))
+        report[name] = c = check_template(hf, tokenizer, path, cases)
         if verbose:
             print(f"{name:28s} exact {c.exact:2d} · both refuse {c.refused_both:2d} · packer refuses "
                   f"{sum(c.refused.values()):2d} · wrong {len(c.wrong):2d}")
@@ -411,7 +469,7 @@ def reference_sweep(folder: Path = QWEN3, *, verbose: bool = True, names: set[st
         clean = sum(not c.wrong and not c.refused for c in report.values())
         print(f"{len(report)} templates x {len(cases)} conversations = {total}: exact {exact}, both refuse {both}, "
               f"packer refuses {refused}, wrong {wrong}; templates with nothing wrong or refused: {clean}/{len(report)} "
-              f"({folder.name} tokenizer)")
+              f"({folder.name} tokenizer{' with each template' + chr(39) + 's markup tokens' if own else ', as it is'})")
     return report
 
 
@@ -442,5 +500,6 @@ def sweep(folder: Path = QWEN3, *, verbose: bool = True) -> dict[str, tuple[Outc
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else QWEN3
-    reference_sweep(folder)
+    reference_sweep(folder, own=True)
+    reference_sweep(folder, own=False)
     sweep(folder)
