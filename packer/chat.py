@@ -4,20 +4,24 @@ A conversation is rendered once, whole, by ``transformers.utils.chat_template_ut
 (the function ``apply_chat_template`` calls; it imports without torch), so its text is exactly what the
 model is trained and served on, whatever the template does to earlier turns.
 
-The spans to train on:
+The spans to train on (the rules users see are in docs/chat.md):
 
 - a template with ``{% generation %}`` tags: the tagged character spans transformers returns;
-- any other template: each assistant turn's output, located in that one render. A second render with
-  each assistant message's content replaced by a unique marker tells, per turn, which assistant header
-  comes before the output (the template's generation prompt, or the longest head of it that the
-  template writes there) and which end-of-turn token closes it (the first one after the content). The
-  output is the text from that header's end through that end-of-turn token, found in the real render
-  (from the header before the turn's reasoning where the template renders it as a message of its own);
-  the span must hold the assistant's visible text and tool-call names, else the record is refused.
-  End-of-turn tokens are learnt once per template from probe renders (see ``_probe``).
+- any other template: each assistant turn's output, located in that one render. Probe renders, once per
+  template, teach how it writes a turn (``_learn``): the role header (the longest head of the generation
+  prompt that every kind of turn writes before its output, so a pre-filled think block is not header), the
+  generation prompt's pre-fill, and what may end a turn: the tokenizer's own added tokens that the template
+  writes after an assistant turn (whatever their spelling), what it writes after a turn that ends the
+  conversation, and the closing it writes after every turn. A second render of the record, with each
+  assistant text replaced by a marker (empty text stays empty), tells per turn which header comes before the
+  output and which end closes it; the output is found in the real render from that header through that end.
+  A later message that the template writes inside the turn (a tool result) is cut out of it; a turn that
+  nothing closes ends with its own text, or, last, runs to the end of the render. The span must hold the
+  assistant's visible text and tool-call names, else the record is refused.
 
 A template is code: whatever it raises is the record's error, and a render runs under a time limit.
-Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them.
+Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them, and each
+is probed with what it will render (the one records with tools get is probed with a tool).
 
 Cost: one render per record for a tagged template, two for an untagged one, plus string searches.
 """
@@ -238,6 +242,11 @@ class ChatTemplate:
                 for anchor in (*_tool_names(message), _reasoning(message)):
                     if anchor and (mark := scaffold.find(anchor, base)) >= 0:
                         break
+                if mark < 0 and not _has_text(message) and heads and (
+                        k + 1 == len(turns) or base < scaffold.find(_marker(turns[k + 1]), pos)):
+                    # a turn with nothing the template renders (calls it leaves out): its header and end of turn
+                    # are all of it, trained as the template's tagged twins train them
+                    anchor, mark = "", base + len(next(h for h in probe.headers if scaffold.startswith(h, base)))
             if mark < 0:
                 raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
                                   "chat_span_not_found")
@@ -245,9 +254,9 @@ class ChatTemplate:
             header = next((h for h in probe.headers if h in before), None)
             reasoning = _reasoning(message)
             at = before.rfind(reasoning) if reasoning else -1
-            if header is not None and at >= 0 and header in before[:at]:
-                # the reasoning rendered as a message of its own before the content (gpt-oss's analysis channel)
-                # is part of the turn's output: the output starts after the header before the reasoning
+            if at >= 0 and (header is None or header in before[:at]):
+                # the reasoning rendered before the content (gpt-oss's analysis channel, Gemma 4's thought channel
+                # in a model turn that goes on after tool results) is part of the turn's output
                 before = before[:at]
             if header is not None:  # the output starts after the last such header before the content
                 start = cur
@@ -280,10 +289,10 @@ class ChatTemplate:
             elif k + 1 == len(turns) and not _rendered_after(messages, i, text, start):
                 end = next_pos = len(text)  # a final turn that nothing closes: its span runs to the end, the EOS ends it
                 next_pos = len(scaffold)
-            else:  # a turn that nothing closes, followed by more: it ends with its own text
+            else:  # a turn that nothing closes, followed by more: it ends with its own text, written after its calls
                 visible = _visible(message)
-                found = text.find(visible, start) if visible and anchor == _marker(i) and not _tool_names(message) else -1
-                if found < 0:
+                found = text.find(visible, start) if visible and anchor == _marker(i) else -1
+                if found < 0 or any(not 0 <= text.find(name, start) < found for name in _tool_names(message)):
                     raise RecordError(f"{where}: cannot tell where its output ends (the template writes no end-of-turn "
                                       "token after it); give a {% generation %}-tagged template with --chat-template",
                                       "chat_span_not_found")
@@ -376,6 +385,13 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
                 piece = said
             lead = render[_common(bare, render, control): render.find(piece)]
             header = header[: _common(header, lead)] if lead else header
+    if thinking is not None and _PROBE + "R" in thinking and control:
+        # a reasoning block the turn writes is output, even where every turn opens one (Nemotron's <think>): the
+        # header ends before the last token that opens the reasoning
+        lead = thinking[_common(bare, thinking, control): thinking.find(_PROBE + "R")]
+        opens = [m.start() for m in control.finditer(lead) if m.start() > 0]
+        if opens and len(header) > opens[-1] and lead.startswith(header[: opens[-1]]):
+            header = header[: opens[-1]]
     if header != gen:  # cut back to the end of a token or line, never inside a word
         cuts = [m.end() for m in re.finditer(r"\n", header)] + [m.end() for m in control.finditer(header)] if control \
             else [m.end() for m in re.finditer(r"\n", header)]
@@ -387,6 +403,10 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
         cuts |= {header[: m.end()] for m in control.finditer(header)}
     headers = sorted((h for h in cuts if h.strip() and h not in bare), key=len, reverse=True)
     prefill = gen[len(header):] if gen.startswith(header) and header in headers else ""
+    if prefill and thinking is not None and header in thinking:
+        opened = thinking[thinking.find(header, _common(bare, thinking, control)) + len(header):]
+        if opened.startswith(prefill):  # the prompt opens the reasoning the model writes (<think>\n): output
+            prefill = ""
     ends: list[str] = []
     closing = ""
     if one is not None and said in one:

@@ -420,19 +420,27 @@ MARKUP = re.compile(r"<\|[^<>\s]{1,40}\|>|<\|[^<>|\s]{1,40}>|<[^<>|\s/]{1,40}\|>
                     r"|\[gMASK\]|<sop>")
 
 
-@functools.cache
 def own_tokenizer(source: str, base: Path = QWEN3) -> Path:
     """``base`` with the template's markup added as special tokens, saved by transformers' ``save_pretrained``:
     the template meets a tokenizer that is its own, as a model's is."""
+    return _with_tokens(tuple(sorted(set(MARKUP.findall(source)) - _vocab(base))), base)
+
+
+@functools.cache
+def _vocab(base: Path) -> frozenset[str]:
+    return frozenset(_tokenizer(base).backend_tokenizer.get_vocab(with_added_tokens=True))
+
+
+@functools.cache
+def _with_tokens(markup: tuple[str, ...], base: Path) -> Path:
     import tempfile
 
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(base))
-    markup = sorted(set(MARKUP.findall(source)) - set(hf.get_vocab()))
     if not markup:
         return base
-    hf.add_tokens(markup, special_tokens=True)
+    hf = AutoTokenizer.from_pretrained(str(base))
+    hf.add_tokens(list(markup), special_tokens=True)
     folder = Path(tempfile.mkdtemp(prefix="packer-sweep-tokenizer-"))
     hf.save_pretrained(str(folder))
     return folder
@@ -473,14 +481,16 @@ def reference_sweep(folder: Path = QWEN3, *, own: bool = True, verbose: bool = T
     return report
 
 
-def sweep(folder: Path = QWEN3, *, verbose: bool = True) -> dict[str, tuple[Outcome, Outcome]]:
+def sweep(folder: Path = QWEN3, *, own: bool = True, verbose: bool = True) -> dict[str, tuple[Outcome, Outcome]]:
+    """Every template pair, original against its tagged twin (``own``: as in ``reference_sweep``)."""
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(folder))
     cases = conversations()
     report = {}
     for name, original, twin in templates():
-        report[name] = check_pair(hf, folder, name, original, twin, cases)
+        tokenizer = own_tokenizer(original.read_text() + twin.read_text(), folder) if own else folder
+        hf = AutoTokenizer.from_pretrained(str(tokenizer))
+        report[name] = check_pair(hf, tokenizer, name, original, twin, cases)
         if verbose:
             o, t = report[name]
             print(f"{name:28s} original {'ok ' if not o.failures else 'BAD'} {o.checked:2d} rendered "

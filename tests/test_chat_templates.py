@@ -1,12 +1,12 @@
-"""TRL's chat templates (text-only ones with a ``_training`` twin), tagged and untagged, against
-transformers: a deterministic sample of tests/chat_sweep.py's conversations here (every template, three
-conversations that cover reasoning, tool calls and multi-turn); ``python tests/chat_sweep.py`` runs the
-whole set (every conversation, about two minutes)."""
+"""TRL's chat templates against transformers: a deterministic sample of tests/chat_sweep.py here (every
+template pair with a ``_training`` twin on three conversations that cover reasoning, tool calls and multi-turn;
+the templates without a twin on the offset reference, each with a tokenizer that holds its markup tokens);
+``python tests/chat_sweep.py`` runs the whole set (every TRL template x every conversation, ~15 minutes)."""
 
 from __future__ import annotations
 
 import pytest
-from chat_sweep import QWEN3, check_pair, conversations, templates
+from chat_sweep import QWEN3, check_pair, check_template, conversations, originals, own_tokenizer, templates
 from conftest import SHARED_DATA
 
 SAMPLE = ("system_three_turns", "reasoning_content", "tool_call_object_args")
@@ -28,10 +28,18 @@ def test_the_set_is_the_trl_set():
     assert len(PAIRS) >= 15 and {"qwen3", "llama3", "deepseekv3", "gemma", "phi3"} <= {n for n, _, _ in PAIRS}
 
 
+def own(*sources):
+    """The Qwen3 tokenizer with the templates' markup as added tokens (see chat_sweep.own_tokenizer)."""
+    from transformers import AutoTokenizer
+
+    folder = own_tokenizer("".join(p.read_text() for p in sources), QWEN3)
+    return AutoTokenizer.from_pretrained(str(folder)), folder
+
+
 @pytest.mark.parametrize(("name", "original", "twin"), PAIRS, ids=[p[0] for p in PAIRS])
 def test_template_pair(hf, name, original, twin):
     cases = [c for c in conversations() if c[0] in SAMPLE]
-    untagged, tagged = check_pair(hf, QWEN3, name, original, twin, cases)
+    untagged, tagged = check_pair(*own(original, twin), name, original, twin, cases)
     assert not tagged.failures, tagged.failures  # tagged: exactly return_assistant_tokens_mask
     assert not untagged.failures, untagged.failures  # untagged: the twin's mask
     assert untagged.checked + untagged.refused + len(untagged.failures) == len(cases)
@@ -44,7 +52,7 @@ def test_turn_ends_and_reasoning_channels_on_every_conversation(hf, name):
     originals give their twin's mask on the whole set, each conversation compared with the twin."""
     (_, original, twin), = [p for p in PAIRS if p[0] == name]
     cases = conversations()
-    untagged, tagged = check_pair(hf, QWEN3, name, original, twin, cases)
+    untagged, tagged = check_pair(*own(original, twin), name, original, twin, cases)
     assert not tagged.failures and not untagged.failures, (tagged.failures, untagged.failures)
     assert untagged.compared_with_twin == untagged.checked >= len(cases) - 1
 
@@ -61,3 +69,18 @@ def test_llama3_pair_on_the_llama_tokenizer():
     untagged, tagged = check_pair(AutoTokenizer.from_pretrained(str(folder)), folder, name, original, twin, cases)
     assert not tagged.failures and not untagged.failures, (tagged.failures, untagged.failures)
     assert untagged.checked == len(cases) and untagged.compared_with_twin == len(cases)
+
+
+# TRL's templates that have no tagged twin (and the multimodal ones, on text), on the offset reference: each
+# assistant piece located in transformers' render by character offsets, tokens against apply_chat_template
+NO_TWIN = [(n, p) for n, p in originals() if not p.with_name(f"{n}_training.jinja").is_file()]
+REFERENCE_SAMPLE = ("system_three_turns", "tool_call_object_args", "reasoning_tool_call_empty_content")
+
+
+@pytest.mark.parametrize(("name", "path"), NO_TWIN, ids=[n for n, _ in NO_TWIN])
+def test_template_without_a_twin_on_the_offset_reference(hf, name, path):
+    cases = [c for c in conversations() if c[0] in REFERENCE_SAMPLE]
+    tokenizer, folder = own(path)
+    checked = check_template(tokenizer, folder, path, cases)
+    assert not checked.wrong and not checked.refused, (checked.wrong, checked.refused)
+    assert checked.exact + checked.refused_both == len(cases)
