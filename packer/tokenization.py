@@ -200,9 +200,21 @@ class Encoder:
         self.add_special_tokens = spec.kind != "chat"
         self.skip_errors = skip_errors
 
+    def example(self, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
+        """One record as the build tokenizes it: its text, the [start, end) character spans trained, and whether
+        the EOS packer appends (where the text's tokens do not end with it) is trained: it takes the flag of the
+        text's last segment. Raises the record's ``RecordError``."""
+        segments = self.formatter(record)
+        _check_size(segments)
+        spans, cursor = [], 0
+        for piece, trained in segments:
+            if trained:
+                spans.append((cursor, cursor + len(piece)))
+            cursor += len(piece)
+        return "".join(piece for piece, _ in segments), spans, segments[-1][1]
+
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
         names = list(records)
-        formatter = self.formatter
         texts: list[str] = []
         span_example: list[int] = []  # per trained span: the kept example it belongs to
         span_chars: list[tuple[int, int]] = []  # per trained span: [start, end) in that example's text
@@ -212,30 +224,16 @@ class Encoder:
         rows = zip(*(records[name] for name in names)) if names else iter(())
         for i, row in enumerate(rows):
             try:
-                segments = formatter(dict(zip(names, row)))
-                _check_size(segments)
+                text, spans, eos_trained = self.example(dict(zip(names, row)))
             except RecordError as e:
                 if not self.skip_errors:
                     raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip", e.reason) from None
                 skipped[e.reason] = skipped.get(e.reason, 0) + 1
                 continue
-            k = len(texts)
-            if len(segments) == 1:
-                text, trained = segments[0]
-                if trained:
-                    span_example.append(k)
-                    span_chars.append((0, len(text)))
-            else:
-                parts, cursor = [], 0
-                for piece, trained in segments:
-                    if trained:
-                        span_example.append(k)
-                        span_chars.append((cursor, cursor + len(piece)))
-                    parts.append(piece)
-                    cursor += len(piece)
-                text = "".join(parts)
+            span_example += [len(texts)] * len(spans)
+            span_chars += spans
             texts.append(text)
-            last_trained.append(segments[-1][1])
+            last_trained.append(eos_trained)
             kept.append(first_index + i)
         example_ids = np.asarray(kept, dtype=np.int64)
         if not texts:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import ROOT, SHARED_DATA, make_build
-from test_chat import MULTI, built, need, write_jsonl
+from test_chat import MULTI, built, need, trained_text, write_jsonl
 
 from packer.tokenization import load_tokenizer
 
@@ -59,4 +59,4 @@ def test_chat_build_on_a_saved_folder_equals_apply_chat_template(tmp_path, saved
     ((ids, trained),) = built(make_build(tmp_path / "out", src, tokenizer=str(saved_with_chat_tokens)))
     expected = hf.apply_chat_template(MULTI["messages"], tokenize=True, return_dict=True)["input_ids"]
     assert ids == list(expected) + ([hf.eos_token_id] if expected[-1] != hf.eos_token_id else [])
-    assert hf.decode([t for t, f in zip(ids, trained) if f]).split() == ["Blue.</s>", "Green.</s>", "White.</s>"]
+    assert trained_text(hf, ids, trained) == ["Blue.</s>", "Green.</s>", "White.</s>"]
