@@ -1,4 +1,4 @@
-"""Every causal-LM type of the installed transformers through ``packer.attention.prepare``: refused, or exact.
+"""Every causal-LM type of the installed transformers through ``packer.prepare``: refused, or exact.
 
     python benchmarks/sweep_architectures.py [TYPE ...] [--markdown]
 
@@ -156,7 +156,7 @@ def _loss_and_grads(model, batches: list[dict]) -> tuple[list[torch.Tensor], dic
 
 def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     """Refused (and left unchanged), or exact against eager alone (logits and gradients); else LEAK."""
-    from packer.attention import prepare
+    from packer import prepare
     from packer.errors import ConfigError
 
     try:
