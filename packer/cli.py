@@ -129,7 +129,7 @@ def main() -> None:
 @click.argument("sources", nargs=-1)
 @click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
               help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
-                   "sources (then no SOURCE); see README 'Mixtures'.")
+                   "sources (then no SOURCE); see docs/mixtures.md.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
