@@ -146,11 +146,6 @@ class BuildConfig:
             )
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
-        if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
-            raise ConfigError(
-                "--pack wrap is for plain text (--text-field); prompt/completion and chat data train on "
-                "whole examples: use --pack batch or bfd"
-            )
         if self.messages_field and (self.prompt_field or self.completion_field or self.text_field):
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .accounting import account
 from .errors import ConfigError, SourceError
 from .tokenization import Encoded, Encoder
 
@@ -298,27 +299,23 @@ def split_skipped(skipped: dict[str, int], parts: int) -> tuple[dict[str, int], 
 
 def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,
                 plan, per_skipped: list[dict[str, int]]) -> list[dict[str, Any]]:
-    """Each part's counts: records read, examples packed whole / split / truncated / dropped, skipped by reason."""
+    """Each part's counts (:func:`packer.accounting.account`, one epoch's, so they add up to the totals):
+    records read, examples packed whole / split / truncated / dropped, skipped by reason, and the tokens
+    its examples hold in the rows of every epoch (as the totals' ``tokens``)."""
     src = positions_sources(parts, seed, records)
-    example_src = src[np.asarray(example_ids)] if len(example_ids) else np.zeros(0, np.int16)
-    pieces = np.bincount(plan.example, minlength=lengths.size)
-    covered = np.bincount(plan.example, weights=plan.length, minlength=lengths.size).astype(np.int64)
-    whole = covered == lengths
+    example_src = src[np.asarray(example_ids)] if len(example_ids) else np.zeros(0, np.int64)
+    acct = account(plan, lengths, source=example_src, parts=len(parts))
     out = []
-    for k, part in enumerate(parts):
-        mine = example_src == k
-        dropped = {**per_skipped[k]}
-        overlong = int((mine & (pieces == 0)).sum())
-        if overlong:
-            dropped["overlong"] = overlong
+    for k, (part, c) in enumerate(zip(parts, acct.parts, strict=True)):
+        dropped = {**per_skipped[k], **({"overlong": c.dropped} if c.dropped else {})}
         out.append({
             "source": part["source"],
             "records_read": int((src == k).sum()),
-            "examples": int(mine.sum()),
-            "examples_packed": int((mine & (pieces == 1) & whole).sum()),
-            "examples_split": int((mine & (pieces > 1)).sum()),
-            "examples_truncated": int((mine & (pieces > 0) & ~whole).sum()),
+            "examples": c.examples,
+            "examples_packed": c.whole,
+            "examples_split": c.split,
+            "examples_truncated": c.truncated,
             "dropped_by_reason": dict(sorted(dropped.items())),
-            "tokens": int(plan.length[example_src[plan.example] == k].sum()) if plan.example.size else 0,
+            "tokens": c.tokens * acct.epochs,
         })
     return out

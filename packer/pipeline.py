@@ -94,7 +94,10 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
                                  from_hub=config.from_hub, files=part.get("files"))
         stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
         fields = {k: part.get(k) for k in mix.FIELDS}
-        spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        try:
+            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        except ConfigError as e:  # which of the parts it is
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None
         streams.append(stream)
         encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
         infos.append({"source": part["source"], **source_info(stream)})

@@ -204,6 +204,7 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
         raise SourceError(f"{path}:1: the header line is not CSV ({e}); fix it") from None
     except OSError as e:
         raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+    _refuse_duplicates(path, names, "the header line")
     convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
                                   null_values=[""])
     with _arrow_errors("csv", path):
@@ -232,6 +233,16 @@ def _arrow_errors(builder: str, path: str):
                           "check the file is complete and of that type") from None
 
 
+def _refuse_duplicates(path: str, names: list[str], where: str) -> None:
+    """A record is a mapping: of two columns of one name only the last would be kept, silently."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise SourceError(f"{path}: {where} names the column {name!r} twice, and a record keeps only one of "
+                              "them; rename or remove one")
+        seen.add(name)
+
+
 def _arrow_batches(builder: str, path: str):
     import pyarrow as pa
 
@@ -239,6 +250,7 @@ def _arrow_batches(builder: str, path: str):
         import pyarrow.parquet as pq
 
         with pq.ParquetFile(path) as f:
+            _refuse_duplicates(path, f.schema_arrow.names, "the Parquet schema")
             yield from f.iter_batches(batch_size=1000)
         return
     with pa.memory_map(path) as source:  # Arrow IPC: the stream format (`datasets`' .arrow files), or the file format
@@ -247,7 +259,9 @@ def _arrow_batches(builder: str, path: str):
         except pa.ArrowInvalid:
             source.seek(0)
             reader = pa.ipc.open_file(source)
+            _refuse_duplicates(path, reader.schema.names, "the Arrow schema")
             for i in range(reader.num_record_batches):
                 yield reader.get_batch(i)
             return
+        _refuse_duplicates(path, reader.schema.names, "the Arrow schema")
         yield from reader
