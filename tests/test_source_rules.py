@@ -75,3 +75,59 @@ def test_a_mix_part_field_typo_names_the_part(tmp_path):
                    f"- {{source: {src}, weight: 1, prompt_field: promt, completion_field: completion}}\n")
     line = one_line(_build("--mix", str(mix), "--out", str(tmp_path / "out"), "--limit", "20"))
     assert "mix part 2" in line and "'promt'" in line
+
+
+# -- a top-level JSON array is streamed ------------------------------------------------------------
+
+
+def test_a_json_array_is_read_an_item_at_a_time(tmp_path):
+    import itertools
+    import tracemalloc
+
+    from packer import readers
+
+    path = tmp_path / "big.json"
+    item = json.dumps({"prompt": "p" * 500, "completion": "c" * 1500})
+    path.write_text("[\n" + ",\n".join([item] * 15_000) + "\n]\n")  # 30 MB
+    tracemalloc.start()
+    try:
+        first = list(itertools.islice(readers.records("json", str(path)), 10))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(first) == 10 and first[0] == json.loads(item)
+    assert peak < 8e6, f"{peak / 1e6:.1f} MB held to read 10 items of a 30 MB array"
+
+
+@pytest.mark.parametrize("read", [1, 3, 7, 64])
+def test_a_json_array_parses_the_same_whatever_the_read_size(tmp_path, monkeypatch, read):
+    from packer import readers
+
+    items = [{"n": 123456789, "x": 1.5e-7, "t": "é猫😀 \"q\" \\u", "l": [1, [2, {"a": None}]]}, "just text",
+             {"empty": {}}, {"big": -98765432109876543210}]
+    path = tmp_path / "a.json"
+    path.write_bytes(b"\xef\xbb\xbf \n[\n" + ",\n\t".join(json.dumps(i, ensure_ascii=False) for i in items).encode()
+                     + b"\n]  \n")
+    monkeypatch.setattr(readers, "_READ", read)
+    expected = [i if isinstance(i, dict) else {"text": i} for i in items]
+    assert list(readers.records("json", str(path))) == expected
+    assert readers.count("json", str(path), 10) == 4 and readers.count("json", str(path), 2) == 2
+    (tmp_path / "e.json").write_text(" [ ] ")
+    assert list(readers.records("json", str(tmp_path / "e.json"))) == []
+
+
+@pytest.mark.parametrize("text, where", [
+    ('[{"a": 1},\n{"a": 2},\n{"a": ]', ":3: malformed JSON"),
+    ('[{"a": 1}\n{"a": 2}]', ":2: malformed JSON (expecting ',' or ']'"),
+    ('[{"a": 1},\n{"a": 2}', ":2: malformed JSON (the array is not closed"),
+    ('[{"a": 1}]\n[{"a": 2}]', ":2: malformed JSON (extra data after the array"),
+])
+def test_a_malformed_json_array_names_its_line(tmp_path, monkeypatch, text, where):
+    from packer import readers
+    from packer.errors import SourceError
+
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    monkeypatch.setattr(readers, "_READ", 4)
+    with pytest.raises(SourceError, match="d.json" + where.replace("(", r"\(").replace("[", r"\[")):
+        list(readers.records("json", str(path)))
