@@ -270,21 +270,9 @@ class PackedDataset(IterableDataset):
                 f"{fs.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = fs.join(self.directory, entry.file)
-            size = fs.file_size(path)
-            if size is None:
-                raise ShardFormatError(
-                    f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
-                )
-            if size != entry.bytes:
-                raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest records {entry.bytes}; the shard is truncated or "
-                    "from another build, rebuild the folder"
-                )
-            if verify and fs.file_sha256(path) != entry.sha256:
-                raise ShardFormatError(
-                    f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
-                )
+            problems = schema.shard_file_problems(self.directory, entry, sha256=verify)
+            if problems:
+                raise ShardFormatError(f"{fs.join(self.directory, entry.file)}: {problems[0]}; rebuild the folder")
 
     def _vocab_size(self) -> int:
         vocab = self.manifest.tokenizer.get("vocab_size")

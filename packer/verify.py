@@ -163,12 +163,8 @@ def _check_folder_contents(directory: Path, manifest: Manifest | None, report: R
                    "file); remove it or rebuild the folder")
     if manifest is None:
         return
-    for name, expected in schema.datasets_files(manifest).items():  # what datasets.load_from_disk reads
-        path = directory / name
-        if not path.is_file():
-            report.add("files", str(path), "missing: `datasets.load_from_disk` needs it; rebuild the folder")
-        elif path.stat().st_size != len(expected) or path.read_bytes() != expected:
-            report.add("files", str(path), "differs from what the manifest implies; rebuild the folder")
+    for name, problem in schema.datasets_file_problems(directory, manifest):  # what datasets.load_from_disk reads
+        report.add("files", str(directory / name), problem)
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -178,17 +174,11 @@ def _check_files(directory: Path, manifest: Manifest, report: Report) -> list[sc
     """Existence, size and sha256 of every shard; returns the entries whose file exists."""
     present = []
     for entry in manifest.shards:
-        path = directory / entry.file
-        if not path.is_file():
-            report.add("files", str(path), "missing, the manifest lists it; copy the whole folder or rebuild")
-            continue
-        present.append(entry)
-        size = path.stat().st_size
-        if size != entry.bytes:
-            report.add("files", str(path), f"{size:,} bytes, the manifest records {entry.bytes:,} (truncated or "
-                       "from another build)")
-        if fs.file_sha256(path) != entry.sha256:
-            report.add("files", str(path), "sha256 differs from the manifest's: the bytes changed")
+        problems = schema.shard_file_problems(directory, entry)
+        for problem in problems:
+            report.add("files", str(directory / entry.file), problem)
+        if (directory / entry.file).is_file():
+            present.append(entry)
     return present
 
 
