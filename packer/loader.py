@@ -76,7 +76,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import fs, schema
+from . import fs, rows, schema
 from .errors import ConfigError, ShardFormatError
 
 STATE_VERSION = 2
@@ -178,68 +178,16 @@ class _Shards:
 
 
 def check_rows(cols: dict[str, Any], vocab_size: int) -> tuple[int, str] | None:
-    """The first damaged row of a row batch and what is wrong with it, or None.
-
-    The structure that the attention kernel and the loss index with, in a few vectorised passes over
-    the batch's tokens: Arrow's validation at open keeps the offsets in bounds, this keeps every
-    ``cu_seq_lens`` inside its row and every id inside the embedding. Rows are contiguous, so once each
-    row's ``seq_lens`` sum to its length the batch's cumulative ``seq_lens`` are the segment starts.
-    (``benchmarks/bench_loader.py`` measures the cost.)"""
-    off = cols["input_ids.offsets"].astype(np.int64)
-    for name in ("position_ids", "labels"):
-        bad = cols[name + ".offsets"] != cols["input_ids.offsets"]
-        if bad.any():
-            return max(int(np.argmax(bad)) - 1, 0), f"{name} is not aligned with input_ids"
-    soff = cols["seq_lens.offsets"].astype(np.int64)
-    seq = cols["seq_lens"][soff[0] : soff[-1]].astype(np.int64)
-    soff -= soff[0]
-    nseg = np.diff(soff)
-    if (nseg == 0).any():
-        return int(np.argmax(nseg == 0)), "no segments in seq_lens"
-    if (seq <= 0).any():
-        return _row_of(np.argmax(seq <= 0), soff), "a segment length ≤ 0 in seq_lens"
-    cs = np.zeros(seq.size + 1, np.int64)
-    np.cumsum(seq, out=cs[1:])
-    row_len = np.diff(off)
-    sums = cs[soff[1:]] - cs[soff[:-1]]
-    if (sums != row_len).any():
-        r = int(np.argmax(sums != row_len))
-        return r, f"seq_lens sum to {int(sums[r])}, the row holds {int(row_len[r])} tokens"
-    true_max = np.maximum.reduceat(seq, soff[:-1])
-    if (true_max != cols["max_seqlen"]).any():
-        r = int(np.argmax(true_max != cols["max_seqlen"]))
-        return r, f"max_seqlen {int(cols['max_seqlen'][r])} is not max(seq_lens) = {int(true_max[r])}"
-    lo, hi = int(off[0]), int(off[-1])
-    rel = off - lo
-    ids, pos, labels = cols["input_ids"][lo:hi], cols["position_ids"][lo:hi], cols["labels"][lo:hi]
-    if int(ids.view(np.uint32).max()) >= vocab_size:  # as unsigned, a negative id is huge too
-        bad = ids.view(np.uint32) >= vocab_size
-        return _row_of(np.argmax(bad), rel), f"a token id outside [0, {vocab_size}) (the tokenizer's vocab size)"
-    starts = cs[:-1]
-    # positions: 0 at every segment start, +1 everywhere else
-    step = np.subtract(pos[1:], pos[:-1])
-    step[starts[1:] - 1] = 1
-    if pos[starts].any() or not (step == 1).all():
-        at = np.argmax(pos != np.arange(hi - lo) - np.repeat(starts, seq))  # the rare path: say where
-        return _row_of(at, rel), "position_ids do not restart at 0 at each segment start and count up"
-    ignored = labels == schema.IGNORE_INDEX
-    if not ignored[starts].all():
-        return _row_of(starts[np.argmin(ignored[starts])], rel), \
-            "a label is not -100 at a segment start (it would cross an example boundary)"
-    ok = labels == ids
-    ok |= ignored
-    if not ok.all():
-        return _row_of(np.argmin(ok), rel), "a label is neither -100 nor the input id at its position"
-    loss = row_len - np.add.reduceat(ignored, rel[:-1], dtype=np.int64)
-    if (loss != cols["num_loss_tokens"]).any():
-        r = int(np.argmax(loss != cols["num_loss_tokens"]))
-        return r, f"num_loss_tokens {int(cols['num_loss_tokens'][r])} is not the count of trained labels {int(loss[r])}"
-    return None
-
-
-def _row_of(index, offsets: np.ndarray) -> int:
-    """The row holding flat element ``index``, from the batch's offsets (starting at 0)."""
-    return int(np.searchsorted(offsets, int(index), side="right")) - 1
+    """The first damaged row of a row batch and what is wrong with it, or None: the first problem of
+    :func:`packer.rows.check_rows`, which states the row invariants. Arrow's validation at open keeps
+    the offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
+    embedding. (``benchmarks/bench_loader.py`` measures the cost.)"""
+    batch = rows.RowBatch(
+        **{name: rows.Column.of(cols[name], cols[name + ".offsets"])
+           for name in ("input_ids", "position_ids", "labels", "seq_lens")},
+        example_ids=None, num_loss_tokens=cols["num_loss_tokens"], max_seqlen=cols["max_seqlen"])
+    problems = rows.check_rows(batch, vocab_size)
+    return (int(problems[0].rows[0]), problems[0].message) if problems else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,21 +304,9 @@ class PackedDataset(IterableDataset):
                 f"{fs.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = fs.join(self.directory, entry.file)
-            size = fs.file_size(path)
-            if size is None:
-                raise ShardFormatError(
-                    f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
-                )
-            if size != entry.bytes:
-                raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest records {entry.bytes}; the shard is truncated or "
-                    "from another build, rebuild the folder"
-                )
-            if verify and fs.file_sha256(path) != entry.sha256:
-                raise ShardFormatError(
-                    f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
-                )
+            problems = schema.shard_file_problems(self.directory, entry, sha256=verify)
+            if problems:
+                raise ShardFormatError(f"{fs.join(self.directory, entry.file)}: {problems[0]}; rebuild the folder")
 
     def _vocab_size(self) -> int:
         vocab = self.manifest.tokenizer.get("vocab_size")
@@ -444,11 +380,11 @@ class PackedDataset(IterableDataset):
             slots = np.concatenate([rest, np.arange(n, n + steps * w - rest.size, dtype=np.int64)])
         slots = slots.reshape(steps, w)
         filler = slots >= n
-        rows = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
-        loss = np.where(filler, 0, self._open().num_loss_tokens[rows])
+        index = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
+        loss = np.where(filler, 0, self._open().num_loss_tokens[index])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
-        return rows[:, self.rank], filler[:, self.rank], items
+        return index[:, self.rank], filler[:, self.rank], items
 
     def __len__(self) -> int:
         """Steps (batches) of a whole epoch on this rank, the same on every rank."""
@@ -460,12 +396,12 @@ class PackedDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         position = self._begin_pass()
-        rows, filler, items = self._steps(position)
+        index, filler, items = self._steps(position)
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         shards = self._open()
-        for k in range(position.micro + wid, len(rows), nw):
-            batch = shards.row(int(rows[k]), bool(filler[k]), int(items[k]))
+        for k in range(position.micro + wid, len(index), nw):
+            batch = shards.row(int(index[k]), bool(filler[k]), int(items[k]))
             if info is None:  # in a worker, the DataLoader's own process counts what it hands out
                 self._advance()
             yield batch

@@ -50,7 +50,7 @@ def _shift_boundary(values, offsets):
 
 
 CASES = {
-    "seq_len 10^9": ("seq_lens", lambda v, o: v.__setitem__(0, 10**9), "seq_lens sum to"),
+    "seq_len 10^9": ("seq_lens", lambda v, o: v.__setitem__(0, 10**9), "seq_lens do not sum"),
     "seq_len 0": ("seq_lens", lambda v, o: v.__setitem__(0, 0), "segment length ≤ 0"),
     "seq_len negative": ("seq_lens", lambda v, o: v.__setitem__(0, -5), "segment length ≤ 0"),
     "seq_lens shifted": ("seq_lens", _shift_boundary, "position_ids|max_seqlen"),
@@ -74,6 +74,29 @@ def test_damaged_row_is_refused_when_read(copy, case):
             pass
     assert "shard-00000.arrow row " in str(caught.value) and "rebuild" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loader_verify_and_inspect_apply_the_one_row_checker(copy, case):
+    """One statement of the row invariants (packer.rows): the loader raises the first problem verify
+    reports, and inspect, which reads only offsets and the small columns, refuses a broken layout alike."""
+    from packer import inspect_
+    from packer.verify import verify
+
+    column, change, _ = CASES[case]
+    damage(copy, column, change)
+    with pytest.raises(ShardFormatError) as caught:
+        for _ in make_dataloader(copy, shuffle=False):
+            pass
+    found = [p.message for p in verify(copy).problems if p.check == "rows"]
+    assert found and f": {found[0]}; " in str(caught.value), (found, str(caught.value))
+    layout = {"seq_len 10^9", "seq_len 0", "seq_len negative", "max_seqlen", "max_seqlen huge", "seq_lens shifted"}
+    if case in layout:
+        with pytest.raises(ShardFormatError) as seen:
+            inspect_.summary(copy)
+        assert f": {found[0]}; " in str(seen.value)
+    else:
+        inspect_.summary(copy)
 
 
 def test_label_moved_to_another_row_is_refused_at_open(copy):
