@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import errno
 import gzip
 import itertools
 import json
@@ -111,7 +112,18 @@ def _json_errors(path: str):
         raise SourceError(f"{path}: {where} ({e}); check the file is a complete .gz, or drop the .gz suffix if it "
                           "is plain text") from None
     except OSError as e:
-        raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str, e: OSError) -> SourceError:
+    if e.errno == errno.EMFILE or "Too many open files" in str(e):
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return SourceError(f"{path}: cannot be opened: this process has the {limit:,} files it may open in use "
+                           "(ulimit -n), and a mix keeps one open for each part; raise the limit or merge parts into "
+                           "fewer sources")
+    return SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file")
 
 
 def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
@@ -272,7 +284,7 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     except csv.Error as e:
         raise SourceError(f"{path}:1: the header line is not CSV ({e}); fix it") from None
     except OSError as e:
-        raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+        raise _unreadable(path, e) from None
     _refuse_duplicates(path, names, "the header line")
     convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
                                   null_values=[""])
@@ -296,6 +308,8 @@ def _arrow_errors(builder: str, path: str):
     try:
         yield
     except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and (e.errno == errno.EMFILE or "Too many open files" in str(e)):
+            raise _unreadable(path, e) from None
         if "invalid UTF8" in str(e):
             raise SourceError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
