@@ -51,10 +51,10 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"tokens    {s.tokens:,} in rows{over} ({s.loss_tokens:,} trained) · "
                  f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.segments_without_loss:
-        cut = cfg["pack"] == "wrap" or cfg.get("overlong") == "split"
+        cut = cfg.pack == "wrap" or cfg.overlong == "split"
         why = ("pieces of cut examples: all prompt, or a lone token, a segment's first, which is never trained" if cut
                else "prompts cut before their completion")
-        fix = "raise --max-tokens" if cfg["pack"] == "wrap" else "raise --max-len or use --overlong drop"
+        fix = "raise --max-tokens" if cfg.pack == "wrap" else "raise --max-len or use --overlong drop"
         lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token ({why}): they cost "
                      f"compute and teach nothing; {fix}")
     if s.epochs:
