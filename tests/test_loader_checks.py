@@ -14,7 +14,7 @@ from conftest import make_build, rewrite_column
 
 from packer import schema
 from packer.errors import ShardFormatError
-from packer.loader import PackedDataset, make_dataloader
+from packer.loader import PackedDataset, Position, make_dataloader
 
 
 @pytest.fixture(scope="module")
@@ -176,14 +176,17 @@ def _tamperings(state: dict) -> dict[str, object]:
         "no epoch": {k: v for k, v in state.items() if k != "epoch"},
         "epoch -1": {**state, "epoch": -1}, "epoch 2**70": {**state, "epoch": 2**70},
         "epoch 1.0": {**state, "epoch": 1.0}, "epoch '1'": {**state, "epoch": "1"},
-        "no steps_done": {k: v for k, v in state.items() if k != "steps_done"},
-        "steps_done -1": {**state, "steps_done": -1}, "steps_done past the epoch": {**state, "steps_done": 10**6},
-        "steps_done 2.5": {**state, "steps_done": 2.5}, "steps_done True": {**state, "steps_done": True},
-        "steps_done None": {**state, "steps_done": None},
-        "other world size": {**state, "world_size": 4}, "world_size '2'": {**state, "world_size": "2"},
-        "other rank": {**state, "rank": 1}, "other seed": {**state, "seed": 1},
+        "no rows_done": {k: v for k, v in state.items() if k != "rows_done"},
+        "rows_done -1": {**state, "rows_done": -1}, "rows_done past the epoch": {**state, "rows_done": 10**6},
+        "rows_done 2.5": {**state, "rows_done": 2.5}, "rows_done True": {**state, "rows_done": True},
+        "rows_done None": {**state, "rows_done": None},
+        "micro_done -1": {**state, "micro_done": -1}, "micro_done = grad_accum": {**state, "micro_done": 1},
+        "order_world_size 0": {**state, "order_world_size": 0}, "order_grad_accum True": {**state, "order_grad_accum": True},
+        "world_size '2'": {**state, "world_size": "2"}, "grad_accum 0": {**state, "grad_accum": 0},
+        "other seed": {**state, "seed": 1},
         "shuffle 1": {**state, "shuffle": 1}, "other shuffle": {**state, "shuffle": not state["shuffle"]},
-        "other grad_accum": {**state, "grad_accum": 3}, "other remainder": {**state, "remainder": "drop"},
+        "other remainder": {**state, "remainder": "drop"},
+        "a version 1 state without steps_done": {**{k: v for k, v in state.items() if k != "rows_done"}, "version": 1},
         "other num_rows": {**state, "num_rows": state["num_rows"] + 1},
         "an unknown key": {**state, "extra": 1},
     }
@@ -205,10 +208,10 @@ def test_every_tampered_resume_state_is_refused_with_one_clear_error(built):
             fresh.load_state_dict(bad)
         message = str(caught.value)
         assert "\n" not in message and "loader state" in message, (name, message)
-        assert fresh.dataset.resume_at == 0, name  # nothing was half-applied
+        assert fresh.dataset.position == Position(0, order=(2, 1)), name  # nothing was half-applied
     resumed = make_dataloader(built, rank=0, world_size=2, seed=3)
     resumed.load_state_dict(state)
-    assert resumed.dataset.resume_at == 2
+    assert resumed.dataset.position == Position(0, rows=4, order=(2, 1))
 
 
 # -- remainder="drop" ---------------------------------------------------------------------------------
