@@ -25,7 +25,7 @@ from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
-BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class BuildResult:
 
 
 def tokenizer_path(name: str | None) -> str:
-    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in packer/data/)."""
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
