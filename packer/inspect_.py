@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
-from . import schema
+from . import rows, schema
 from .config import BuildConfig
 from .errors import ConfigError, ShardFormatError
 from .fs import PathLike, join
@@ -32,54 +33,47 @@ DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not i
 # -- columns of every shard, vectorised ---------------------------------------------------------
 
 
-def _list_column(directory: PathLike, manifest: Manifest, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, row_splits) of a list column over all shards in row order; row_splits is int64[rows+1]."""
-    values, counts = [], []
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """Every segment of a build in row order: its length and example id, and the rows' splits
+    (``row_splits[r]:row_splits[r + 1]`` are row ``r``'s segments)."""
+
+    seq_lens: np.ndarray  # int64
+    example_ids: np.ndarray  # int64
+    row_splits: np.ndarray  # int64[rows + 1]
+
+
+def _segments(directory: PathLike, manifest: Manifest) -> Segments:
+    """Every segment of every shard, the layout of each row batch checked first by the row invariants
+    (:func:`packer.rows.check_rows`, offsets and small columns only), since the views allocate from the
+    lengths (a damaged ``seq_len`` of 10^9 must not become a 10^9-slot plan)."""
+    seq_lens, example_ids, counts = [], [], []
     for entry in manifest.shards:
-        column = schema.open_shard(join(directory, entry.file)).column(name)
-        for chunk in column.chunks:
-            values.append(pc.list_flatten(chunk).to_numpy())
-            counts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    flat = np.concatenate(values).astype(np.int64) if values else np.zeros(0, np.int64)
-    count = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
+        path = join(directory, entry.file)
+        first = 0
+        for batch in schema.open_shard(path).to_batches():
+            _check_layout(path, first, batch)
+            rb = rows.RowBatch.from_arrow(batch)
+            seq_lens.append(rb.seq_lens.values)
+            example_ids.append(rb.example_ids.values)
+            counts.append(rb.seq_lens.lengths)
+            first += batch.num_rows
+    count = _concat(counts)
     splits = np.zeros(count.size + 1, np.int64)
     np.cumsum(count, out=splits[1:])
-    return flat, splits
+    return Segments(_concat(seq_lens), _concat(example_ids), splits)
 
 
-def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
-    """Every segment's length and example id, and the rows' splits; the lengths are checked against
-    the rows' real token counts first, since the views allocate from them (a damaged ``seq_len`` of
-    10^9 must not become a 10^9-slot plan)."""
-    seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
-    example_ids, _ = _list_column(directory, manifest, "example_ids")
-    row_tokens = []
-    for entry in manifest.shards:  # the lengths of input_ids: their offsets only, not the tokens
-        for chunk in schema.open_shard(join(directory, entry.file)).column("input_ids").chunks:
-            row_tokens.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    tokens = np.concatenate(row_tokens).astype(np.int64) if row_tokens else np.zeros(0, np.int64)
-    sums = np.zeros(seq_lens.size + 1, np.int64)
-    np.cumsum(seq_lens, out=sums[1:])
-    bad = np.flatnonzero(sums[row_splits[1:]] - sums[row_splits[:-1]] != tokens)
-    if (seq_lens <= 0).any() or bad.size or example_ids.size != seq_lens.size:
-        where = f"row {int(bad[0])}" if bad.size else "a row"
-        raise ShardFormatError(f"{directory}: {where}'s seq_lens do not add up to its tokens (or are ≤ 0); the "
-                               "shards are damaged, run `packer verify` and rebuild the folder")
-    return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
+def _check_layout(path: PathLike, first: int, batch) -> None:
+    """Refuse a row batch whose layout breaks the row invariants (rows ``first`` … of the shard)."""
+    problems = rows.check_arrow(batch, None, tokens=False)
+    if problems:
+        raise ShardFormatError(f"{path} row {first + int(problems[0].rows[0])}: {problems[0].message}; the shard "
+                               "is damaged, run `packer verify` and rebuild the folder")
 
 
-def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
-    """The manifest's build config, checked by ``BuildConfig`` itself: the views compute with it."""
-    try:
-        BuildConfig(**{**manifest.config, "out": str(directory)})
-        for key in ("seed", "world_size", "max_len", "batch_size", "max_tokens"):  # the ones computed with
-            value = manifest.config.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{key} is {value!r}, not an integer")
-    except (ConfigError, TypeError) as e:
-        raise ShardFormatError(f"{join(directory, schema.MANIFEST_NAME)} config: not a valid build config ({e}); "
-                               "rebuild the folder") from None
-    return manifest.config
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 # -- summary ------------------------------------------------------------------------------------
@@ -88,14 +82,14 @@ def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
 def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
     """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
+    config = manifest.config
     view = {
         "directory": str(directory),
         "note": manifest.note,
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_tokens": config.get("max_tokens"),
-        "max_len": config.get("max_len"),
+        "pack": config.pack,
+        "batch_size": config.batch_size,
+        "max_tokens": config.max_tokens,
+        "max_len": config.max_len,
         "tokenizer": manifest.tokenizer.get("name_or_path"),
         "stats": manifest.stats.to_json(),
         "shards": [dataclasses.asdict(e) for e in manifest.shards],
@@ -107,13 +101,13 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
                     "bytes_per_epoch": size // manifest.stats.epoch_count}
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
-        view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
+        view["modes"] = compare_modes(seg.seq_lens, seg.row_splits, config)
     return view
 
 
 def mix_view(manifest: Manifest) -> list[dict[str, Any]] | None:
     """A mix's sources: each one's weight or records count and its counts (None for one source)."""
-    parts, counts = manifest.config.get("mix"), manifest.stats.sources
+    parts, counts = manifest.config.mix, manifest.stats.sources
     if not parts or not counts:
         return None
     tokens = max(1, sum(c["tokens"] for c in counts))
@@ -133,7 +127,7 @@ def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, i
     return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
 
 
-def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) -> list[dict[str, Any]]:
+def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig) -> list[dict[str, Any]]:
     """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
@@ -147,23 +141,22 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
-    world = int(config.get("world_size") or 1)
-    seed = int(config.get("seed") or 0)
+    world, seed = config.world_size, config.seed
     longest = int(lengths.max())
     tokens = int(lengths.sum())
-    if config["pack"] == "batch":
-        b = int(config["batch_size"])
+    if config.pack == "batch":
+        b = config.batch_size
         batch_rows, row_max, padded, padded_max = _row_stats(lengths, np.asarray(row_splits, np.int64))
     else:
         b = DEFAULT_BATCH
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
-    if config["pack"] in ("bfd", "optimal"):
-        budget = int(config.get("max_tokens") or config.get("max_len") or longest)
+    if config.pack in ("bfd", "optimal"):
+        budget = config.max_tokens
     else:
-        budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
+        budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config["pack"] else
+    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config.pack else
               plan(lengths, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
               for mode in ("bfd", "optimal")}
 
@@ -179,7 +172,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
             "fill": tokens / (rows * peak) if rows and peak else 0.0,
             "optimizer_steps": steps,
             "examples_per_step": len(lengths) / max(1, steps),
-            "built": mode == config["pack"],
+            "built": mode == config.pack,
             "note": note,
         }
 
@@ -212,15 +205,13 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     an ``{"elided": n}`` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
-    table = schema.open_shard(join(directory, name))
-    record = table.slice(local, 1).to_pylist()[0]
+    path = join(directory, name)
+    one = schema.open_shard(path).slice(local, 1).combine_chunks().to_batches()[0]
+    _check_layout(path, local, one)
+    record = one.to_pylist()[0]
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
-    if bounds[-1] != len(ids) or (np.diff(bounds) <= 0).any() or len(labels) != len(ids) \
-            or len(record["example_ids"]) != len(record["seq_lens"]):
-        raise ShardFormatError(f"{join(directory, name)} row {local}: its seq_lens, labels or example_ids do not "
-                               "match its tokens; the shard is damaged, run `packer verify` and rebuild the folder")
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
@@ -276,7 +267,7 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
     it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
     manifest = schema.read_manifest(directory)
-    stats, config = manifest.stats, _config(directory, manifest)
+    stats, config = manifest.stats, manifest.config
     read = stats.examples_read
     if not 0 <= example_id < read:
         raise ConfigError(
@@ -311,12 +302,12 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     tokens = sum(p["length"] for p in first_epoch)
     eos = manifest.tokenizer.get("eos_token_id")
     truncated = False
-    if len(first_epoch) == 1 and config.get("overlong") in ("truncate", "truncate-left") and config.get("pack") != "wrap":
+    if len(first_epoch) == 1 and config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
         p = first_epoch[0]
         # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
-        truncated = p["length"] == config.get("max_len") and (
+        truncated = p["length"] == config.max_len and (
             not _ends_with(directory, manifest, p, eos)
-            or (config.get("overlong") == "truncate-left"
+            or (config.overlong == "truncate-left"
                 and not _starts_with(directory, manifest, p, manifest.tokenizer.get("bos_token_id"))))
     if not pieces:
         dropped = stats.dropped_by_reason
@@ -333,9 +324,9 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
         "epochs": stats.epoch_count,
         "truncated": truncated,
         "why_missing": why,
-        "pack": config.get("pack"),
-        "max_len": config.get("max_len"),
-        "overlong": config.get("overlong"),
+        "pack": config.pack,
+        "max_len": config.max_len,
+        "overlong": config.overlong,
     }
 
 
@@ -367,9 +358,9 @@ def _token(directory: PathLike, manifest: Manifest, piece: dict, at: int) -> int
 def plot_data(directory: PathLike) -> dict[str, Any]:
     """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
+    config = manifest.config
     seg = _segments(directory, manifest)
-    lens, splits, ex = seg["seq_lens"], seg["row_splits"], seg["example_ids"]
+    lens, splits, ex = seg.seq_lens, seg.row_splits, seg.example_ids
     counts = np.diff(splits)
     nonempty = counts > 0
     row_tokens = np.add.reduceat(lens, splits[:-1][nonempty]) if lens.size else np.zeros(0, np.int64)
@@ -385,9 +376,9 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
     return {
         "directory": str(directory),
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_len": config.get("max_len"),
+        "pack": config.pack,
+        "batch_size": config.batch_size,
+        "max_len": config.max_len,
         "row_budget": int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
         "example_tokens": example_tokens,
         "row_tokens": row_tokens_all,

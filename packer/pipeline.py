@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
 from .errors import ConfigError, SourceError, TokenizerError
@@ -27,7 +25,7 @@ from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
-BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +37,7 @@ class BuildResult:
 
 
 def tokenizer_path(name: str | None) -> str:
-    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in packer/data/)."""
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
@@ -86,15 +84,18 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
                       source_info(stream))
     streams, encoders, infos = [], [], []
+    resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                from_hub=config.from_hub, files=part.get("files")) for part in config.mix]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
-             np.bincount(mix.positions_sources(list(config.mix), config.seed, config.limit), minlength=len(config.mix)))
-    for k, part in enumerate(config.mix):
-        source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                 from_hub=config.from_hub, files=part.get("files"))
-        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
+             mix.part_limits(list(config.mix), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
+    for k, (part, source) in enumerate(zip(config.mix, resolved, strict=True)):
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
         fields = {k: part.get(k) for k in mix.FIELDS}
-        spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        try:
+            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        except ConfigError as e:  # which of the parts it is
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None
         streams.append(stream)
         encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
         infos.append({"source": part["source"], **source_info(stream)})
@@ -185,27 +186,26 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    totals: dict[str, int] = {}
-    shards = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, totals=totals,
-                                 progress=progress)
+    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
-        loss_tokens=totals["loss_tokens"],
-        # A completion-only example truncated before its completion trains on nothing: say how many.
-        segments_without_loss=totals["segments_without_loss"],
+        loss_tokens=written.loss_tokens,
+        segments_without_loss=written.segments_without_loss,
         sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
                                                                   tokens.example_ids, lengths, plan, per_part),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
         note=_note(opened),
-        **identity,
+        config=config,
+        tokenizer=identity["tokenizer"],
+        source=identity["source"],
         stats=stats,
-        shards=tuple(shards),
+        shards=written.shards,
     )
     output.commit(out, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)
