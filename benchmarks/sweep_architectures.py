@@ -70,6 +70,9 @@ VARIANTS = {
 }
 # Lengths of the judge's examples: a short one, one past every threshold of SMALL and VARIANTS, another.
 LENGTHS = [5, 21, 10]
+# The rows' budget prepare() is told: SMALL's max_position_embeddings. Thresholds of the configs' own
+# defaults at or past it (Llama 3's original_max_position_embeddings=8192) are out of a row's reach.
+MAX_TOKENS = 128
 MAX_PARAMS = 2_000_000
 TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
 
@@ -225,7 +228,7 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     except Exception as e:
         return Verdict(model_type, "skipped", f"eager forward fails alone: {type(e).__name__}: {e}"[:160])
     try:
-        prepare(model.to(dtype), implementation=implementation)
+        prepare(model.to(dtype), implementation=implementation, max_tokens=MAX_TOKENS)
     except ConfigError as e:
         after = (model.config._attn_implementation, model.config.to_json_string())
         if after != before:
