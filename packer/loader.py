@@ -230,7 +230,8 @@ class PackedDataset(IterableDataset):
         verify: also check every shard's sha256 against the manifest (reads every byte once).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
-    finished build of this format version, or a shard is missing or has another size than recorded.
+    finished build of this format version, or a shard is missing or has another size than recorded;
+    ``ConfigError`` for an argument out of range or of the wrong type. Resume: docs/loader.md.
     """
 
     def __init__(
