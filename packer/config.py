@@ -12,10 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .context_parallel import LAYOUTS as CP_LAYOUTS
+from .context_parallel import Layout, layout_of
 from .errors import ConfigError
 from .plan import BALANCE as BALANCE_BY
 from .plan import MODES as PACK_MODES
 from .plan import OVERLONG as OVERLONG_POLICIES
+from .plan import padded_budget
 from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
@@ -24,7 +27,8 @@ TRAIN_ON = ("assistant", "last", "all")
 DEFAULT_BATCH_SIZE = 8
 # Fields added after the first manifests: recorded only when they differ from their default, so a
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
-_RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs")
+_RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs", "cp_size", "cp_layout",
+                      "pad_to_multiple_of")
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
 
 
@@ -67,6 +71,11 @@ class BuildConfig:
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
     epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
+    # padding for context parallelism and kernels (packer.context_parallel): the CP group size, its layout
+    # ("zigzag" when cp_size > 1 and none is given), and a multiple every segment is padded to
+    cp_size: int = 1
+    cp_layout: str | None = None
+    pad_to_multiple_of: int = 1
     # several sources: the parts of a mix (packer.mix), each {source, weight | records, recipe, split, fields};
     # ``source`` then only names the mix in messages
     mix: tuple | None = None
@@ -105,7 +114,8 @@ class BuildConfig:
         object.__setattr__(self, "train_on_prompt", self.train_on == "all")
         if self.balance is not None and self.balance not in BALANCE_BY:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
-        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs", "cp_size",
+                     "pad_to_multiple_of"):
             positive(name, getattr(self, name))
         for name in ("max_len", "max_tokens"):
             value = getattr(self, name)
@@ -144,6 +154,14 @@ class BuildConfig:
                 f"--epochs {self.epochs} with --pack wrap: wrap keeps source order, so every epoch would hold the "
                 "same rows; build one epoch (the loader replays it each epoch) or use --pack batch or bfd"
             )
+        if self.cp_layout is not None and self.cp_layout not in CP_LAYOUTS:
+            raise ConfigError(f"--cp-layout must be one of {', '.join(CP_LAYOUTS)}, got {self.cp_layout!r}")
+        if self.cp_size > 1 and self.cp_layout is None:
+            object.__setattr__(self, "cp_layout", "zigzag")
+        if self.cp_layout is not None and self.cp_size == 1:
+            raise ConfigError("--cp-layout lays a row out for a context-parallel group: give --cp-size (its ranks) too")
+        if self.pack != "batch" and self.layout() is not None:  # refused now, not after tokenizing
+            padded_budget(self.layout(), self.pack, self.max_len, self.max_tokens)
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
         if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
@@ -176,6 +194,10 @@ class BuildConfig:
         if self.mix is not None:
             out["mix"] = [dict(p) for p in self.mix]
         return out
+
+    def layout(self, pad_id: int = 0) -> Layout | None:
+        """The padding this build asks for, its tokens given ``pad_id``; None when it asks for none."""
+        return layout_of(self.identity(), pad_id)
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

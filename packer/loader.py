@@ -70,6 +70,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import fs, schema
+from .context_parallel import row_view
 from .errors import ConfigError, ShardFormatError
 
 STATE_VERSION = 1
@@ -116,6 +117,8 @@ class _Shards:
                     arr = batch.column(name)
                     cols[name] = arr.values.to_numpy(zero_copy_only=True)
                     cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
+                if schema.PAD_COLUMN in batch.schema.names:  # a padded build (packer.context_parallel)
+                    cols[schema.PAD_COLUMN] = batch.column(schema.PAD_COLUMN).values.to_numpy(zero_copy_only=True)
                 cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
                 cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
                 off = cols["input_ids.offsets"]
@@ -134,6 +137,17 @@ class _Shards:
             if self.batches
             else np.zeros(0, np.int64)
         )
+
+    def segment_pads(self, index: int) -> np.ndarray | None:
+        """The padding at the end of each segment of row ``index`` (None: the build has none)."""
+        b = bisect.bisect_right(self.starts, index) - 1
+        cols, j = self.batches[b], index - self.starts[b]
+        if schema.PAD_COLUMN not in cols:
+            return None
+        return cols[schema.PAD_COLUMN][cols["seq_lens.offsets"][j] : cols["seq_lens.offsets"][j + 1]]
+
+    def max_segments(self) -> int:
+        return max(int(np.diff(b["seq_lens.offsets"]).max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
@@ -246,6 +260,10 @@ class PackedDataset(IterableDataset):
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
         remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
         verify: also check every shard's sha256 against the manifest (reads every byte once).
+        cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
+            ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
+        static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
+            ``max_length`` fixed, so a compiled model sees one shape (``packer.context_parallel``).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
     finished build of this format version, or a shard is missing or has another size than recorded.
@@ -262,6 +280,9 @@ class PackedDataset(IterableDataset):
         grad_accum: int = 1,
         remainder: Literal["pad", "drop"] = "pad",
         verify: bool = False,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__()
         self.directory = directory if fs.is_url(directory) else Path(directory)
@@ -307,6 +328,7 @@ class PackedDataset(IterableDataset):
                 f"optimizer step, but the build has {self.num_rows} rows: every epoch would be empty; use "
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
+        self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if loss_tokens != self.manifest.stats.loss_tokens:
             raise ShardFormatError(
@@ -408,6 +430,8 @@ class PackedDataset(IterableDataset):
         self._yielded = start
         for k in range(start + wid, len(rows), nw):
             batch = shards.row(int(rows[k]), bool(filler[k]), int(items[k]))
+            if self._view is not None:  # a context-parallel rank's share, or a fixed shape
+                batch = _torch(self._view(batch, shards.segment_pads(int(rows[k]))))
             self._yielded = k + 1
             yield batch
 
@@ -489,6 +513,10 @@ def check_state(state: Any, mine: dict[str, Any], steps_per_epoch: int, director
     if not 0 <= steps <= steps_per_epoch:
         raise ConfigError(f"loader state at step {steps}, but an epoch has {steps_per_epoch} steps")
     return epoch, steps
+
+
+def _torch(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:

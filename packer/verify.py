@@ -43,6 +43,7 @@ import pyarrow as pa
 
 from . import fs, mix, schema
 from .config import BuildConfig
+from .context_parallel import padding_positions
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError
 from .pipeline import open_source, plan_rows, tokenizer_path
@@ -208,6 +209,7 @@ class _Totals:
     rows: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    pad_tokens: int = 0
     segments: int = 0
     max_row_tokens: int = 0
     example_ids: list = field(default_factory=list)
@@ -306,21 +308,33 @@ def _check_batch(batch: pa.RecordBatch, first_row: int, where: str, budget: dict
         flag(nseg > budget["batch_size"], f"more than batch_size={budget['batch_size']} segments")
     else:
         flag(row_len > budget["max_tokens"], f"more than max_tokens={budget['max_tokens']:,} tokens")
+    # A padded build (packer.context_parallel): each segment ends in pad_lens padding tokens, trained nowhere;
+    # the real tokens are what the source and max_len speak of.
+    pads = _flat(batch.column(schema.PAD_COLUMN))[0] if schema.PAD_COLUMN in batch.schema.names else 0 * seq
+    m = np.zeros(n, bool)
+    m[seg_row[(pads < 0) | (pads >= seq)]] = True
+    flag(m, "a segment's pad_lens is negative or leaves no real token")
+    bad |= m
+    padding = np.zeros(ids.size, bool)
+    if pads.any() and not bad.any():
+        padding[padding_positions(seg_start + seq, pads)] = True
+        flag_tokens(padding & trained, "a padding token is trained")
     if budget["pack"] != "wrap":
         m = np.zeros(n, bool)
-        m[seg_row[seq > budget["max_len"]]] = True
+        m[seg_row[seq - pads > budget["max_len"]]] = True
         flag(m, f"a segment longer than max_len={budget['max_len']:,}")
 
     totals.rows += n
     totals.tokens += int(ids.size)
     totals.loss_tokens += int(trained.sum())
+    totals.pad_tokens += int(pads.sum())
     totals.segments += int(seq.size)
     totals.max_row_tokens = max(totals.max_row_tokens, int(row_len.max()) if n else 0)
     totals.example_ids.append(exid.astype(np.int64))
-    totals.seq_lens.append(seq.astype(np.int64))
+    totals.seq_lens.append((seq - pads).astype(np.int64))
     if keep_tokens:
-        totals.input_ids.append(ids)
-        totals.labels.append(labels)
+        totals.input_ids.append(ids[~padding])
+        totals.labels.append(labels[~padding])
 
 
 def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
@@ -343,7 +357,7 @@ def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardE
             report.add("rows", str(path), f"cannot be read as an Arrow stream ({str(e).splitlines()[0][:160]})")
             complete = False
             continue
-        if not table.schema.remove_metadata().equals(schema.ROW_SCHEMA):
+        if not table.schema.remove_metadata().equals(schema.row_schema(manifest.stats.padded)):
             report.add("rows", str(path), f"schema is not packer's row schema (got {', '.join(f'{f.name}: {f.type}' for f in table.schema)})")
             complete = False
             continue
@@ -364,8 +378,9 @@ def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardE
 def _check_totals(manifest: Manifest, totals: _Totals, report: Report) -> None:
     s = manifest.stats
     where = f"{schema.MANIFEST_NAME} stats"
-    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens), ("loss_tokens", totals.loss_tokens),
-                        ("segments", totals.segments), ("max_row_tokens", totals.max_row_tokens)):
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens - totals.pad_tokens),
+                        ("loss_tokens", totals.loss_tokens), ("segments", totals.segments),
+                        ("max_row_tokens", totals.max_row_tokens), ("pad_tokens", totals.pad_tokens if s.padded else None)):
         if getattr(s, key) != actual:
             report.add("stats", where, f"{key} = {getattr(s, key)!r}, the shards hold {actual:,}")
     for key, actual in (("rows", totals.rows), ("tokens", totals.tokens)):
