@@ -30,6 +30,7 @@ DEFAULT_BATCH_SIZE = 8
 _RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs", "cp_size", "cp_layout",
                       "pad_to_multiple_of")
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
+RECORD_LIMIT = 2**63 - 1  # records a build can number: example ids are int64
 
 
 def _option(field: str) -> str:
@@ -124,6 +125,11 @@ class BuildConfig:
                     f"{_option(name)} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
                     "tokens, as a row's positions, seq_lens and Arrow list offsets are int32"
                 )
+        if self.limit is not None and self.limit > RECORD_LIMIT:
+            raise ConfigError(f"--limit {self.limit:,} is more records than a build can number (example ids are int64: "
+                              f"at most {RECORD_LIMIT:,}); leave --limit out to read every record")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:
@@ -164,11 +170,6 @@ class BuildConfig:
             padded_budget(self.layout(), self.pack, self.max_len, self.max_tokens)
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
-        if self.pack == "wrap" and (self.prompt_field or self.completion_field or self.messages_field):
-            raise ConfigError(
-                "--pack wrap is for plain text (--text-field); prompt/completion and chat data train on "
-                "whole examples: use --pack batch or bfd"
-            )
         if self.messages_field and (self.prompt_field or self.completion_field or self.text_field):
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):

@@ -20,7 +20,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from . import fs, schema
+from . import schema
 from .errors import OutputError, ShardFormatError
 from .schema import LOCK, MANIFEST_NAME, MANIFEST_TMP, STAGING, TOKENS_DIR
 
@@ -170,18 +170,11 @@ def damage(out: Path, data: dict[str, Any]) -> str | None:
     if extra:
         return f"{extra[0]}: not listed in the manifest"
     for entry in manifest.shards:
-        shard = out / entry.file
-        try:
-            if shard.stat().st_size != entry.bytes or fs.file_sha256(shard) != entry.sha256:
-                return f"{entry.file}: other bytes than the manifest records"
-        except OSError:
-            return f"{entry.file}: missing or unreadable"
-    for name, expected in schema.datasets_files(manifest).items():
-        try:
-            if (out / name).read_bytes() != expected:
-                return f"{name}: other bytes than the manifest implies"
-        except OSError:
-            return f"{name}: missing or unreadable"
+        problems = schema.shard_file_problems(out, entry)
+        if problems:
+            return f"{entry.file}: {problems[0]}"
+    for name, problem in schema.datasets_file_problems(out, manifest):
+        return f"{name}: {problem}"
     return None
 
 

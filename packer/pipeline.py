@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
 from .context_parallel import pad_token_id
@@ -87,15 +85,18 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
                       source_info(stream))
     streams, encoders, infos = [], [], []
+    resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                from_hub=config.from_hub, files=part.get("files")) for part in config.mix]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
-             np.bincount(mix.positions_sources(list(config.mix), config.seed, config.limit), minlength=len(config.mix)))
-    for k, part in enumerate(config.mix):
-        source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                 from_hub=config.from_hub, files=part.get("files"))
-        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
+             mix.part_limits(list(config.mix), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
+    for k, (part, source) in enumerate(zip(config.mix, resolved, strict=True)):
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
         fields = {k: part.get(k) for k in mix.FIELDS}
-        spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        try:
+            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        except ConfigError as e:  # which of the parts it is
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None
         streams.append(stream)
         encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
         infos.append({"source": part["source"], **source_info(stream)})

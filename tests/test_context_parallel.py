@@ -293,3 +293,27 @@ def test_ranks_losses_sum_to_the_unsplit_loss(builds, tiny_llamas, layout, n):
     assert math.isclose(right.item(), expected.item(), rel_tol=1e-5), (right.item(), expected.item())
     if n > 1:  # the shares' edges lose (or misplace) labels: must not pass for the exact loss
         assert not math.isclose(wrong.item(), expected.item(), rel_tol=1e-3), (wrong.item(), expected.item())
+
+
+def test_verify_accepts_padding_and_finds_trained_padding(builds, tmp_path):
+    import shutil
+
+    import pyarrow as pa
+
+    from packer.verify import verify
+
+    directory = shutil.copytree(builds["zigzag"], tmp_path / "copy")
+    assert verify(directory, source="flan").ok
+    path = directory / schema.read_manifest(directory).shards[0].file
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
+    labels, ids = table.column("labels").chunk(0), table.column("input_ids").chunk(0)
+    values = labels.values.to_numpy().copy()
+    cu = np.cumsum(table.column("seq_lens").chunk(0).values.to_numpy())
+    pads = table.column(schema.PAD_COLUMN).chunk(0).values.to_numpy()
+    at = int(cu[np.flatnonzero(pads)[0]]) - 1  # the last token of a padded segment: padding
+    values[at] = ids.values.to_numpy()[at]
+    table = table.set_column(2, table.schema.field(2), pa.ListArray.from_arrays(labels.offsets, pa.array(values, pa.int32())))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    messages = [p.message for p in verify(directory).problems]
+    assert "a padding token is trained" in messages, messages
