@@ -104,15 +104,6 @@ class Layout:
         return pad
 
 
-def layout_of(config: dict[str, Any], pad_id: int = 0) -> Layout | None:
-    """The layout a build config asks for (``BuildConfig.identity()``, a manifest's ``config``), its
-    padding tokens given ``pad_id``; None when it asks for no padding."""
-    cp, multiple = config.get("cp_size", 1), config.get("pad_to_multiple_of", 1)
-    if cp == 1 and multiple == 1:
-        return None
-    return Layout(cp_size=cp, cp_layout=config.get("cp_layout") or "zigzag", multiple=multiple, pad_id=pad_id)
-
-
 def pad_token_id(tokenizer: dict[str, Any]) -> int:
     """The id padding tokens get: the tokenizer's pad id, else its eos id (a manifest's ``tokenizer``)."""
     for key in ("pad_token_id", "eos_token_id"):
@@ -244,7 +235,7 @@ def row_view(manifest, cp_rank: int, cp_size: int, static: bool, max_segments) -
         raise ConfigError(f"cp_rank {cp_rank} with cp_size {cp_size}: need 0 <= cp_rank < cp_size >= 1")
     if cp_size == 1 and not static:
         return None
-    layout = layout_of(manifest.config)
+    layout = manifest.config.layout()
     if cp_size > 1 and (layout is None or layout.cp_size % cp_size):
         built = "no --cp-size" if layout is None or layout.cp_size == 1 else f"--cp-size {layout.cp_size}"
         raise ConfigError(f"cp_size {cp_size}: the build was made with {built}, so its rows do not split into "

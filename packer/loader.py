@@ -96,14 +96,24 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One record batch of a shard: where it is, and its rows as zero-copy views of the memory map."""
+
+    file: str
+    first: int  # the global index of its first row
+    rows: rows.RowBatch
+
+
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
                  vocab_size: int) -> None:
         self.tables = []  # keeps the memory maps alive
-        self.batches: list[dict[str, Any]] = []
+        self.batches: list[_Batch] = []
         self.starts: list[int] = []
+        self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -119,19 +129,18 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                cols: dict[str, Any] = {"file": str(path), "first": n, "checked": False}
-                for name in ("input_ids", "position_ids", "labels", "seq_lens"):
-                    arr = batch.column(name)
-                    cols[name] = arr.values.to_numpy(zero_copy_only=True)
-                    cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
-                if schema.PAD_COLUMN in batch.schema.names:  # a padded build (packer.context_parallel)
-                    cols[schema.PAD_COLUMN] = batch.column(schema.PAD_COLUMN).values.to_numpy(zero_copy_only=True)
-                cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
-                cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
-                off = cols["input_ids.offsets"]
-                tokens += int(off[-1]) - int(off[0])
-                self.batches.append(cols)
+                padded = schema.PAD_COLUMN in batch.schema.names  # a padded build (packer.context_parallel)
+                lists = {name: rows.Column.of(batch.column(name).values.to_numpy(zero_copy_only=True),
+                                              batch.column(name).offsets.to_numpy(zero_copy_only=True))
+                         for name in ("input_ids", "position_ids", "labels", "seq_lens") + (schema.PAD_COLUMN,) * padded}
+                row_batch = rows.RowBatch(
+                    **lists, example_ids=None,
+                    num_loss_tokens=batch.column("num_loss_tokens").to_numpy(zero_copy_only=True),
+                    max_seqlen=batch.column("max_seqlen").to_numpy(zero_copy_only=True))
+                tokens += int(row_batch.input_ids.offsets[-1])
+                self.batches.append(_Batch(str(path), n, row_batch))
                 self.starts.append(n)
+                self.checked.append(False)
                 n += batch.num_rows
             if tokens != entry.tokens:
                 raise ShardFormatError(
@@ -140,48 +149,53 @@ class _Shards:
                 )
         self.num_rows = n
         self.num_loss_tokens = (
-            np.concatenate([b["num_loss_tokens"] for b in self.batches]).astype(np.int64)
+            np.concatenate([b.rows.num_loss_tokens for b in self.batches]).astype(np.int64)
             if self.batches
             else np.zeros(0, np.int64)
         )
 
+    def check(self, b: int) -> None:
+        """Refuse batch ``b`` at the first problem :func:`packer.rows.check_rows` finds: the row
+        invariants the attention kernel and the loss index with (Arrow's validation at open keeps the
+        offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
+        embedding). ``benchmarks/bench_loader.py`` measures the cost."""
+        batch = self.batches[b]
+        problems = rows.check_rows(batch.rows, self.vocab_size)
+        if problems:
+            raise ShardFormatError(
+                f"{batch.file} row {batch.first + int(problems[0].rows[0])}: {problems[0].message}; the shard is "
+                "damaged, rebuild the folder (`packer verify DIR` lists every problem)"
+            )
+        self.checked[b] = True
+
     def segment_pads(self, index: int) -> np.ndarray | None:
         """The padding at the end of each segment of row ``index`` (None: the build has none)."""
         b = bisect.bisect_right(self.starts, index) - 1
-        cols, j = self.batches[b], index - self.starts[b]
-        if schema.PAD_COLUMN not in cols:
-            return None
-        return cols[schema.PAD_COLUMN][cols["seq_lens.offsets"][j] : cols["seq_lens.offsets"][j + 1]]
+        r, j = self.batches[b].rows, index - self.starts[b]
+        return None if r.pad_lens is None else r.pad_lens.values[r.pad_lens.offsets[j] : r.pad_lens.offsets[j + 1]]
 
     def max_segments(self) -> int:
-        return max(int(np.diff(b["seq_lens.offsets"]).max()) for b in self.batches)
+        return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
-        cols, j = self.batches[b], index - self.starts[b]
-        if not cols["checked"]:  # once per row batch and process, on its first row read
-            problem = check_rows(cols, self.vocab_size)
-            if problem is not None:
-                row, what = problem
-                raise ShardFormatError(
-                    f"{cols['file']} row {cols['first'] + row}: {what}; the shard is damaged, rebuild the folder "
-                    "(`packer verify DIR` lists every problem)"
-                )
-            cols["checked"] = True
-        o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
-        s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
+        if not self.checked[b]:  # once per row batch and process, on its first row read
+            self.check(b)
+        r, j = self.batches[b].rows, index - self.starts[b]
+        o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
+        s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
         cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-        cols["seq_lens"][s0:s1].cumsum(out=cu[1:])
+        r.seq_lens.values[s0:s1].cumsum(out=cu[1:])
         cu_t = torch.from_numpy(cu)
         # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
         if filler:
             labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
         else:
-            labels = torch.from_numpy(cols["labels"][o0:o1].astype(np.int64)[None])
-        max_len = int(cols["max_seqlen"][j])
+            labels = torch.from_numpy(r.labels.values[o0:o1].astype(np.int64)[None])
+        max_len = int(r.max_seqlen[j])
         return {
-            "input_ids": torch.from_numpy(cols["input_ids"][o0:o1].astype(np.int64)[None]),
-            "position_ids": torch.from_numpy(cols["position_ids"][o0:o1].astype(np.int64)[None]),
+            "input_ids": torch.from_numpy(r.input_ids.values[o0:o1].astype(np.int64)[None]),
+            "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
             "labels": labels,
             "cu_seq_lens_q": cu_t,
             "cu_seq_lens_k": cu_t,
@@ -189,20 +203,6 @@ class _Shards:
             "max_length_k": max_len,
             "num_items_in_batch": num_items,
         }
-
-
-def check_rows(cols: dict[str, Any], vocab_size: int) -> tuple[int, str] | None:
-    """The first damaged row of a row batch and what is wrong with it, or None: the first problem of
-    :func:`packer.rows.check_rows`, which states the row invariants. Arrow's validation at open keeps
-    the offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
-    embedding. (``benchmarks/bench_loader.py`` measures the cost.)"""
-    batch = rows.RowBatch(
-        **{name: rows.Column.of(cols[name], cols[name + ".offsets"])
-           for name in ("input_ids", "position_ids", "labels", "seq_lens")},
-        example_ids=None, num_loss_tokens=cols["num_loss_tokens"], max_seqlen=cols["max_seqlen"],
-        pad_lens=rows.Column.of(cols[schema.PAD_COLUMN], cols["seq_lens.offsets"]) if schema.PAD_COLUMN in cols else None)
-    problems = rows.check_rows(batch, vocab_size)
-    return (int(problems[0].rows[0]), problems[0].message) if problems else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,11 +488,11 @@ class PackedDataset(IterableDataset):
             )
         if position.rows == 0:  # nothing of the epoch handed out: it is dealt in this loader's own order
             return self._start(position.epoch)
-        balance = self.manifest.config.get("balance")
+        balance = self.manifest.config.balance
         if balance and w != here[0] and position.rows < size:
             raise ConfigError(
                 f"{where} of {size}: saved mid-epoch at world size {w}, this loader has world size {here[0]}; the "
-                f"build's plan balances each step's rows over {self.manifest.config.get('world_size')} ranks "
+                f"build's plan balances each step's rows over {self.manifest.config.world_size} ranks "
                 f"(--balance {balance}) and dealing the rest of the epoch over {here[0]} ranks would undo that: "
                 f"resume at world size {w}, or start epoch {position.epoch + 1} at world size {here[0]}"
             )

@@ -26,7 +26,7 @@ from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
-BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class BuildResult:
 
 
 def tokenizer_path(name: str | None) -> str:
-    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in packer/data/)."""
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
@@ -189,9 +189,7 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    totals: dict[str, int] = {}
-    shards = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, totals=totals,
-                                 progress=progress)
+    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
@@ -199,18 +197,19 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
-        loss_tokens=totals["loss_tokens"],
-        # A completion-only example truncated before its completion trains on nothing: say how many.
-        segments_without_loss=totals["segments_without_loss"],
+        loss_tokens=written.loss_tokens,
+        segments_without_loss=written.segments_without_loss,
         sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
                                                                   tokens.example_ids, lengths, plan, per_part),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
         note=_note(opened),
-        **identity,
+        config=config,
+        tokenizer=identity["tokenizer"],
+        source=identity["source"],
         stats=stats,
-        shards=tuple(shards),
+        shards=written.shards,
     )
     output.commit(out, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)

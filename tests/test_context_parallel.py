@@ -95,7 +95,7 @@ def test_padding_rules_compose():
 def test_build_pads_segments_untrained_with_positions_continuing(builds, layout):
     directory = builds[layout]
     manifest = schema.read_manifest(directory)
-    assert manifest.config["cp_size"] == GROUP and manifest.config["cp_layout"] == layout
+    assert manifest.config.cp_size == GROUP and manifest.config.cp_layout == layout
     assert manifest.stats.pad_token_id == manifest.tokenizer["pad_token_id"] is not None
     table = schema.open_shard(directory / manifest.shards[0].file)
     assert table.schema.names[-1] == schema.PAD_COLUMN
