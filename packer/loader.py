@@ -589,6 +589,9 @@ class PackedDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise ConfigError("persistent_workers=True: the workers would keep the epoch and position of their first "
                               "pass, and set_epoch or load_state_dict would not reach them; leave it False")
+        if kwargs.get("in_order") is False:
+            raise ConfigError("in_order=False: batches would be handed out as workers finish them, not in the epoch's "
+                              "order, and no position could name what was handed out; leave it True")
         super().__init__(dataset, batch_size=None, collate_fn=_no_collate, **kwargs)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
