@@ -245,7 +245,8 @@ class PackedDataset(IterableDataset):
             ``max_length`` fixed, so a compiled model sees one shape (``packer.context_parallel``).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
-    finished build of this format version, or a shard is missing or has another size than recorded.
+    finished build of this format version, or a shard is missing or has another size than recorded;
+    ``ConfigError`` for an argument out of range or of the wrong type. Resume: docs/loader.md.
     """
 
     def __init__(

@@ -64,8 +64,8 @@ class Opened:
     """The config's source (or mix) opened as a stream and ready to encode."""
 
     name: str  # for messages
-    stream: Any  # sources.Stream, or mix.MixStream: its first config.limit records
-    encoder: Any  # tokenization.Encoder, or mix.MixEncoder
+    stream: sources.Stream | mix.MixStream  # its first config.limit records
+    encoder: Encoder | mix.MixEncoder
     where: str  # how an error names a record
     source: dict  # the manifest's source record
 
