@@ -17,6 +17,7 @@ from typing import Any
 
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
+from .context_parallel import pad_token_id
 from .errors import ConfigError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
@@ -113,16 +114,17 @@ def _note(opened: Opened) -> str | None:
     return None
 
 
-def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
+def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0) -> Plan:
     """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
     ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
-    flags concatenated: where each answer starts)."""
+    flags concatenated: where each answer starts); padded as the config asks, with ``pad_id``."""
     answers = None
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
     return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
                      max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
-                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
+                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers,
+                     layout=config.layout(pad_id))
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
@@ -180,7 +182,8 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
         output.discard(out)
         raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
 
-    plan = plan_rows(config, lengths, tokens.trained_flags())
+    pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
+    plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
@@ -190,6 +193,7 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
+        pad_token_id=pad_id,
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
