@@ -11,6 +11,7 @@ lock, checks and commit are :mod:`packer.output`'s. ``open_source`` and ``plan_r
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,20 +131,36 @@ def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     """Build ``config.out`` from ``config.source``, holding the output folder's lock throughout.
 
-    A second build into the same folder meanwhile is refused. A write that fails (disk full, a file
-    size limit, a read-only or vanished folder) becomes an ``OutputError`` and the partial build is
-    removed: the folder holds no manifest, no shards and no staging files afterwards.
+    Refused before anything is touched: a remote ``--out``, a source inside it, a folder holding what
+    packer did not write (:mod:`packer.output`). A second build into the same folder meanwhile is
+    refused. A build that fails leaves nothing behind (a write that fails, such as a full disk, becomes
+    an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume.
     """
-    out = Path(config.out)
-    with output.lock(out):
+    out = output.local_folder(config.out)
+    for part in config.mix or ({"source": config.source},):
+        output.refuse_inside(out, part["source"])
+    _refuse_sources_inside(config, out)
+    output.refuse_foreign(out, config.overwrite)
+    engine = engines.for_config(config)
+    with output.lock(out) as staging:
         try:
-            return _build(config, engines.for_config(config), progress=progress)
+            return _build(config, engine, out, staging, progress=progress)
         except OSError as e:
             failure = output.write_failure(e, out)
             if failure is None:
                 raise
-            output.discard(out)
             raise failure from e
+
+
+def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
+    """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
+    for part in config.mix or ({"source": config.source, "recipe": config.recipe, "split": config.split},):
+        paths = [part["source"]]
+        with suppress(SourceError):  # a source that does not resolve is reported when it is opened
+            source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                     from_hub=config.from_hub, files=part.get("files"))
+            paths += source.files
+        output.refuse_sources_inside(out, part["source"], paths)
 
 
 def _check_id_range(tokenizer, name: str) -> None:
@@ -157,11 +174,9 @@ def _check_id_range(tokenizer, name: str) -> None:
         )
 
 
-def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
+def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
+           ) -> BuildResult:
     started = time.perf_counter()
-    out = Path(config.out)
-    for part in config.mix or ({"source": config.source},):
-        output.refuse_inside(out, part["source"])
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
@@ -171,7 +186,7 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
-    staging = output.prepare(out)  # a matching interrupted spill is resumed
+    output.prepare(out, staging)  # a matching interrupted spill is resumed
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, where=opened.where, progress=progress)
     lengths, skipped = tokens.lengths, tokens.skipped
@@ -179,7 +194,6 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     if opened.parts is not None:
         skipped, per_part = mix.split_skipped(skipped, len(opened.parts))
     if len(lengths) == 0:
-        output.discard(out)
         raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
 
     plan = plan_rows(config, lengths, tokens.trained_flags())
@@ -210,5 +224,5 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
         stats=stats,
         shards=tuple(shards),
     )
-    output.commit(out, manifest)
+    output.commit(out, staging, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)
