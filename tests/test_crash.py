@@ -374,6 +374,8 @@ def test_ctrl_c_in_a_finaliser_is_not_lost():
         def __del__(self):
             raise KeyboardInterrupt
 
+    # the redelivery raises SIGINT's handler; a test run started as a background job has SIGINT ignored
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous, sys.unraisablehook = sys.unraisablehook, redeliver
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -383,3 +385,4 @@ def test_ctrl_c_in_a_finaliser_is_not_lost():
                 time.sleep(0.01)
     finally:
         sys.unraisablehook = previous
+        signal.signal(signal.SIGINT, handler)
