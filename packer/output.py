@@ -99,12 +99,36 @@ def _staging_is_ours(staging: Path) -> bool:
     return data == LOCK_BYTES or (entries == [LOCK] and LOCK_BYTES.startswith(data))
 
 
-def _staged_files(staging: Path) -> frozenset[str]:
-    """The files that the manifests in ``staging`` list: the build being committed, the one being cleared."""
-    listed: set[str] = set()
-    for name in (PENDING, PREVIOUS):
-        listed |= schema.listed_files(_json(staging / name)) or frozenset()
-    return frozenset(listed)
+def _proven(out: Path, data: Any) -> frozenset[str]:
+    """The files of ``out`` that the manifest ``data`` proves packer's: listed by it (its content hash
+    checked), and as it records them (a shard of the size it lists, a ``datasets`` file of the bytes
+    it implies), so a file of someone else's put under a listed name is not taken for packer's."""
+    listed = schema.listed_files(data)
+    if listed is None:
+        return frozenset()
+    sizes = {e["file"]: e.get("bytes") for e in data["shards"] if isinstance(e, dict) and "file" in e}
+    try:
+        derived = schema.datasets_files(schema.Manifest.from_json(data))
+    except ShardFormatError:  # a version this packer cannot read: its listing alone
+        derived = {}
+
+    def as_recorded(name: str) -> bool:
+        path = out / name
+        if path.is_symlink() or not path.is_file():
+            return False
+        if name in sizes:
+            return path.stat().st_size == sizes[name]
+        if name in derived:
+            return path.read_bytes() == derived[name]
+        return True
+
+    return frozenset(n for n in listed if as_recorded(n))
+
+
+def _staged_files(out: Path, staging: Path) -> frozenset[str]:
+    """The files of ``out`` that the manifests in ``staging`` prove packer's (a build being committed,
+    one being cleared); never ``manifest.json``, which is only ever moved into staging."""
+    return frozenset().union(*(_proven(out, _json(staging / n)) for n in (PENDING, PREVIOUS))) - {MANIFEST_NAME}
 
 
 def survey(out: Path) -> Contents:
@@ -113,13 +137,12 @@ def survey(out: Path) -> Contents:
         return Contents(None, frozenset(), ())
     names = sorted(p.name for p in out.iterdir())
     finished = _json(out / MANIFEST_NAME)
-    listed = schema.listed_files(finished)
-    if listed is None:
-        finished, listed = None, frozenset()
-    ours = set(listed)
+    if schema.listed_files(finished) is None:
+        finished = None
+    ours = set(_proven(out, finished))
     staging = out / STAGING
     if _staging_is_ours(staging):
-        ours |= {STAGING, *(_staged_files(staging) - {MANIFEST_NAME})}
+        ours |= {STAGING, *_staged_files(out, staging)}
     return Contents(finished, frozenset(n for n in names if n in ours), tuple(n for n in names if n not in ours))
 
 
@@ -140,6 +163,8 @@ def refuse_foreign(out: Path, overwrite: bool) -> Contents:
             "its content_sha256 does not match), so packer cannot tell its files from others'; move the folder's "
             "files away or choose another --out"
         )
+    if STAGING in clash:
+        raise _foreign_staging(out)
     if clash:
         raise OutputError(
             f"--out {out}: holds {_names(clash)}, which no packer manifest lists (so not packer's), under names a "
@@ -151,6 +176,13 @@ def refuse_foreign(out: Path, overwrite: bool) -> Contents:
             "pass --overwrite to build beside them (they stay untouched)"
         )
     return contents
+
+
+def _foreign_staging(out: Path) -> OutputError:
+    return OutputError(
+        f"--out {out}: holds {STAGING}, which packer did not create (it holds no lock file of packer's); move it "
+        "away or choose another --out"
+    )
 
 
 def _names(names: Iterable[str]) -> str:
@@ -238,10 +270,7 @@ def _take(out: Path, staging: Path) -> int:
     with suppress(FileExistsError):
         staging.mkdir()
     if not _staging_is_ours(staging):
-        raise OutputError(
-            f"--out {out}: holds {STAGING}, which packer did not create (it holds no lock file of packer's); move it "
-            "away or choose another --out"
-        )
+        raise _foreign_staging(out)
     path = staging / LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -362,7 +391,7 @@ def prepare(out: Path, staging: Path) -> None:
 def _remove_listed(out: Path, staging: Path) -> None:
     """Delete from ``out`` the files the staged manifests list (a build being cleared or half-committed),
     then those manifests. ``manifest.json`` itself is only ever moved into staging, never deleted here."""
-    for name in sorted(_staged_files(staging) - {MANIFEST_NAME}):
+    for name in sorted(_staged_files(out, staging)):
         with suppress(FileNotFoundError):
             (out / name).unlink()
     for name in (PENDING, PREVIOUS):
