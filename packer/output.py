@@ -12,10 +12,10 @@ folder records every move before it happens, so what a kill leaves is still prov
 previous build's manifest is moved to ``STAGING/PREVIOUS`` before its files are deleted (the folder
 stops looking complete at once), and the new manifest is written to ``STAGING/PENDING`` before the
 shards are moved into place; renaming it to ``manifest.json`` is the commit point. A folder without
-``manifest.json`` is never a finished build. When the lock is released, a build that failed leaves
-nothing (its staging, and the files the staged manifests list, are removed; a folder it created
-too), an interrupted one keeps its staging (the token spill, which the rerun resumes), and a finished
-one loses its staging.
+``manifest.json`` is never a finished build. When the lock is released, a build that failed with a
+reported error leaves nothing (its staging, and the files the staged manifests list, are removed; a
+folder it created too), an interrupted one keeps its staging (the token spill, which the rerun
+resumes), and a finished one loses its staging.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fs, schema
-from .errors import OutputError, ShardFormatError
+from .errors import OutputError, PackerError, ShardFormatError
 from .schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
@@ -246,17 +246,19 @@ def lock(out: Path) -> Iterator[Path]:
     else:  # pragma: no cover - only under a storm of concurrent builds
         raise OutputError(f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
     _HELD.add(fd)
-    outcome = "failed"
+    # A build that failed for a reason it reports (a PackerError) leaves nothing; one stopped from
+    # outside (Ctrl-C) or by the unforeseen keeps its spill, for the rerun to resume.
+    keep_spill = True
     try:
         yield staging
-        outcome = "done"
-    except KeyboardInterrupt:
-        outcome = "interrupted"
+        keep_spill = False
+    except PackerError:
+        keep_spill = False
         raise
     finally:
         try:
             with suppress(OSError):  # a folder gone read-only: the next build tidies what is left
-                _release(out, staging, keep_spill=outcome == "interrupted")
+                _release(out, staging, keep_spill=keep_spill)
         finally:
             _HELD.discard(fd)
             os.close(fd)
