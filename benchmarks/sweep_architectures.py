@@ -189,7 +189,7 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     return Verdict(model_type, "exact", f"logits within {d_logits:.1e}, grads within {d_grads:.1e}")
 
 
-# README's table: one row per reason, the message fragment that identifies it
+# docs/attention.md's table: one row per reason, the message fragment that identifies it
 REASONS = [
     ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
     ("non-causal", "non-causal attention module"),
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     p.add_argument("--implementation", default="packer_varlen")
-    p.add_argument("--markdown", action="store_true", help="print the refused ones as README's table")
+    p.add_argument("--markdown", action="store_true", help="print the refused ones as docs/attention.md's table")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     verdicts = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from . import inspect_, interrupt, output, render, schema
+from . import __version__, inspect_, interrupt, output, render, schema
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
 from .mix import parts_from_cli
@@ -79,7 +79,7 @@ class OneLineErrors(click.Group):
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="packer")
+@click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
 
@@ -94,12 +94,12 @@ def main() -> None:
 @click.argument("sources", nargs=-1)
 @click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
               help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
-                   "sources (then no SOURCE); see README 'Mixtures'.")
+                   "sources (then no SOURCE); see docs/mixtures.md.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
 @click.option("--split", help="Split of a Hub dataset (default: the recipe's, else train).")
-@click.option("--tokenizer", "-t", help="Tokenizer folder or Hub id (default: the bundled data/tokenizer).")
+@click.option("--tokenizer", "-t", help="Tokenizer folder or Hub id (default: the bundled tokenizer, packer/data/tokenizer).")
 @click.option("--prompt-field", help="Record field holding the prompt (not trained on unless --train-on-prompt).")
 @click.option("--completion-field", help="Record field holding the completion (trained on).")
 @click.option("--messages-field", help="Record field holding chat turns [{role, content}], rendered by the chat template.")

@@ -26,6 +26,7 @@ DEFAULT_BATCH_SIZE = 8
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
 _RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs")
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
+RECORD_LIMIT = 2**63 - 1  # records a build can number: example ids are int64
 
 
 def _option(field: str) -> str:
@@ -114,6 +115,11 @@ class BuildConfig:
                     f"{_option(name)} {value:,} is more than a row can hold: at most {ROW_LIMIT:,} "
                     "tokens, as a row's positions, seq_lens and Arrow list offsets are int32"
                 )
+        if self.limit is not None and self.limit > RECORD_LIMIT:
+            raise ConfigError(f"--limit {self.limit:,} is more records than a build can number (example ids are int64: "
+                              f"at most {RECORD_LIMIT:,}); leave --limit out to read every record")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
         if self.num_proc < 0:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:

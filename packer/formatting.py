@@ -158,7 +158,7 @@ class Formatter:
             name = getattr(tokenizer, "name_or_path", "the tokenizer")
             raise TokenizerError(
                 f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
-                "(e.g. the bundled data/tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
+                "(e.g. the bundled tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
             )
         self.template = tokenizer.chat() if spec.kind == "chat" else None
 

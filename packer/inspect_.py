@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
-from . import schema
+from . import rows, schema
 from .config import BuildConfig
 from .errors import ConfigError, ShardFormatError
 from .fs import PathLike, join
@@ -32,40 +33,47 @@ DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not i
 # -- columns of every shard, vectorised ---------------------------------------------------------
 
 
-def _list_column(directory: PathLike, manifest: Manifest, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, row_splits) of a list column over all shards in row order; row_splits is int64[rows+1]."""
-    values, counts = [], []
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """Every segment of a build in row order: its length and example id, and the rows' splits
+    (``row_splits[r]:row_splits[r + 1]`` are row ``r``'s segments)."""
+
+    seq_lens: np.ndarray  # int64
+    example_ids: np.ndarray  # int64
+    row_splits: np.ndarray  # int64[rows + 1]
+
+
+def _segments(directory: PathLike, manifest: Manifest) -> Segments:
+    """Every segment of every shard, the layout of each row batch checked first by the row invariants
+    (:func:`packer.rows.check_rows`, offsets and small columns only), since the views allocate from the
+    lengths (a damaged ``seq_len`` of 10^9 must not become a 10^9-slot plan)."""
+    seq_lens, example_ids, counts = [], [], []
     for entry in manifest.shards:
-        column = schema.open_shard(join(directory, entry.file)).column(name)
-        for chunk in column.chunks:
-            values.append(pc.list_flatten(chunk).to_numpy())
-            counts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    flat = np.concatenate(values).astype(np.int64) if values else np.zeros(0, np.int64)
-    count = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
+        path = join(directory, entry.file)
+        first = 0
+        for batch in schema.open_shard(path).to_batches():
+            _check_layout(path, first, batch)
+            rb = rows.RowBatch.from_arrow(batch)
+            seq_lens.append(rb.seq_lens.values)
+            example_ids.append(rb.example_ids.values)
+            counts.append(rb.seq_lens.lengths)
+            first += batch.num_rows
+    count = _concat(counts)
     splits = np.zeros(count.size + 1, np.int64)
     np.cumsum(count, out=splits[1:])
-    return flat, splits
+    return Segments(_concat(seq_lens), _concat(example_ids), splits)
 
 
-def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
-    """Every segment's length and example id, and the rows' splits; the lengths are checked against
-    the rows' real token counts first, since the views allocate from them (a damaged ``seq_len`` of
-    10^9 must not become a 10^9-slot plan)."""
-    seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
-    example_ids, _ = _list_column(directory, manifest, "example_ids")
-    row_tokens = []
-    for entry in manifest.shards:  # the lengths of input_ids: their offsets only, not the tokens
-        for chunk in schema.open_shard(join(directory, entry.file)).column("input_ids").chunks:
-            row_tokens.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    tokens = np.concatenate(row_tokens).astype(np.int64) if row_tokens else np.zeros(0, np.int64)
-    sums = np.zeros(seq_lens.size + 1, np.int64)
-    np.cumsum(seq_lens, out=sums[1:])
-    bad = np.flatnonzero(sums[row_splits[1:]] - sums[row_splits[:-1]] != tokens)
-    if (seq_lens <= 0).any() or bad.size or example_ids.size != seq_lens.size:
-        where = f"row {int(bad[0])}" if bad.size else "a row"
-        raise ShardFormatError(f"{directory}: {where}'s seq_lens do not add up to its tokens (or are ≤ 0); the "
-                               "shards are damaged, run `packer verify` and rebuild the folder")
-    return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
+def _check_layout(path: PathLike, first: int, batch) -> None:
+    """Refuse a row batch whose layout breaks the row invariants (rows ``first`` … of the shard)."""
+    problems = rows.check_arrow(batch, None, tokens=False)
+    if problems:
+        raise ShardFormatError(f"{path} row {first + int(problems[0].rows[0])}: {problems[0].message}; the shard "
+                               "is damaged, run `packer verify` and rebuild the folder")
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
@@ -107,7 +115,7 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
                     "bytes_per_epoch": size // manifest.stats.epoch_count}
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
-        view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
+        view["modes"] = compare_modes(seg.seq_lens, seg.row_splits, config)
     return view
 
 
@@ -212,15 +220,13 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     an ``{"elided": n}`` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
-    table = schema.open_shard(join(directory, name))
-    record = table.slice(local, 1).to_pylist()[0]
+    path = join(directory, name)
+    one = schema.open_shard(path).slice(local, 1).combine_chunks().to_batches()[0]
+    _check_layout(path, local, one)
+    record = one.to_pylist()[0]
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
-    if bounds[-1] != len(ids) or (np.diff(bounds) <= 0).any() or len(labels) != len(ids) \
-            or len(record["example_ids"]) != len(record["seq_lens"]):
-        raise ShardFormatError(f"{join(directory, name)} row {local}: its seq_lens, labels or example_ids do not "
-                               "match its tokens; the shard is damaged, run `packer verify` and rebuild the folder")
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
@@ -369,7 +375,7 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     manifest = schema.read_manifest(directory)
     config = _config(directory, manifest)
     seg = _segments(directory, manifest)
-    lens, splits, ex = seg["seq_lens"], seg["row_splits"], seg["example_ids"]
+    lens, splits, ex = seg.seq_lens, seg.row_splits, seg.example_ids
     counts = np.diff(splits)
     nonempty = counts > 0
     row_tokens = np.add.reduceat(lens, splits[:-1][nonempty]) if lens.size else np.zeros(0, np.int64)

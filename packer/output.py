@@ -360,18 +360,11 @@ def damage(out: Path, data: dict[str, Any]) -> str | None:
     except ShardFormatError as e:
         return str(e)
     for entry in manifest.shards:
-        shard = out / entry.file
-        try:
-            if shard.stat().st_size != entry.bytes or fs.file_sha256(shard) != entry.sha256:
-                return f"{entry.file}: other bytes than the manifest records"
-        except OSError:
-            return f"{entry.file}: missing or unreadable"
-    for name, expected in schema.datasets_files(manifest).items():
-        try:
-            if (out / name).read_bytes() != expected:
-                return f"{name}: other bytes than the manifest implies"
-        except OSError:
-            return f"{name}: missing or unreadable"
+        problems = schema.shard_file_problems(out, entry)
+        if problems:
+            return f"{entry.file}: {problems[0]}"
+    for name, problem in schema.datasets_file_problems(out, manifest):
+        return f"{name}: {problem}"
     return None
 
 

@@ -30,7 +30,7 @@ from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
-BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class BuildResult:
 
 
 def tokenizer_path(name: str | None) -> str:
-    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in packer/data/)."""
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
@@ -91,13 +91,13 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
                       source_info(stream), read)
     streams, encoders, infos, read = [], [], [], {}
+    resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                from_hub=config.from_hub, files=part.get("files")) for part in config.mix]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
-             np.bincount(mix.positions_sources(list(config.mix), config.seed, config.limit), minlength=len(config.mix)))
-    for k, part in enumerate(config.mix):
-        source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                 from_hub=config.from_hub, files=part.get("files"))
-        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
+             mix.part_limits(list(config.mix), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
+    for k, (part, source) in enumerate(zip(config.mix, resolved, strict=True)):
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
         read |= _signatures(stream)
         fields = {k: part.get(k) for k in mix.FIELDS}
         try:

@@ -94,6 +94,7 @@ from typing import Any
 
 import numpy as np
 
+from packer.accounting import account
 from packer.errors import ConfigError
 from packer.repack import fewer_rows
 
@@ -214,25 +215,18 @@ def rank_work_ratio(plan: Plan, world_size: int, by: str = "tokens") -> float:
 
 
 def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndarray | None = None):
-    """Segments (example, start, length) in example order, and the accounting counts."""
+    """Segments (example, start, length) in example order (what became of each: :mod:`packer.accounting`)."""
     if overlong == "truncate-left":
         return _truncate_left(lengths, answers, max_len)
     n = lengths.size
     idx = np.arange(n, dtype=np.int64)
     over = lengths > max_len
-    n_over = int(over.sum())
-    excess = int((lengths[over] - max_len).sum())
-    acct = dict(
-        examples_split=0, examples_truncated=0, examples_dropped=0, tokens_truncated=0, tokens_dropped=0
-    )
-    if overlong == "truncate" or n_over == 0:
+    if overlong == "truncate" or not over.any():
         example, start, length = idx, np.zeros(n, np.int64), np.minimum(lengths, max_len)
-        acct.update(examples_truncated=n_over, tokens_truncated=excess)
     elif overlong == "drop":
         keep = ~over
         example = idx[keep]
         start, length = np.zeros(example.size, np.int64), lengths[keep]
-        acct.update(examples_dropped=n_over, tokens_dropped=int(lengths[over].sum()))
     else:  # split
         pieces = (lengths + (max_len - 1)) // max_len
         example = np.repeat(idx, pieces)
@@ -240,8 +234,7 @@ def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndar
         j = np.arange(example.size, dtype=np.int64) - np.repeat(first, pieces)
         start = j * max_len
         length = np.minimum(max_len, lengths[example] - start)
-        acct.update(examples_split=n_over)
-    return example, start, length, acct
+    return example, start, length
 
 
 def answer_lengths(trained, lengths: np.ndarray, max_len: int) -> np.ndarray:
@@ -281,12 +274,7 @@ def _truncate_left(lengths: np.ndarray, answers: np.ndarray | None, max_len: int
     # like every segment start's (nothing before it in the row to predict it from).
     left = over & (answers <= max_len)
     start = np.where(left, lengths - max_len, 0)
-    acct = dict(
-        examples_split=0, examples_truncated=int(over.sum()), examples_dropped=0,
-        tokens_truncated=int((lengths[over] - max_len).sum()), tokens_dropped=0,
-        examples_truncated_left=int(left.sum()), examples_answer_too_long=int((over & ~left).sum()),
-    )
-    return np.arange(n, dtype=np.int64), start, np.minimum(lengths, max_len), acct
+    return np.arange(n, dtype=np.int64), start, np.minimum(lengths, max_len)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,8 +408,7 @@ def _pack_wrap(lengths: np.ndarray, cap: int):
     gend = np.minimum(np.repeat(end, pieces), (row + 1) * cap)
     rows = int(-(-int(end[-1]) // cap)) if n else 0
     row_splits = np.searchsorted(row, np.arange(rows + 1), side="left").astype(np.int64)
-    examples_split = int((pieces > 1).sum())
-    return example, gstart - b, gend - gstart, row_splits, examples_split
+    return example, gstart - b, gend - gstart, row_splits
 
 
 # --------------------------------------------------------------------------------------------------
@@ -549,17 +536,10 @@ def plan(
 
     if mode == "wrap":
         if n:
-            example, start, length, row_splits, n_split = _pack_wrap(lengths, budget_cap)
+            example, start, length, row_splits = _pack_wrap(lengths, budget_cap)
         else:
             example = start = length = np.zeros(0, np.int64)
-            row_splits, n_split = np.zeros(1, np.int64), 0
-        acct = dict(
-            examples_split=n_split,
-            examples_truncated=0,
-            examples_dropped=0,
-            tokens_truncated=0,
-            tokens_dropped=0,
-        )
+            row_splits = np.zeros(1, np.int64)
         if balance is not None:
             work = _row_sums(_segment_work(length, balance), row_splits)
             rows = work.size
@@ -571,7 +551,7 @@ def plan(
             idx, row_splits = _row_gather(row_splits, order)
             example, start, length = example[idx], start[idx], length[idx]
     else:
-        example, start, length, acct = _segments(lengths, max_len, overlong, answers)
+        example, start, length = _segments(lengths, max_len, overlong, answers)
         if mode in ("bfd", "optimal"):
             example, start, length, row_splits = _pack_bfd(
                 example, start, length, budget_cap, rng, world_size, balance, mode == "optimal"
@@ -588,10 +568,11 @@ def plan(
                 p, row_splits = _balance_batch(length, world_size, batch_size, balance)
                 example, start, length = example[p], start[p], length[p]
 
-    stats = _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance)
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (example, start, length, row_splits)]
     for a in arrays:
         a.flags.writeable = False
+    stats = _stats(lengths, Plan(*arrays, stats={}), mode, budget_cap, world_size,
+                   overlong == "truncate-left" and mode != "wrap")
     # The ratio is measured on the finished rows; the frozen Plan is then made once, stats complete.
     ratio = rank_work_ratio(Plan(*arrays, stats={}), world_size, balance or "tokens")
     return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio})
@@ -665,24 +646,25 @@ def _concat_epochs(plans: list[Plan]) -> Plan:
     return Plan(*out, stats=stats)
 
 
-def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance) -> dict:
-    n = int(lengths.size)
-    rows = int(row_splits.size - 1)
+def _stats(lengths, plan: Plan, mode, budget_cap, world_size, truncate_left: bool) -> dict:
+    c = account(plan, lengths).total
+    length, row_splits = plan.length, plan.row_splits
+    rows = plan.num_rows
     row_tokens = _row_sums(length, row_splits)
     max_row = int(row_tokens.max()) if rows else 0
     tokens = int(length.sum())
     budget = int(budget_cap) if budget_cap is not None else max_row
     s: dict[str, Any] = {
-        "examples": n,
-        "examples_packed": n - acct["examples_split"] - acct["examples_truncated"] - acct["examples_dropped"],
-        "examples_split": int(acct["examples_split"]),
-        "examples_truncated": int(acct["examples_truncated"]),
-        "examples_dropped": int(acct["examples_dropped"]),
+        "examples": c.examples,
+        "examples_packed": c.whole,
+        "examples_split": c.split,
+        "examples_truncated": c.truncated,
+        "examples_dropped": c.dropped,
         "segments": int(length.size),
-        "tokens_in": int(lengths.sum()),
+        "tokens_in": c.tokens_in,
         "tokens": tokens,
-        "tokens_truncated": int(acct["tokens_truncated"]),
-        "tokens_dropped": int(acct["tokens_dropped"]),
+        "tokens_truncated": c.tokens_truncated,
+        "tokens_dropped": c.tokens_dropped,
         "rows": rows,
         "max_row_tokens": max_row,
         "row_budget": budget,
@@ -690,7 +672,8 @@ def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_s
         "fill": tokens / (rows * budget) if rows and budget else 0.0,
         "world_size": int(world_size),
     }
-    s.update({k: int(acct[k]) for k in ("examples_truncated_left", "examples_answer_too_long") if k in acct})
+    if truncate_left:
+        s.update(examples_truncated_left=c.truncated_left, examples_answer_too_long=c.truncated - c.truncated_left)
     if mode == "batch":
         counts = np.diff(row_splits)
         if rows:
@@ -698,6 +681,6 @@ def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_s
             s["padded_tokens"] = int((counts * row_max).sum())
         else:
             s["padded_tokens"] = 0
-    assert s["tokens"] + s["tokens_truncated"] + s["tokens_dropped"] == s["tokens_in"], s
+    assert tokens == c.tokens, (tokens, c)
     assert not math.isnan(s["fill"])
     return s

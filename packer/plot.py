@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, OutputError
 
 TOKENS = "#1f77b4"
 PAD = "#d62728"
@@ -34,6 +34,13 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         raise ConfigError("--plot needs matplotlib: pip install 'packer[plot]'") from e
 
     path = Path(path)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats:
+        what = f"{path.suffix!r} is not one matplotlib writes" if path.suffix else "it has none"
+        raise ConfigError(f"--plot {path}: the file's suffix sets the figure's format, and {what} "
+                          f"({', '.join(sorted(formats))}); name it {path.stem}.png, .svg or .pdf")
     s = data["stats"]
     ex_len, row_tok = data["example_tokens"], data["row_tokens"]
     row_ex, row_pad = data["row_examples"], data["row_padded"]
@@ -80,7 +87,7 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
     # (c) examples per row; in batch mode that is the batch size, so the panel compares the modes instead
     ax = axes[1, 0]
     if data["pack"] == "batch":
-        _modes_panel(ax, data["modes"])
+        _modes_panel(ax, data["modes"], s.get("epochs") or 1)
         ax.set_title(f"the same examples under each mode (examples per row: {data['batch_size']}, the last may hold fewer)",
                      fontsize=10)
     else:
@@ -108,16 +115,21 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.set_xlim(-0.5, max(0.5, len(x) - 0.5))
         ax.legend(loc="upper right", fontsize=9)
     else:
-        _modes_panel(ax, data["modes"])
+        _modes_panel(ax, data["modes"], s.get("epochs") or 1)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise OutputError(f"--plot {path}: cannot be written ({e.strerror or e}); check the folder") from None
+    finally:
+        plt.close(fig)
     return path
 
 
-def _modes_panel(ax, modes: list[dict[str, Any]]) -> None:
-    """Tokens computed (padding included) under each mode, labelled with rows and optimizer steps."""
+def _modes_panel(ax, modes: list[dict[str, Any]], epochs: int) -> None:
+    """Tokens computed (padding included) under each mode, labelled with rows and optimizer steps: of
+    all the rows, so of every epoch the build holds."""
     import matplotlib.ticker
 
     names = [f"{m['mode']}{' (this build)' if m['built'] else ''}\n{m['rows']:,} rows = {m['optimizer_steps']:,} steps\n"
@@ -133,6 +145,6 @@ def _modes_panel(ax, modes: list[dict[str, Any]]) -> None:
     ax.set_yticks(y, names, fontsize=9)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.set_xlabel("tokens computed per epoch")
+    ax.set_xlabel("tokens computed per epoch" if epochs == 1 else f"tokens computed over the {epochs} epochs the rows hold")
     ax.set_title("the same examples under each mode")
     ax.legend(loc="lower right", fontsize=9)

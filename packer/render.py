@@ -51,8 +51,12 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"tokens    {s.tokens:,} in rows{over} ({s.loss_tokens:,} trained) · "
                  f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.segments_without_loss:
-        lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token (prompts cut before their "
-                     "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
+        cut = cfg["pack"] == "wrap" or cfg.get("overlong") == "split"
+        why = ("pieces of cut examples: all prompt, or a lone token, a segment's first, which is never trained" if cut
+               else "prompts cut before their completion")
+        fix = "raise --max-tokens" if cfg["pack"] == "wrap" else "raise --max-len or use --overlong drop"
+        lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token ({why}): they cost "
+                     f"compute and teach nothing; {fix}")
     if s.epochs:
         mode += f"; {s.epochs} epochs × {s.rows // s.epochs:,} rows, each its own shuffle"
     if cfg["pack"] == "batch":

@@ -330,6 +330,25 @@ def open_shard(path: fs.PathLike) -> pa.Table:
     return table
 
 
+def shard_file_problems(directory: fs.PathLike, entry: ShardEntry, *, sha256: bool = True) -> list[str]:
+    """What is wrong with a listed shard's file against its manifest entry (an empty list: nothing):
+    missing, another size, other bytes (``sha256``: hash it, which reads every byte). The one check of
+    a shard file: a rerun's reuse (``output.damage``), ``verify`` and the loader call it."""
+    path = fs.join(directory, entry.file)
+    try:
+        size = fs.file_size(path)
+        if size is None:
+            return ["missing, the manifest lists it; copy the whole folder or rebuild it"]
+        problems = []
+        if size != entry.bytes:
+            problems.append(f"{size:,} bytes, the manifest records {entry.bytes:,} (truncated or from another build)")
+        if sha256 and fs.file_sha256(path) != entry.sha256:
+            problems.append("sha256 differs from the manifest's: the bytes changed")
+        return problems
+    except OSError as e:
+        return [f"unreadable ({e.strerror or e})"]
+
+
 def _datasets_feature(t: pa.DataType) -> Any:
     if pa.types.is_list(t):  # a JSON list is `datasets`' spelling of a list feature in every version >= 2
         return [_datasets_feature(t.value_type)]
@@ -360,3 +379,19 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
         "_split": None,
     }
     return {DATASETS_INFO_NAME: dump_manifest(info), DATASETS_STATE_NAME: dump_manifest(state)}
+
+
+def datasets_file_problems(directory: fs.PathLike, manifest: Manifest) -> list[tuple[str, str]]:
+    """``(name, problem)`` for each file ``datasets.load_from_disk`` reads that is missing or differs
+    from what the manifest implies (:func:`datasets_files`)."""
+    problems = []
+    for name, expected in datasets_files(manifest).items():
+        path = fs.join(directory, name)
+        try:
+            if fs.file_size(path) is None:
+                problems.append((name, "missing: `datasets.load_from_disk` needs it; rebuild the folder"))
+            elif fs.read_bytes(path) != expected:
+                problems.append((name, "differs from what the manifest implies; rebuild the folder"))
+        except OSError as e:
+            problems.append((name, f"unreadable ({e.strerror or e})"))
+    return problems

@@ -110,6 +110,8 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"--chat-template {chat_template}: cannot be read ({getattr(e, 'strerror', None) or e}); "
                                  "give a Jinja template file") from None
+        if not tokenizer.chat_template.strip():
+            raise TokenizerError(f"--chat-template {chat_template}: the file is empty; give a Jinja chat template")
         tokenizer.chat_template_name = f"--chat-template {chat_template}"
     return tokenizer
 

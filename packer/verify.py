@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
-from . import fs, mix, schema
+from . import fs, mix, rows, schema
 from .config import BuildConfig
 from .engines import LocalEngine
 from .errors import ConfigError, ShardFormatError
@@ -164,12 +163,8 @@ def _check_folder_contents(directory: Path, manifest: Manifest | None, report: R
                    "file); remove it or rebuild the folder")
     if manifest is None:
         return
-    for name, expected in schema.datasets_files(manifest).items():  # what datasets.load_from_disk reads
-        path = directory / name
-        if not path.is_file():
-            report.add("files", str(path), "missing: `datasets.load_from_disk` needs it; rebuild the folder")
-        elif path.stat().st_size != len(expected) or path.read_bytes() != expected:
-            report.add("files", str(path), "differs from what the manifest implies; rebuild the folder")
+    for name, problem in schema.datasets_file_problems(directory, manifest):  # what datasets.load_from_disk reads
+        report.add("files", str(directory / name), problem)
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -179,28 +174,15 @@ def _check_files(directory: Path, manifest: Manifest, report: Report) -> list[sc
     """Existence, size and sha256 of every shard; returns the entries whose file exists."""
     present = []
     for entry in manifest.shards:
-        path = directory / entry.file
-        if not path.is_file():
-            report.add("files", str(path), "missing, the manifest lists it; copy the whole folder or rebuild")
-            continue
-        present.append(entry)
-        size = path.stat().st_size
-        if size != entry.bytes:
-            report.add("files", str(path), f"{size:,} bytes, the manifest records {entry.bytes:,} (truncated or "
-                       "from another build)")
-        if fs.file_sha256(path) != entry.sha256:
-            report.add("files", str(path), "sha256 differs from the manifest's: the bytes changed")
+        problems = schema.shard_file_problems(directory, entry)
+        for problem in problems:
+            report.add("files", str(directory / entry.file), problem)
+        if (directory / entry.file).is_file():
+            present.append(entry)
     return present
 
 
 # -- rows -----------------------------------------------------------------------------------------------
-
-
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Values and offsets (starting at 0) of a list column, zero copy where Arrow allows."""
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.to_numpy(zero_copy_only=False)
-    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
 
 
 @dataclass(slots=True)
@@ -215,146 +197,53 @@ class _Totals:
     input_ids: list = field(default_factory=list)
     labels: list = field(default_factory=list)
 
+    def add(self, batch: rows.RowBatch, keep_tokens: bool) -> None:
+        self.rows += batch.num_rows
+        self.tokens += int(batch.input_ids.values.size)
+        self.loss_tokens += int((batch.labels.values != schema.IGNORE_INDEX).sum())
+        self.segments += int(batch.seq_lens.values.size)
+        if batch.num_rows:
+            self.max_row_tokens = max(self.max_row_tokens, int(batch.input_ids.lengths.max()))
+        self.example_ids.append(batch.example_ids.values.astype(np.int64))
+        self.seq_lens.append(batch.seq_lens.values.astype(np.int64))
+        if keep_tokens:
+            self.input_ids.append(batch.input_ids.values)
+            self.labels.append(batch.labels.values)
 
-def _check_batch(batch: pa.RecordBatch, first_row: int, where: str, budget: dict, vocab: int | None,
-                 report: Report, totals: _Totals, keep_tokens: bool) -> None:
-    n = batch.num_rows
-    cols = {name: batch.column(name) for name in schema.COLUMNS}
-    nulls = [name for name, c in cols.items() if c.null_count]
-    if nulls:
-        report.add("rows", where, f"null values in {', '.join(nulls)}")
-        return
-    ids, tok_off = _flat(cols["input_ids"])
-    pos, pos_off = _flat(cols["position_ids"])
-    labels, lab_off = _flat(cols["labels"])
-    seq, seg_off = _flat(cols["seq_lens"])
-    exid, ex_off = _flat(cols["example_ids"])
-    num_loss = cols["num_loss_tokens"].to_numpy()
-    max_seqlen = cols["max_seqlen"].to_numpy()
-    rows = np.arange(n, dtype=np.int64)
 
-    def flag(mask: np.ndarray, message: str) -> None:
-        if mask.any():
-            report.add("rows", f"{where} {_rows_text(first_row + rows[mask])}", message)
-
-    row_len = np.diff(tok_off)
-    for name, off in (("position_ids", pos_off), ("labels", lab_off)):
-        mask = np.diff(off) != row_len
-        if mask.any():  # the flat token columns no longer line up: report and skip this batch's token checks
-            flag(mask, f"{name} has another length than input_ids")
-            return
-    mask = np.diff(ex_off) != np.diff(seg_off)
-    if mask.any():
-        flag(mask, "example_ids has another length than seq_lens")
-        return
-    bad = np.zeros(n, bool)  # rows whose layout is broken: skip the token-level checks on them
-    nseg = np.diff(seg_off)
-    cs = np.zeros(seq.size + 1, np.int64)
-    np.cumsum(seq, out=cs[1:])
-    seg_sum = cs[seg_off[1:]] - cs[seg_off[:-1]]
-    m = nseg == 0
-    flag(m, "no segments (an empty row)")
-    bad |= m
-    seg_row = np.repeat(rows, nseg)
-    m = np.zeros(n, bool)
-    m[seg_row[seq <= 0]] = True
-    flag(m, "a segment length ≤ 0 in seq_lens")
-    bad |= m
-    m = seg_sum != row_len
-    flag(m, "sum(seq_lens) differs from len(input_ids): the segment boundaries are wrong")
-    bad |= m
-
-    # Token-level checks on the rows whose layout holds.
-    good_tok = np.repeat(~bad, row_len)
-    good_seg = ~bad[seg_row]
-    seg_start = tok_off[seg_row] + (cs[:-1] - cs[seg_off[seg_row]])  # token index of each segment's start
-    is_start = np.zeros(ids.size, bool)
-    is_start[seg_start[good_seg]] = True
-    token_row = np.repeat(rows, row_len)
-    idx = np.arange(ids.size, dtype=np.int64)
-    last_start = np.maximum.accumulate(np.where(is_start, idx, 0)) if ids.size else idx
-    expected_pos = idx - last_start
-
-    def flag_tokens(mask: np.ndarray, message: str) -> None:
-        mask &= good_tok
-        if mask.any():
-            r = np.zeros(n, bool)
-            r[token_row[mask]] = True
-            flag(r, message)
-
-    flag_tokens(pos != expected_pos, "position_ids do not run 0..len-1 inside each segment (they must restart "
-                "exactly at the seq_lens boundaries)")
-    trained = labels != schema.IGNORE_INDEX
-    flag_tokens(is_start & trained, "a label is not -100 at a segment start: a label crosses an example boundary")
-    flag_tokens(trained & (labels != ids), "a label is neither -100 nor the input id at its position")
-    if vocab is not None:
-        flag_tokens((ids < 0) | (ids >= vocab), f"token ids outside [0, {vocab:,}) (the tokenizer's vocab size)")
-    ct = np.zeros(ids.size + 1, np.int64)
-    np.cumsum(trained, out=ct[1:])
-    loss = ct[tok_off[1:]] - ct[tok_off[:-1]]
-    flag(~bad & (loss != num_loss), "num_loss_tokens differs from the count of labels ≠ -100")
-    nonempty = nseg > 0
-    true_max = np.zeros(n, np.int64)
-    if seq.size:
-        true_max[nonempty] = np.maximum.reduceat(seq, seg_off[:-1][nonempty])
-    flag(~bad & (true_max != max_seqlen), "max_seqlen differs from max(seq_lens)")
-    m = np.zeros(n, bool)
-    m[seg_row[exid < 0]] = True
-    flag(m, "a negative example id")
-
-    if budget["pack"] == "batch":
-        flag(nseg > budget["batch_size"], f"more than batch_size={budget['batch_size']} segments")
-    else:
-        flag(row_len > budget["max_tokens"], f"more than max_tokens={budget['max_tokens']:,} tokens")
-    if budget["pack"] != "wrap":
-        m = np.zeros(n, bool)
-        m[seg_row[seq > budget["max_len"]]] = True
-        flag(m, f"a segment longer than max_len={budget['max_len']:,}")
-
-    totals.rows += n
-    totals.tokens += int(ids.size)
-    totals.loss_tokens += int(trained.sum())
-    totals.segments += int(seq.size)
-    totals.max_row_tokens = max(totals.max_row_tokens, int(row_len.max()) if n else 0)
-    totals.example_ids.append(exid.astype(np.int64))
-    totals.seq_lens.append(seq.astype(np.int64))
-    if keep_tokens:
-        totals.input_ids.append(ids)
-        totals.labels.append(labels)
+def _limits(config: BuildConfig) -> rows.Limits:
+    """The budget the build's rows keep to, by its mode."""
+    return rows.Limits(max_segments=config.batch_size if config.pack == "batch" else None,
+                       max_row_tokens=config.max_tokens if config.pack != "batch" else None,
+                       max_segment_tokens=config.max_len if config.pack != "wrap" else None)
 
 
 def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
                 report: Report, keep_tokens: bool) -> _Totals | None:
-    cfg = manifest.config
-    budget = {
-        "pack": cfg.get("pack"),
-        "batch_size": cfg.get("batch_size") or 0,
-        "max_len": cfg.get("max_len") or 0,
-        "max_tokens": cfg.get("max_tokens") or cfg.get("max_len") or 0,
-    }
+    """Every shard's rows against the row invariants (:mod:`packer.rows`) and its manifest entry."""
+    limits = _limits(BuildConfig(**{**manifest.config, "out": str(directory)}))
     totals = _Totals()
     complete = len(entries) == len(manifest.shards)
     for entry in entries:
         path = directory / entry.file
         try:
-            with pa.memory_map(str(path), "r") as source:
-                table = pa.ipc.open_stream(source).read_all()
-        except (OSError, pa.ArrowException) as e:
-            report.add("rows", str(path), f"cannot be read as an Arrow stream ({str(e).splitlines()[0][:160]})")
-            complete = False
-            continue
-        if not table.schema.remove_metadata().equals(schema.ROW_SCHEMA):
-            report.add("rows", str(path), f"schema is not packer's row schema (got {', '.join(f'{f.name}: {f.type}' for f in table.schema)})")
+            table = schema.open_shard(path)
+        except ShardFormatError as e:
+            report.add("rows", str(path), str(e).removeprefix(f"{path}: "))
             complete = False
             continue
         if table.num_rows != entry.rows:
             report.add("rows", str(path), f"{table.num_rows:,} rows, the manifest records {entry.rows:,}")
         tokens_before = totals.tokens
-        first = totals.rows
         for batch in table.to_batches():
-            _check_batch(batch, first, entry.file, budget, vocab, report, totals, keep_tokens)
-            first += batch.num_rows
-        totals.rows = first
+            problems = rows.check_arrow(batch, vocab, limits)
+            for problem in problems:
+                report.add("rows", f"{entry.file} {_rows_text(totals.rows + problem.rows)}", problem.message)
+            if problems and problems[0].message.startswith("null values"):  # no numbers to count
+                complete = False
+                totals.rows += batch.num_rows
+                continue
+            totals.add(rows.RowBatch.from_arrow(batch), keep_tokens)
         if totals.tokens - tokens_before != entry.tokens:
             report.add("rows", str(path), f"{totals.tokens - tokens_before:,} tokens, the manifest records "
                        f"{entry.tokens:,}")

@@ -68,6 +68,27 @@ def _leftover_shard(out):
     shutil.copy(out / schema.shard_name(0), out / schema.shard_name(99))
 
 
+def _truncate_shard(out):
+    path = out / schema.shard_name(0)
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _truncate_shard])
+def test_one_shard_file_check_for_rerun_verify_and_loader(copy, damage):
+    """A rerun's reuse (output.damage), verify and the loader (verify=True) say the same of a damaged
+    shard file: one check of size and sha256 against the manifest (schema.shard_file_problems)."""
+    from packer import output
+
+    damage(copy)
+    entry = schema.read_manifest(copy).shards[0]
+    first = schema.shard_file_problems(copy, entry)[0]
+    assert output.damage(copy, json.loads((copy / schema.MANIFEST_NAME).read_text())) == f"{entry.file}: {first}"
+    assert first in [p.message for p in verify.verify(copy).problems if p.check == "files"]
+    with pytest.raises(ShardFormatError) as caught:
+        PackedDataset(copy, verify=True)
+    assert f"{entry.file}: {first}; " in str(caught.value)
+
+
 @pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _delete_datasets_info])
 def test_rerun_rebuilds_a_damaged_folder(small, copy, damage):
     damage(copy)

@@ -40,7 +40,7 @@ def shards(tmp_path_factory) -> Path:
         "--max-len",
         "128",
         "--tokenizer",
-        str(ROOT / "data/tokenizer"),
+        str(ROOT / "packer/data/tokenizer"),
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
     return out

@@ -1,6 +1,6 @@
 """Train a causal LM on packer shards: the loader's rows straight into the model, no collation.
 
-    python -m packer.cli build flan --out shards --pack batch --batch-size 4 --tokenizer data/tokenizer
+    python -m packer.cli build flan --out shards --pack batch --batch-size 4 --tokenizer packer/data/tokenizer
     python -m train.train --shards shards --steps 20 [--grad-accum 2] [--model PATH] [--save DIR]
 
 By default a tiny randomly initialised Llama sized to the build's tokenizer (the manifest's vocab size
