@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .plan import BALANCE as BALANCE_BY
 from .plan import MODES as PACK_MODES
 from .plan import OVERLONG as OVERLONG_POLICIES
+from .plan import check_epochs, row_size
 from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
@@ -31,7 +32,7 @@ RECORD_LIMIT = 2**63 - 1  # records a build can number: example ids are int64
 
 def _option(field: str) -> str:
     """The command-line option of a field (they differ where the field names its unit)."""
-    return {"shard_size_mb": "--shard-size"}.get(field, "--" + field.replace("_", "-"))
+    return {"shard_size_mb": "--shard-size", "mode": "--pack"}.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,13 +74,16 @@ class BuildConfig:
     mix: tuple | None = None
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: int | None) -> None:
-            if value is not None and value < 1:
-                raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
+        self._check_names()
+        self._check_values()
+        # the one step that changes a frozen config: the values it derives from those given
+        for name, value in self._normalised().items():
+            object.__setattr__(self, name, value)
+        self._check_mix()
 
+    def _check_names(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
             raise ConfigError("SOURCE is empty; give a recipe, a file, folder or glob, or a Hub id (see --help)")
-
         for option, path in (("SOURCE", self.source), ("--out", self.out)):
             try:
                 path.encode("utf-8")
@@ -89,25 +93,20 @@ class BuildConfig:
                     f"{option} {shown}: the name is not UTF-8 text, which the manifest and Arrow need; "
                     "rename it"
                 ) from None
-        if self.pack not in PACK_MODES:
-            raise ConfigError(f"--pack must be one of {', '.join(PACK_MODES)}, got {self.pack!r}")
-        if self.overlong not in OVERLONG_POLICIES:
-            raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
-        if self.on_error not in ON_ERROR:
-            raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.train_on not in TRAIN_ON:
-            raise ConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
-        if self.train_on_prompt:  # --train-on-prompt is kept as an alias of --train-on all
-            if self.train_on not in ("assistant", "all"):
-                raise ConfigError(f"--train-on-prompt means --train-on all, not {self.train_on}; drop one of the two")
-            object.__setattr__(self, "train_on", "all")
-        object.__setattr__(self, "train_on_prompt", self.train_on == "all")
-        if self.balance is not None and self.balance not in BALANCE_BY:
-            raise ConfigError(f"--balance must be one of {', '.join(BALANCE_BY)}, got {self.balance!r}")
+
+    def _check_values(self) -> None:
+        """Each field's own rule, and the options that exclude each other (the mode's: plan.row_size)."""
+        for name, allowed in (("pack", PACK_MODES), ("overlong", OVERLONG_POLICIES), ("on_error", ON_ERROR),
+                              ("engine", ENGINES), ("train_on", TRAIN_ON), ("balance", (None, *BALANCE_BY))):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{_option(name)} must be one of {', '.join(a for a in allowed if a)}, got {value!r}")
+        if self.train_on_prompt and self.train_on not in ("assistant", "all"):  # --train-on-prompt: --train-on all
+            raise ConfigError(f"--train-on-prompt means --train-on all, not {self.train_on}; drop one of the two")
         for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
-            positive(name, getattr(self, name))
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
         for name in ("max_len", "max_tokens"):
             value = getattr(self, name)
             if value is not None and value > ROW_LIMIT:
@@ -124,48 +123,35 @@ class BuildConfig:
             raise ConfigError(f"--num-proc must be 0 (one per core) or more, got {self.num_proc}")
         if self.max_len < 2:
             raise ConfigError(f"--max-len must be at least 2 tokens (BOS and EOS), got {self.max_len}")
-        if self.pack == "batch":
-            if self.max_tokens is not None:
-                raise ConfigError(
-                    "--max-tokens is a row budget for --pack bfd or wrap; --pack batch fixes the examples "
-                    "per row instead (--batch-size); drop one of the two"
-                )
-            if self.batch_size is None:
-                object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE)
-        else:
-            if self.batch_size is not None:
-                raise ConfigError(
-                    f"--batch-size applies to --pack batch only; --pack {self.pack} fills rows up to "
-                    "--max-tokens instead; drop one of the two"
-                )
-            if self.max_tokens is None:
-                object.__setattr__(self, "max_tokens", self.max_len)
-            if self.pack in ("bfd", "optimal") and self.max_len > self.max_tokens:
-                raise ConfigError(
-                    f"--max-len {self.max_len} exceeds the row budget --max-tokens {self.max_tokens}: an "
-                    "example that long could never be placed; lower --max-len or raise --max-tokens"
-                )
-        if self.epochs > 1 and self.pack == "wrap":
-            raise ConfigError(
-                f"--epochs {self.epochs} with --pack wrap: wrap keeps source order, so every epoch would hold the "
-                "same rows; build one epoch (the loader replays it each epoch) or use --pack batch or bfd"
-            )
+        check_epochs(self.pack, self.epochs, name=_option)
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
         if self.messages_field and (self.prompt_field or self.completion_field or self.text_field):
             raise ConfigError("--messages-field cannot be combined with --prompt-field/--completion-field/--text-field")
         if self.text_field and (self.prompt_field or self.completion_field):
             raise ConfigError("--text-field (plain text) cannot be combined with --prompt-field/--completion-field")
-        if self.mix is None and self.from_hub:  # a recipe read from the Hub as a mix of its parts (flan)
+
+    def _normalised(self) -> dict[str, Any]:
+        """The fields whose value follows from the others: --train-on-prompt as --train-on all, the row
+        size the mode takes, and a recipe read from the Hub as the mix of its parts (flan)."""
+        train_on = "all" if self.train_on_prompt else self.train_on
+        batch_size, max_tokens = row_size(self.pack, self.max_len, self.max_tokens, self.batch_size,
+                                          default_batch=DEFAULT_BATCH_SIZE, name=_option)
+        mix = self.mix
+        if mix is None and self.from_hub:
             parts = hub_mix_parts(self.source)
-            if parts is not None:
-                object.__setattr__(self, "mix", tuple(parts))
-        if self.mix is not None:
-            given = [f"--{n.replace('_', '-')}" for n in ("recipe", "split", "prompt_field", "completion_field",
-                                                         "messages_field", "text_field") if getattr(self, n)]
-            if given:
-                raise ConfigError(f"{', '.join(given)} cannot apply to every source of a mix; set them per source in "
-                                  "a mix file (--mix mix.yaml)")
+            mix = None if parts is None else tuple(parts)
+        return {"train_on": train_on, "train_on_prompt": train_on == "all", "batch_size": batch_size,
+                "max_tokens": max_tokens, "mix": mix}
+
+    def _check_mix(self) -> None:
+        if self.mix is None:
+            return
+        given = [_option(n) for n in ("recipe", "split", "prompt_field", "completion_field", "messages_field",
+                                      "text_field") if getattr(self, n)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} cannot apply to every source of a mix; set them per source in "
+                              "a mix file (--mix mix.yaml)")
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""

@@ -6,8 +6,9 @@ An engine provides
 - ``encode_chunks(stream, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
   of records ``start`` … of ``stream`` (a :class:`packer.sources.Stream`), ``spill.CHUNK`` records each,
   *in source order*;
-- ``write_shards(plan, spill, staging, shard_bytes, totals, progress)``: every shard of the plan
-  written into ``staging``; their :class:`~packer.schema.ShardEntry` in order.
+- ``write_shards(plan, spill, staging, shard_bytes, progress)``: every shard of the plan written into
+  ``staging``; a :class:`~packer.writer.Written`: their :class:`~packer.schema.ShardEntry` in order
+  and the counts the stats take from the rows.
 
 :class:`LocalEngine` runs them on this machine; :class:`packer.ray_engine.RayEngine` as Ray Data tasks.
 :func:`for_config` is the one place an engine is picked by name.
@@ -49,16 +50,15 @@ from .config import BuildConfig
 from .errors import WorkerError
 from .plan import Plan
 from .ray_engine import RayEngine
-from .schema import ShardEntry
 from .tokenization import Encoded, Encoder
-from .writer import write_shards
+from .writer import Written, write_shards
 
 
 class Engine(Protocol):
     def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     totals: dict[str, int], progress: bool) -> list[ShardEntry]: ...
+                     progress: bool) -> Written: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,10 @@ class LocalEngine:
         return (encoder.encode(records, lo, where=where) for lo, records in chunks)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     totals: dict[str, int], progress: bool) -> list[ShardEntry]:
+                     progress: bool) -> Written:
         with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
-            return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, totals=totals,
-                                on_rows=bar.update, threads=self.num_proc)
+            return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, on_rows=bar.update,
+                                threads=self.num_proc)
 
 
 def for_config(config: BuildConfig) -> Engine:

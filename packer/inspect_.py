@@ -76,34 +76,20 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
-    """The manifest's build config, checked by ``BuildConfig`` itself: the views compute with it."""
-    try:
-        BuildConfig(**{**manifest.config, "out": str(directory)})
-        for key in ("seed", "world_size", "max_len", "batch_size", "max_tokens"):  # the ones computed with
-            value = manifest.config.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{key} is {value!r}, not an integer")
-    except (ConfigError, TypeError) as e:
-        raise ShardFormatError(f"{join(directory, schema.MANIFEST_NAME)} config: not a valid build config ({e}); "
-                               "rebuild the folder") from None
-    return manifest.config
-
-
 # -- summary ------------------------------------------------------------------------------------
 
 
 def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
     """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
+    config = manifest.config
     view = {
         "directory": str(directory),
         "note": manifest.note,
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_tokens": config.get("max_tokens"),
-        "max_len": config.get("max_len"),
+        "pack": config.pack,
+        "batch_size": config.batch_size,
+        "max_tokens": config.max_tokens,
+        "max_len": config.max_len,
         "tokenizer": manifest.tokenizer.get("name_or_path"),
         "stats": manifest.stats.to_json(),
         "shards": [dataclasses.asdict(e) for e in manifest.shards],
@@ -121,7 +107,7 @@ def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
 
 def mix_view(manifest: Manifest) -> list[dict[str, Any]] | None:
     """A mix's sources: each one's weight or records count and its counts (None for one source)."""
-    parts, counts = manifest.config.get("mix"), manifest.stats.sources
+    parts, counts = manifest.config.mix, manifest.stats.sources
     if not parts or not counts:
         return None
     tokens = max(1, sum(c["tokens"] for c in counts))
@@ -141,7 +127,7 @@ def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, i
     return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
 
 
-def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) -> list[dict[str, Any]]:
+def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig) -> list[dict[str, Any]]:
     """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
@@ -155,23 +141,22 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
-    world = int(config.get("world_size") or 1)
-    seed = int(config.get("seed") or 0)
+    world, seed = config.world_size, config.seed
     longest = int(lengths.max())
     tokens = int(lengths.sum())
-    if config["pack"] == "batch":
-        b = int(config["batch_size"])
+    if config.pack == "batch":
+        b = config.batch_size
         batch_rows, row_max, padded, padded_max = _row_stats(lengths, np.asarray(row_splits, np.int64))
     else:
         b = DEFAULT_BATCH
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
-    if config["pack"] in ("bfd", "optimal"):
-        budget = int(config.get("max_tokens") or config.get("max_len") or longest)
+    if config.pack in ("bfd", "optimal"):
+        budget = config.max_tokens
     else:
-        budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
+        budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config["pack"] else
+    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config.pack else
               plan(lengths, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
               for mode in ("bfd", "optimal")}
 
@@ -187,7 +172,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
             "fill": tokens / (rows * peak) if rows and peak else 0.0,
             "optimizer_steps": steps,
             "examples_per_step": len(lengths) / max(1, steps),
-            "built": mode == config["pack"],
+            "built": mode == config.pack,
             "note": note,
         }
 
@@ -282,7 +267,7 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
     it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
     manifest = schema.read_manifest(directory)
-    stats, config = manifest.stats, _config(directory, manifest)
+    stats, config = manifest.stats, manifest.config
     read = stats.examples_read
     if not 0 <= example_id < read:
         raise ConfigError(
@@ -317,12 +302,12 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
     tokens = sum(p["length"] for p in first_epoch)
     eos = manifest.tokenizer.get("eos_token_id")
     truncated = False
-    if len(first_epoch) == 1 and config.get("overlong") in ("truncate", "truncate-left") and config.get("pack") != "wrap":
+    if len(first_epoch) == 1 and config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
         p = first_epoch[0]
         # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
-        truncated = p["length"] == config.get("max_len") and (
+        truncated = p["length"] == config.max_len and (
             not _ends_with(directory, manifest, p, eos)
-            or (config.get("overlong") == "truncate-left"
+            or (config.overlong == "truncate-left"
                 and not _starts_with(directory, manifest, p, manifest.tokenizer.get("bos_token_id"))))
     if not pieces:
         dropped = stats.dropped_by_reason
@@ -339,9 +324,9 @@ def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
         "epochs": stats.epoch_count,
         "truncated": truncated,
         "why_missing": why,
-        "pack": config.get("pack"),
-        "max_len": config.get("max_len"),
-        "overlong": config.get("overlong"),
+        "pack": config.pack,
+        "max_len": config.max_len,
+        "overlong": config.overlong,
     }
 
 
@@ -373,7 +358,7 @@ def _token(directory: PathLike, manifest: Manifest, piece: dict, at: int) -> int
 def plot_data(directory: PathLike) -> dict[str, Any]:
     """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
+    config = manifest.config
     seg = _segments(directory, manifest)
     lens, splits, ex = seg.seq_lens, seg.row_splits, seg.example_ids
     counts = np.diff(splits)
@@ -391,9 +376,9 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
     return {
         "directory": str(directory),
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_len": config.get("max_len"),
+        "pack": config.pack,
+        "batch_size": config.batch_size,
+        "max_len": config.max_len,
         "row_budget": int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
         "example_tokens": example_tokens,
         "row_tokens": row_tokens_all,

@@ -467,11 +467,11 @@ class PackedDataset(IterableDataset):
             )
         if position.rows == 0:  # nothing of the epoch handed out: it is dealt in this loader's own order
             return self._start(position.epoch)
-        balance = self.manifest.config.get("balance")
+        balance = self.manifest.config.balance
         if balance and w != here[0] and position.rows < size:
             raise ConfigError(
                 f"{where} of {size}: saved mid-epoch at world size {w}, this loader has world size {here[0]}; the "
-                f"build's plan balances each step's rows over {self.manifest.config.get('world_size')} ranks "
+                f"build's plan balances each step's rows over {self.manifest.config.world_size} ranks "
                 f"(--balance {balance}) and dealing the rest of the epoch over {here[0]} ranks would undo that: "
                 f"resume at world size {w}, or start epoch {position.epoch + 1} at world size {here[0]}"
             )
@@ -564,6 +564,9 @@ class PackedDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise ConfigError("persistent_workers=True: the workers would keep the epoch and position of their first "
                               "pass, and set_epoch or load_state_dict would not reach them; leave it False")
+        if kwargs.get("in_order") is False:
+            raise ConfigError("in_order=False: batches would be handed out as workers finish them, not in the epoch's "
+                              "order, and no position could name what was handed out; leave it True")
         super().__init__(dataset, batch_size=None, collate_fn=_no_collate, **kwargs)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

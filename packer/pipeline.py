@@ -282,27 +282,26 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    totals: dict[str, int] = {}
-    shards = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, totals=totals,
-                                 progress=progress)
+    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
-        loss_tokens=totals["loss_tokens"],
-        # A completion-only example truncated before its completion trains on nothing: say how many.
-        segments_without_loss=totals["segments_without_loss"],
+        loss_tokens=written.loss_tokens,
+        segments_without_loss=written.segments_without_loss,
         sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
                                                                   tokens.example_ids, lengths, plan, per_part),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
         note=_note(opened),
-        **identity,
+        config=config,
+        tokenizer=identity["tokenizer"],
+        source=identity["source"],
         stats=stats,
-        shards=tuple(shards),
+        shards=written.shards,
     )
     output.commit(out, staging, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)

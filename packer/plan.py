@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,48 @@ def _as_lengths(lengths: Any) -> np.ndarray:
             f"({bad.size} such); drop empty examples before planning"
         )
     return arr
+
+
+def _plain(field: str) -> str:
+    return field
+
+
+def row_size(mode: str, max_len: int, max_tokens: int | None, batch_size: int | None, *,
+             default_batch: int | None = None, name: Callable[[str], str] = _plain) -> tuple[int | None, int | None]:
+    """How a mode sizes its rows, the one statement of the rule (:func:`plan` and ``BuildConfig`` call it):
+    ``batch`` rows hold ``batch_size`` examples (``default_batch`` when it is unset, else it is required)
+    and take no ``max_tokens``; the other modes cut rows at ``max_tokens`` tokens (default ``max_len``) and
+    take no ``batch_size``; ``bfd``/``optimal`` need ``max_len <= max_tokens``, or an example that long
+    could never be placed. Returns ``(batch_size, max_tokens)``, the one that applies filled in; ``name``
+    spells a field in messages (the CLI's ``--max-tokens``)."""
+    mode_is = f"{name('mode')} {mode}"
+    if mode == "batch":
+        if max_tokens is not None:
+            raise ConfigError(f"{name('max_tokens')} ({max_tokens!r}) is a row budget for the modes that fill rows "
+                              f"with tokens; {mode_is} fixes the examples per row ({name('batch_size')}) instead; "
+                              "drop one of the two")
+        if batch_size is None and default_batch is None:
+            raise ConfigError(f"{mode_is} needs {name('batch_size')} (examples per row); set it to 1 or more")
+        batch_size = batch_size if batch_size is not None else default_batch
+        return _as_int(name("batch_size"), batch_size, 1, "set it to the examples per row"), None
+    if batch_size is not None:
+        raise ConfigError(f"{name('batch_size')} applies to {name('mode')} batch only; {mode_is} "
+                          f"fills rows up to {name('max_tokens')} instead; drop one of the two")
+    max_tokens = _as_int(name("max_tokens"), max_len if max_tokens is None else max_tokens, 1,
+                         "set it to the tokens per row")
+    if mode in ("bfd", "optimal") and max_len > max_tokens:
+        raise ConfigError(f"{name('max_len')} {max_len} exceeds the row budget {name('max_tokens')} {max_tokens}: an "
+                          f"example that long could never be placed; lower {name('max_len')} to {max_tokens} or "
+                          f"raise {name('max_tokens')}")
+    return None, max_tokens
+
+
+def check_epochs(mode: str, epochs: int, *, name: Callable[[str], str] = _plain) -> None:
+    """Wrap plans one epoch: it keeps source order, so every epoch would hold the same rows."""
+    if epochs > 1 and mode == "wrap":
+        raise ConfigError(f"{name('epochs')} {epochs} with {name('mode')} wrap: wrap keeps source order, so every "
+                          "epoch would hold the same rows; build one epoch (the loader replays it each epoch, "
+                          f"set_epoch) or use {name('mode')} batch or bfd")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -504,31 +547,7 @@ def plan(
     max_len = _as_int("max_len", max_len, 1, "set max_len to the longest example (in tokens) to keep")
     seed = _as_int("seed", seed, 0, "use a non-negative integer seed")
     world_size = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks (>= 1)")
-    if mode == "batch":
-        if batch_size is None:
-            raise ConfigError("mode 'batch' needs batch_size (examples per row); set batch_size >= 1")
-        batch_size = _as_int("batch_size", batch_size, 1, "set batch_size to the examples per row")
-        if max_tokens is not None:
-            raise ConfigError(
-                f"max_tokens={max_tokens!r} does not apply to mode 'batch' (rows hold batch_size examples); "
-                "leave it unset or use mode 'bfd'"
-            )
-        budget_cap = None
-    else:
-        if batch_size is not None:
-            raise ConfigError(
-                f"batch_size={batch_size!r} does not apply to mode {mode!r} (rows are cut by max_tokens); "
-                "leave it unset or use mode 'batch'"
-            )
-        if max_tokens is None:
-            max_tokens = max_len
-        max_tokens = _as_int("max_tokens", max_tokens, 1, "set max_tokens to the tokens per row")
-        if mode in ("bfd", "optimal") and max_len > max_tokens:
-            raise ConfigError(
-                f"max_len ({max_len}) exceeds max_tokens ({max_tokens}): an example could not fit a row; "
-                f"lower max_len to <= {max_tokens} or raise max_tokens"
-            )
-        budget_cap = max_tokens
+    batch_size, budget_cap = row_size(mode, max_len, max_tokens, batch_size)
 
     lengths = _as_lengths(lengths)
     n = lengths.size
@@ -592,13 +611,9 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
     split, dropped, ``tokens_in``) is one epoch's, the same in every epoch, and ``epochs`` says E.
     """
     epochs = _as_int("epochs", epochs, 1, "plan at least one epoch")
+    check_epochs(mode, epochs)
     if epochs == 1:
         return plan(lengths, mode=mode, seed=seed, answers=answers, **options)
-    if mode == "wrap":
-        raise ConfigError(
-            f"epochs={epochs} with mode 'wrap': wrap keeps source order, so every epoch would hold the same rows; "
-            "build one epoch and let the loader replay it (set_epoch), or use mode 'batch' or 'bfd'"
-        )
     lengths = _as_lengths(lengths)
     rng = np.random.default_rng(_as_int("seed", seed, 0, "use a non-negative integer seed"))
     plans = []

@@ -37,10 +37,9 @@ from . import schema
 from . import spill as spill_
 from .errors import ConfigError
 from .plan import Plan
-from .schema import ShardEntry
 from .spill import Spill, open_store
 from .tokenization import Encoded, Encoder
-from .writer import add_counts, shard_bounds, shard_entry, write_shard
+from .writer import Written, shard_bounds, shard_entry, write_shard
 
 
 def _ray():
@@ -76,10 +75,9 @@ class RayEngine:
         while pending:
             yield ray.get(pending.popleft())
 
-    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, totals: dict[str, int],
-                     progress: bool) -> list[ShardEntry]:
-        """Write every shard into ``staging`` as parallel Ray tasks; the manifest entries in order (their
-        loss counts are added into ``totals``)."""
+    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, progress: bool) -> Written:
+        """Write every shard into ``staging`` as parallel Ray tasks; the manifest entries in order, and
+        their counts."""
         ray = _ray()
         task = ray.remote(num_cpus=1)(_write_shard)
         plan_ref, lengths_ref = ray.put(plan), ray.put(np.asarray(spill.lengths))
@@ -87,11 +85,8 @@ class RayEngine:
         names = [schema.shard_name(i) for i in range(len(bounds))]
         refs = [task.remote(plan_ref, str(spill.folder), lengths_ref, str(staging / name), lo, hi)
                 for name, (lo, hi) in zip(names, bounds, strict=True)]
-        entries = []
-        for name, counts in zip(names, ray.get(refs), strict=True):
-            add_counts(totals, counts)
-            entries.append(shard_entry(staging / name, counts))
-        return entries
+        return Written.of([(shard_entry(staging / name, counts), counts)
+                           for name, counts in zip(names, ray.get(refs), strict=True)])
 
 
 def _write_shard(plan: Plan, folder: str, lengths: np.ndarray, path: str, lo: int, hi: int) -> dict:

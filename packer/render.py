@@ -8,7 +8,7 @@ import re
 import click
 
 from .pipeline import BuildResult
-from .verify import Report
+from .report import Report
 
 # One colour per segment of a drawn row, in turn.
 PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
@@ -40,7 +40,7 @@ def build_lines(result: BuildResult) -> list[str]:
         lines.append(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
     if m.note:
         lines.append(f"note: {m.note}")
-    mode = f"batch of {cfg['batch_size']}" if cfg["pack"] == "batch" else f"{cfg['pack']}, ≤ {cfg['max_tokens']:,} tokens"
+    mode = f"batch of {cfg.batch_size}" if cfg.pack == "batch" else f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
     dropped = ", ".join(f"{k} {v:,}" for k, v in s.dropped_by_reason.items()) or "none"
     size = sum(sh.bytes for sh in m.shards)
     lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
@@ -51,15 +51,15 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"tokens    {s.tokens:,} in rows{over} ({s.loss_tokens:,} trained) · "
                  f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.segments_without_loss:
-        cut = cfg["pack"] == "wrap" or cfg.get("overlong") == "split"
+        cut = cfg.pack == "wrap" or cfg.overlong == "split"
         why = ("pieces of cut examples: all prompt, or a lone token, a segment's first, which is never trained" if cut
                else "prompts cut before their completion")
-        fix = "raise --max-tokens" if cfg["pack"] == "wrap" else "raise --max-len or use --overlong drop"
+        fix = "raise --max-tokens" if cfg.pack == "wrap" else "raise --max-len or use --overlong drop"
         lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token ({why}): they cost "
                      f"compute and teach nothing; {fix}")
     if s.epochs:
         mode += f"; {s.epochs} epochs × {s.rows // s.epochs:,} rows, each its own shuffle"
-    if cfg["pack"] == "batch":
+    if cfg.pack == "batch":
         # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
         lines.append(f"rows      {s.rows:,} ({mode}) · padded batches would hold {s.padded_tokens:,} tokens: "
                      f"packing removes {padding_removed(s.tokens, s.padded_tokens):.1%} of them")

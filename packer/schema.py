@@ -18,8 +18,22 @@ are written before the manifest and derived from it alone (no times), so builds 
 An output folder also holds, while a build runs, ``STAGING`` (the build's flock ``STAGING/LOCK``, shards
 being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`listed_files` says which files of
 a folder a manifest proves are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
-``from_json``/``to_json`` keep its keys and bytes). Readers take a local path or an fsspec URL
-(:mod:`packer.fs`).
+``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.config.BuildConfig`,
+so a reader never re-derives a default). Readers take a local path or an fsspec URL (:mod:`packer.fs`).
+
+Changing the manifest (docs/design.md says the same):
+
+- *A new field a build does not always use* (a config option, a count that applies to some builds)
+  gets a default and is recorded only when set: ``BuildConfig.identity()`` leaves out a field of
+  ``config._RECORDED_WHEN_SET`` at its default, :meth:`Stats.to_json` a ``Stats`` field that is None.
+  A build that does not use it keeps its bytes, its identity (a rerun reuses it) and the digests
+  ``tests/test_digests.py`` pins; a reader of an older manifest gets the default. No version change.
+- *Anything else* (a field renamed, removed or meaning something new, the row schema, the file
+  layout) is a new ``FORMAT_VERSION``, with the pinned digests updated in the same commit. A reader
+  refuses a manifest of another version in one line (rebuild with this packer, or read it with the
+  packer that wrote it); there is no reading of older versions.
+- Types come from the dataclasses' annotations (``typing.get_type_hints``): a new field is checked
+  as it is declared, ``float | None`` included.
 """
 
 from __future__ import annotations
@@ -27,13 +41,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from . import fs
-from .errors import ShardFormatError
+from .config import BuildConfig
+from .errors import ConfigError, ShardFormatError
 
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 1
@@ -138,8 +155,9 @@ class Stats:
     dropped_by_reason: dict  # reason -> examples or records, only the non-zero ones
     loss_tokens: int
     segments_without_loss: int  # segments that hold no trained token (a completion cut away)
+    # Optional fields (see "Changing the manifest" above): None, and absent from the JSON, where they do
+    # not apply
     padded_tokens: int | None = None  # batch mode only: the tokens padded batches would hold
-    # Added later, so absent (None) where they do not apply, which keeps older builds' bytes:
     epochs: int | None = None  # the epochs the rows hold (--epochs E > 1): rows, tokens, segments, loss
     # tokens and padded_tokens then count all of them; the examples' accounting is one epoch's
     examples_truncated_left: int | None = None  # --overlong truncate-left: of examples_truncated, those
@@ -151,7 +169,6 @@ class Stats:
     sources: list | None = None
 
     def to_json(self) -> dict[str, Any]:
-        # the optional fields are absent where they do not apply, as padded_tokens always was outside batch mode
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     @property
@@ -162,23 +179,46 @@ class Stats:
 # Types the parser checks each manifest key against (bool is not an int here).
 _TOP = {"format": str, "format_version": int, "created_by": str, "config": dict, "tokenizer": dict, "source": dict,
         "stats": dict, "shards": list}
-_NUMBER = (int, float)
 
 
-def _typed(value: Any, kind) -> bool:
+def _typed(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the annotated type: ``X | None`` is either, an int is a float, a bool is
+    only a bool, ``dict[str, int]`` is a dict."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return any(_typed(value, h) for h in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return value is None
+    kind = typing.get_origin(hint) or hint
     if isinstance(value, bool):
         return kind is bool
     if kind is float:
-        return isinstance(value, _NUMBER)
-    if isinstance(kind, tuple):
-        return any(_typed(value, k) for k in kind)
+        return isinstance(value, (int, float))
     return isinstance(value, kind)
 
 
 def _field_types(cls) -> dict[str, Any]:
-    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None)),
-             "list | None": (list, type(None))}
-    return {f.name: kinds[f.type] for f in dataclasses.fields(cls)}
+    """Each field's type, resolved from its annotation (``typing.get_type_hints``)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def recorded_config(recorded: dict[str, Any]) -> BuildConfig:
+    """The :class:`BuildConfig` a manifest records (``BuildConfig.identity()``): a field not recorded
+    takes its default, which is what "recorded only when set" means; ``out`` and the fields that do
+    not decide the bytes (``num_proc``, ``engine``, ``overwrite``) are not recorded and are left at
+    theirs (``out`` empty). A ConfigError names the first key that is mistyped or that BuildConfig
+    refuses."""
+    types_ = _field_types(BuildConfig)
+    values = {**recorded, "out": ""}
+    if isinstance(values.get("mix"), list):
+        values["mix"] = tuple(values["mix"])
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ConfigError(f"unknown keys {', '.join(unknown)}")
+    bad = [k for k, v in values.items() if not _typed(v, types_[k])]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} mistyped")
+    return BuildConfig(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +227,7 @@ class Manifest:
 
     created_by: str
     note: str | None
-    config: dict  # BuildConfig.identity(): every field that decides the bytes
+    config: BuildConfig  # recorded as its identity(): every field that decides the bytes
     tokenizer: dict  # tokenization.tokenizer_info()
     source: dict  # build.source_info(); a mix: {"kind": "mix", "parts": [{"source": name, ...source_info}]}
     stats: Stats
@@ -201,7 +241,7 @@ class Manifest:
             "format_version": self.format_version,
             "created_by": self.created_by,
             "note": self.note,
-            "config": self.config,
+            "config": self.config.identity(),
             "tokenizer": self.tokenizer,
             "source": self.source,
             "stats": self.stats.to_json(),
@@ -247,7 +287,7 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     else:
         edited = []
     problems = [(key, f"missing or not a {kind.__name__}") for key, kind in _TOP.items() if not _typed(data.get(key), kind)]
-    if not _typed(data.get("note"), (str, type(None))):
+    if not _typed(data.get("note"), str | None):
         problems.append(("note", "not a string or null"))
     unknown = sorted(set(data) - {*_TOP, "note", CONTENT_HASH})
     if unknown:
@@ -272,12 +312,16 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     names = [e.get("file") for e in data["shards"] if isinstance(e, dict) and isinstance(e.get("file"), str)]
     if len(set(names)) != len(names):
         problems.append(("shards", "lists a shard twice"))
+    try:
+        config = recorded_config(data["config"])
+    except (ConfigError, TypeError) as e:
+        problems.append(("config", f"not a valid build config ({e})"))
     if problems:
         return None, edited + problems
     manifest = Manifest(
         created_by=data["created_by"],
         note=data["note"],
-        config=data["config"],
+        config=config,
         tokenizer=data["tokenizer"],
         source=data["source"],
         stats=Stats(**data["stats"]),

@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -178,16 +179,26 @@ def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:
                              bytes=path.stat().st_size, sha256=fs.file_sha256(path))
 
 
-def add_counts(totals: dict[str, int], counts: dict[str, int]) -> None:
-    """Add one shard's loss counts into the build's ``totals``."""
-    for key in ("loss_tokens", "segments_without_loss"):
-        totals[key] = totals.get(key, 0) + counts[key]
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What writing a plan's shards gave: their manifest entries in order, and what the stats count
+    from the rows written."""
+
+    shards: tuple[schema.ShardEntry, ...]
+    loss_tokens: int
+    segments_without_loss: int  # a completion-only example truncated before its completion trains on nothing
+
+    @classmethod
+    def of(cls, done: list[tuple[schema.ShardEntry, dict[str, int]]]) -> Written:
+        """From each shard's entry and its counts (:func:`write_shard`)."""
+        return cls(tuple(entry for entry, _ in done), sum(c["loss_tokens"] for _, c in done),
+                   sum(c["segments_without_loss"] for _, c in done))
 
 
-def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int, totals: dict[str, int],
-                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> list[schema.ShardEntry]:
-    """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order (their
-    loss counts are added into ``totals``). Threads, not processes: assembling is numpy, and writing
+def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int,
+                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> Written:
+    """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order, and
+    their counts. Threads, not processes: assembling is numpy, and writing
     and hashing are pyarrow's and hashlib's, which release the GIL; each thread writes whole shards, so
     the bytes do not depend on ``threads``."""
     bounds = shard_bounds(plan, shard_bytes)
@@ -210,6 +221,4 @@ def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: i
                 for future in futures:
                     future.cancel()
                 raise
-    for _, counts in done:
-        add_counts(totals, counts)
-    return [entry for entry, _ in done]
+    return Written.of(done)

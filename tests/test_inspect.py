@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import make_build
 
-from packer import inspect_, schema
+from packer import BuildConfig, inspect_, schema
 from packer.cli import main
 from packer.pipeline import tokenizer_path
 from packer.plan import plan
@@ -70,7 +70,8 @@ def test_optimal_line_counts_the_rows_of_a_refill_that_wins():
     lengths = np.array([47, 47, 37, 37, 16, 16])
     bfd = plan(lengths, mode="bfd", max_len=100)
     modes = {m["mode"]: m for m in inspect_.compare_modes(bfd.length, bfd.row_splits,
-                                                           {"pack": "bfd", "max_tokens": 100, "max_len": 100})}
+                                                           BuildConfig(source="flan", out="", pack="bfd", max_tokens=100,
+                                                                       max_len=100))}
     assert modes["bfd"]["rows"] == 3 and modes["bfd"]["built"]
     assert modes["optimal"] == {"mode": "optimal", "rows": 2, "tokens": 200, "computed_tokens": 200, "padding": 0.0,
                                 "peak_row_tokens": 100, "fill": 1.0, "optimizer_steps": 2, "examples_per_step": 3.0,
@@ -170,7 +171,7 @@ def test_example_split_pieces(flan_bfd):
     split_id = int(uniq[counts > 1][0])
     found = inspect_.find_example(flan_bfd, split_id)
     assert found["split"] and len(found["pieces"]) == counts[counts > 1][0]
-    assert all(p["length"] <= manifest.config["max_len"] for p in found["pieces"])
+    assert all(p["length"] <= manifest.config.max_len for p in found["pieces"])
     out = run(flan_bfd, "--example", split_id)
     assert f"split into {len(found['pieces'])} pieces" in out
     assert out.count("  row ") == len(found["pieces"])

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from packer import fs, schema
+from packer import BuildConfig, fs, schema
 from packer.errors import ConfigError, ShardFormatError
 from packer.loader import PackedDataset, make_dataloader
 
@@ -71,7 +71,7 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: 
         epochs=epochs if epochs > 1 else None,
     )
     manifest = schema.Manifest(
-        created_by="tests/test_loader.py", note=None, config=config or {"pack": "batch", "world_size": 1},
+        created_by="tests/test_loader.py", note=None, config=BuildConfig(source="test", out="", **(config or {"pack": "batch"})),
         tokenizer={"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0}, source={},
         stats=stats, shards=tuple(shards),
     )

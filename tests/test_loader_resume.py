@@ -89,6 +89,7 @@ def test_a_resumed_skip_does_not_stick_with_workers(built, workers):
     (lambda d: make_dataloader(d).set_epoch("1"), "epoch '1'"),
     (lambda d: make_dataloader(d, num_workers=-1), "num_workers -1"),
     (lambda d: PackedDataLoader(PackedDataset(d), num_workers=1, persistent_workers=True), "persistent_workers"),
+    (lambda d: PackedDataLoader(PackedDataset(d), num_workers=1, in_order=False), "in_order"),
 ])
 def test_bad_arguments_are_a_config_error_when_given(built, make, needle):
     with pytest.raises(ConfigError, match=needle) as caught:

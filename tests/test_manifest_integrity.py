@@ -233,3 +233,56 @@ for view in (lambda: inspect_.summary({str(copy)!r}), lambda: inspect_.row({str(
         assert "seq_lens" in str(e), e
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- the typed manifest: config is the BuildConfig, types from the annotations ----------------------------
+
+
+def _rewrite_config(out, change) -> None:
+    path = out / schema.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    change(manifest["config"])
+    manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
+    path.write_bytes(schema.dump_manifest(manifest))
+
+
+def test_config_is_the_build_config_and_round_trips_to_its_bytes(small):
+    manifest = schema.read_manifest(small)
+    assert manifest.config == BuildConfig(source="flan", out="", **{k: v for k, v in OPTIONS.items() if k != "num_proc"})
+    assert manifest.dumps() == (small / schema.MANIFEST_NAME).read_bytes()
+
+
+def test_a_field_recorded_only_when_set_reads_as_its_default(copy):
+    _rewrite_config(copy, lambda c: c.pop("epochs", None))  # as a manifest from before --epochs holds it
+    assert schema.read_manifest(copy).config.epochs == 1
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [
+    ("max_len", "512", "max_len mistyped"), ("seed", True, "seed mistyped"), ("pack", "zigzag", "--pack must be"),
+    ("max_lenn", 5, "unknown keys max_lenn"), ("max_len", 10**12, "more than a row can hold"),
+])
+def test_a_config_build_config_refuses_is_a_manifest_problem_everywhere(copy, key, value, needle):
+    from packer import inspect_
+
+    _rewrite_config(copy, lambda c: c.update({key: value}))
+    problems = [p for p in verify.verify(copy).problems if p.check == "manifest"]
+    assert any("config" in p.where and needle in p.message for p in problems), problems
+    for read in (lambda: PackedDataset(copy), lambda: inspect_.summary(copy)):
+        with pytest.raises(ShardFormatError, match=f"config: not a valid build config.*{needle}"):
+            read()
+
+
+def test_field_types_come_from_the_annotations():
+    """A ``float | None`` field (the parser once looked types up from a table of annotation strings)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Later:
+        ratio: float | None = None
+        count: int = 0
+        reasons: dict[str, int] | None = None
+
+    kinds = schema._field_types(Later)
+    assert all(schema._typed(v, kinds["ratio"]) for v in (None, 0.5, 1))
+    assert not schema._typed("0.5", kinds["ratio"]) and not schema._typed(True, kinds["count"])
+    assert schema._typed({"a": 1}, kinds["reasons"]) and not schema._typed([], kinds["reasons"])

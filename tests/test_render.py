@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer import inspect_, render, schema
+from packer import BuildConfig, inspect_, render, schema
 from packer.pipeline import BuildResult, tokenizer_path
 from packer.plan import plan
 from packer.tokenization import load_tokenizer
@@ -21,9 +21,12 @@ STATS = dict(
     records_skipped=1, dropped_by_reason={"empty_text": 1, "overlong": 1}, loss_tokens=600, segments_without_loss=0,
 )
 
+BFD_100 = BuildConfig(source="flan", out="", pack="bfd", max_tokens=100, max_len=100)
+
 
 def _result(config: dict, **stats) -> BuildResult:
-    manifest = schema.Manifest(created_by="test", note=None, config=config, tokenizer={}, source={},
+    manifest = schema.Manifest(created_by="test", note=None, config=BuildConfig(source="flan", out="", **config),
+                               tokenizer={}, source={},
                                stats=schema.Stats(**{**STATS, **stats}),
                                shards=(schema.ShardEntry(file="shard-00000.arrow", rows=13, tokens=1_500,
                                                          bytes=2_500_000, sha256="0" * 64),))
@@ -87,7 +90,7 @@ def test_summary_modes_table_has_an_optimal_line(flan_bfd):
     lengths = np.array([47, 47, 37, 37, 16, 16])
     bfd = plan(lengths, mode="bfd", max_len=100)
     view = {**inspect_.summary(flan_bfd, compare=False),
-            "modes": inspect_.compare_modes(bfd.length, bfd.row_splits, {"pack": "bfd", "max_tokens": 100})}
+            "modes": inspect_.compare_modes(bfd.length, bfd.row_splits, BFD_100)}
     lines = render.summary_lines(view, color=False)
     assert lines[-3:-1] == [
         "  ▸ bfd           3           3            2.0        200     0.0%       100  66.7%   rows filled up to 100 tokens",
