@@ -226,9 +226,9 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
             click.echo(f"wrote {out['plot']}")
     if example_id is not None:
         view = inspect_.find_example(directory, example_id)
-        rc = 0 if view["found"] else 1
+        rc = 0 if view.found else 1
         if as_json:
-            click.echo(json.dumps({**view, **out}, indent=2))
+            click.echo(json.dumps({**view.to_json(), **out}, indent=2))
         else:
             _echo(render.example_lines(view, directory, _use_color()))
         return rc
@@ -237,7 +237,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)),
                             elide=None if full else inspect_.ELIDE_KEEP)
         if as_json:
-            click.echo(json.dumps({**view, **out}, indent=2, ensure_ascii=False))
+            click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
         else:
             width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
             _echo(render.row_lines(view, show_ids=show_ids, color=_use_color(), width=width))
@@ -246,7 +246,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         return 0
     view = inspect_.summary(directory)
     if as_json:
-        click.echo(json.dumps({**view, **out}, indent=2))
+        click.echo(json.dumps({**view.to_json(), **out}, indent=2))
     else:
         _echo(render.summary_lines(view, _use_color()))
     return 0

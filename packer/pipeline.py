@@ -22,6 +22,7 @@ import numpy as np
 
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
+from .context_parallel import pad_token_id
 from .errors import ConfigError, OutputError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
@@ -68,8 +69,8 @@ class Opened:
     """The config's source (or mix) opened as a stream and ready to encode."""
 
     name: str  # for messages
-    stream: Any  # sources.Stream, or mix.MixStream: its first config.limit records
-    encoder: Any  # tokenization.Encoder, or mix.MixEncoder
+    stream: sources.Stream | mix.MixStream  # its first config.limit records
+    encoder: Encoder | mix.MixEncoder
     where: str  # how an error names a record
     source: dict  # the manifest's source record
     read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
@@ -148,16 +149,17 @@ def _note(opened: Opened) -> str | None:
     return None
 
 
-def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
+def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0) -> Plan:
     """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
     ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
-    flags concatenated: where each answer starts)."""
+    flags concatenated: where each answer starts); padded as the config asks, with ``pad_id``."""
     answers = None
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
     return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
                      max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
-                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
+                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers,
+                     layout=config.layout(pad_id))
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
@@ -276,7 +278,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
 
     check_room(config, lengths, out)
-    plan = plan_rows(config, lengths, tokens.trained_flags())
+    pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
+    plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
@@ -286,6 +289,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
+        pad_token_id=pad_id,
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},

@@ -78,6 +78,14 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(ROW_SCHEMA.names)
+# A padded build (--cp-size, --pad-to-multiple-of; packer.context_parallel) has one more column: the
+# padding tokens at the end of each segment, which its seq_lens include.
+PAD_COLUMN = "pad_lens"
+PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
+
+
+def row_schema(padded: bool) -> pa.Schema:
+    return PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
 
 
 def shard_name(index: int) -> str:
@@ -163,6 +171,8 @@ class Stats:
     examples_truncated_left: int | None = None  # --overlong truncate-left: of examples_truncated, those
     # cut at the start of the prompt (the answer whole) ...
     examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
+    pad_tokens: int | None = None  # a padded build: the padding tokens in the rows (not in tokens; in max_row_tokens)
+    pad_token_id: int | None = None  # ... and their id: the tokenizer's pad id, else its eos id
 
     # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
     # dropped by reason, tokens
@@ -174,6 +184,11 @@ class Stats:
     @property
     def epoch_count(self) -> int:
         return self.epochs or 1
+
+    @property
+    def padded(self) -> bool:
+        """Whether the shards have the ``pad_lens`` column (``PADDED_ROW_SCHEMA``)."""
+        return self.pad_tokens is not None
 
 
 # Types the parser checks each manifest key against (bool is not an int here).
@@ -369,7 +384,7 @@ def open_shard(path: fs.PathLike) -> pa.Table:
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
-    if not table.schema.remove_metadata().equals(ROW_SCHEMA):
+    if not any(table.schema.remove_metadata().equals(s) for s in (ROW_SCHEMA, PADDED_ROW_SCHEMA)):
         raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
     return table
 
@@ -409,7 +424,7 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     info = {
         "citation": "",
         "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
-        "features": {f.name: _datasets_feature(f.type) for f in ROW_SCHEMA},
+        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded)},
         "homepage": "",
         "license": "",
     }
