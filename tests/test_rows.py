@@ -91,7 +91,8 @@ RULES = {"positions": "position_ids", "label at a start": "segment start", "labe
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_each_rule_broken_alone_is_reported_for_its_row_only(tmp_path, name):
     batch = _batch(tmp_path)
-    copy = rows.RowBatch(*(rows.Column(c.values.copy(), c.offsets) if isinstance(c, rows.Column) else c.copy()
+    copy = rows.RowBatch(*(rows.Column(c.values.copy(), c.offsets) if isinstance(c, rows.Column)
+                           else None if c is None else c.copy()
                            for c in (getattr(batch, f) for f in rows.RowBatch.__slots__)))
     assert rows.check_rows(copy, VOCAB) == []
     _break(name, copy)
