@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .context_parallel import LAYOUTS as CP_LAYOUTS
+from .context_parallel import Layout
 from .errors import ConfigError
 from .plan import BALANCE as BALANCE_BY
 from .plan import MODES as PACK_MODES
 from .plan import OVERLONG as OVERLONG_POLICIES
-from .plan import check_epochs, row_size
+from .plan import check_epochs, padded_budget, row_size
 from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
@@ -25,7 +27,8 @@ TRAIN_ON = ("assistant", "last", "all")
 DEFAULT_BATCH_SIZE = 8
 # Fields added after the first manifests: recorded only when they differ from their default, so a
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
-_RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs")
+_RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs", "cp_size", "cp_layout",
+                      "pad_to_multiple_of")
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
 RECORD_LIMIT = 2**63 - 1  # records a build can number: example ids are int64
 
@@ -69,6 +72,11 @@ class BuildConfig:
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
     epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
+    # padding for context parallelism and kernels (packer.context_parallel): the CP group size, its layout
+    # ("zigzag" when cp_size > 1 and none is given), and a multiple every segment is padded to
+    cp_size: int = 1
+    cp_layout: str | None = None
+    pad_to_multiple_of: int = 1
     # several sources: the parts of a mix (packer.mix), each {source, weight | records, recipe, split, fields};
     # ``source`` then only names the mix in messages
     mix: tuple | None = None
@@ -80,6 +88,8 @@ class BuildConfig:
         for name, value in self._normalised().items():
             object.__setattr__(self, name, value)
         self._check_mix()
+        if self.pack != "batch" and self.layout() is not None:  # padding that cannot fit: refused before tokenizing
+            padded_budget(self.layout(), self.pack, self.max_len, self.max_tokens)
 
     def _check_names(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -103,7 +113,8 @@ class BuildConfig:
                 raise ConfigError(f"{_option(name)} must be one of {', '.join(a for a in allowed if a)}, got {value!r}")
         if self.train_on_prompt and self.train_on not in ("assistant", "all"):  # --train-on-prompt: --train-on all
             raise ConfigError(f"--train-on-prompt means --train-on all, not {self.train_on}; drop one of the two")
-        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs"):
+        for name in ("max_len", "batch_size", "max_tokens", "world_size", "limit", "shard_size_mb", "epochs", "cp_size",
+                     "pad_to_multiple_of"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{_option(name)} must be at least 1, got {value}")
@@ -124,6 +135,10 @@ class BuildConfig:
         if self.max_len < 2:
             raise ConfigError(f"--max-len must be at least 2 tokens (BOS and EOS), got {self.max_len}")
         check_epochs(self.pack, self.epochs, name=_option)
+        if self.cp_layout not in (None, *CP_LAYOUTS):
+            raise ConfigError(f"--cp-layout must be one of {', '.join(CP_LAYOUTS)}, got {self.cp_layout!r}")
+        if self.cp_layout is not None and self.cp_size == 1:
+            raise ConfigError("--cp-layout lays a row out for a context-parallel group: give --cp-size (its ranks) too")
         if self.balance is not None and self.world_size == 1:
             raise ConfigError("--balance spreads work across ranks: give --world-size (the data-parallel size) too")
         if self.messages_field and (self.prompt_field or self.completion_field or self.text_field):
@@ -141,8 +156,9 @@ class BuildConfig:
         if mix is None and self.from_hub:
             parts = hub_mix_parts(self.source)
             mix = None if parts is None else tuple(parts)
+        cp_layout = "zigzag" if self.cp_size > 1 and self.cp_layout is None else self.cp_layout
         return {"train_on": train_on, "train_on_prompt": train_on == "all", "batch_size": batch_size,
-                "max_tokens": max_tokens, "mix": mix}
+                "max_tokens": max_tokens, "mix": mix, "cp_layout": cp_layout}
 
     def _check_mix(self) -> None:
         if self.mix is None:
@@ -163,6 +179,13 @@ class BuildConfig:
         if self.mix is not None:
             out["mix"] = [dict(p) for p in self.mix]
         return out
+
+    def layout(self, pad_id: int = 0) -> Layout | None:
+        """The padding this build asks for, its tokens given ``pad_id``; None when it asks for none."""
+        if self.cp_size == 1 and self.pad_to_multiple_of == 1:
+            return None
+        return Layout(cp_size=self.cp_size, cp_layout=self.cp_layout or "zigzag", multiple=self.pad_to_multiple_of,
+                      pad_id=pad_id)
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

@@ -77,6 +77,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import fs, rows, schema
+from .context_parallel import row_view
 from .errors import ConfigError, ShardFormatError
 
 STATE_VERSION = 2
@@ -128,9 +129,10 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
+                padded = schema.PAD_COLUMN in batch.schema.names  # a padded build (packer.context_parallel)
                 lists = {name: rows.Column.of(batch.column(name).values.to_numpy(zero_copy_only=True),
                                               batch.column(name).offsets.to_numpy(zero_copy_only=True))
-                         for name in ("input_ids", "position_ids", "labels", "seq_lens")}
+                         for name in ("input_ids", "position_ids", "labels", "seq_lens") + (schema.PAD_COLUMN,) * padded}
                 row_batch = rows.RowBatch(
                     **lists, example_ids=None,
                     num_loss_tokens=batch.column("num_loss_tokens").to_numpy(zero_copy_only=True),
@@ -165,6 +167,15 @@ class _Shards:
                 "damaged, rebuild the folder (`packer verify DIR` lists every problem)"
             )
         self.checked[b] = True
+
+    def segment_pads(self, index: int) -> np.ndarray | None:
+        """The padding at the end of each segment of row ``index`` (None: the build has none)."""
+        b = bisect.bisect_right(self.starts, index) - 1
+        r, j = self.batches[b].rows, index - self.starts[b]
+        return None if r.pad_lens is None else r.pad_lens.values[r.pad_lens.offsets[j] : r.pad_lens.offsets[j + 1]]
+
+    def max_segments(self) -> int:
+        return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
@@ -228,9 +239,14 @@ class PackedDataset(IterableDataset):
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
         remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
         verify: also check every shard's sha256 against the manifest (reads every byte once).
+        cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
+            ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
+        static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
+            ``max_length`` fixed, so a compiled model sees one shape (``packer.context_parallel``).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
-    finished build of this format version, or a shard is missing or has another size than recorded.
+    finished build of this format version, or a shard is missing or has another size than recorded;
+    ``ConfigError`` for an argument out of range or of the wrong type. Resume: docs/loader.md.
     """
 
     def __init__(
@@ -244,6 +260,9 @@ class PackedDataset(IterableDataset):
         grad_accum: int = 1,
         remainder: Literal["pad", "drop"] = "pad",
         verify: bool = False,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__()
         self.directory = directory if fs.is_url(directory) else Path(directory)
@@ -293,6 +312,7 @@ class PackedDataset(IterableDataset):
                 f"optimizer step, but an epoch has {self.epoch_rows} rows: every epoch would be empty; use "
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
+        self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if loss_tokens != self.manifest.stats.loss_tokens:
             raise ShardFormatError(
@@ -406,6 +426,8 @@ class PackedDataset(IterableDataset):
         shards = self._open()
         for k in range(position.micro + wid, len(index), nw):
             batch = shards.row(int(index[k]), bool(filler[k]), int(items[k]))
+            if self._view is not None:  # a context-parallel rank's share, or a fixed shape
+                batch = _torch(self._view(batch, shards.segment_pads(int(index[k]))))
             if info is None:  # in a worker, the DataLoader's own process counts what it hands out
                 self._advance()
             yield batch
@@ -544,6 +566,10 @@ def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
     rest = {key: value for key, value in state.items() if key not in ("steps_done", "rank")}
     return {**rest, "version": STATE_VERSION, "rows_done": steps * w, "micro_done": steps % g,
             "order_world_size": w, "order_grad_accum": g}
+
+
+def _torch(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:

@@ -30,13 +30,16 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .accounting import account
 from .errors import ConfigError, SourceError
 from .tokenization import Encoded, Encoder
+
+if TYPE_CHECKING:
+    from .sources import Stream
 
 FIELDS = ("prompt_field", "completion_field", "messages_field", "text_field")
 KEYS = ("source", "weight", "records", "recipe", "split", "files", *FIELDS)
@@ -208,7 +211,7 @@ def _room_for_files(parts: int) -> None:
 class _Reader:
     """One part's records, taken n at a time across its stream's batches."""
 
-    def __init__(self, stream, size: int):
+    def __init__(self, stream: Stream, size: int):
         self.batches = stream.chunks(0, size)
         self.batch: dict[str, list] = {}
         self.offset = 0
@@ -244,10 +247,10 @@ class MixChunk:
 
 @dataclass(frozen=True, slots=True)
 class MixStream:
-    """The parts' streams interleaved by the draws; the same interface as :class:`packer.sources.Stream`."""
+    """The parts' streams interleaved by the draws, read as a :class:`packer.sources.Stream` is (``name``, ``chunks``)."""
 
     parts: tuple[dict[str, Any], ...]
-    streams: tuple[Any, ...]  # packer.sources.Stream per part
+    streams: tuple[Stream, ...]  # one per part
     seed: int
     limit: int | None = None
 
@@ -296,9 +299,6 @@ class MixStream:
             lo += int(chunk.size)
             if ended:
                 return
-
-    def columns(self) -> list[str]:
-        return []
 
 
 class MixEncoder:

@@ -81,6 +81,11 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order,
    so its epochs would be identical: refused. Cost: E times one plan.
 
+5. **Padding** (``layout``, :mod:`packer.context_parallel`): every segment is padded to a multiple
+   (and, for the contiguous CP layout, every row); ``bfd``/``optimal`` pack the padded sizes into the
+   budget rounded down to that multiple, so rows with their padding still fit. ``Plan.pad`` holds
+   each segment's padding, ``stats["pad_tokens"]`` their sum; ``tokens`` stays the examples' own. O(m).
+
 Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
 Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
 """
@@ -96,10 +101,12 @@ from typing import Any
 import numpy as np
 
 from packer.accounting import account
+from packer.context_parallel import Layout, pad_up
 from packer.errors import ConfigError
 from packer.repack import fewer_rows
 
-__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "plan", "plan_epochs", "rank_work_ratio"]
+__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "padded_budget", "plan", "plan_epochs",
+           "rank_work_ratio"]
 
 MODES = ("batch", "bfd", "optimal", "wrap")
 OVERLONG = ("truncate", "split", "drop", "truncate-left")
@@ -115,14 +122,17 @@ class Plan:
     length: np.ndarray  # int64[m] segment length (> 0)
     row_splits: np.ndarray  # int64[rows + 1] row r holds segments row_splits[r]:row_splits[r+1]
     stats: dict  # plain ints / floats
+    # a padded build (packer.context_parallel): int64[m] padding tokens after each segment, and their id
+    pad: np.ndarray | None = None
+    pad_id: int = 0
 
     @property
     def num_rows(self) -> int:
         return int(self.row_splits.size - 1)
 
     def row_lengths(self) -> np.ndarray:
-        """int64[rows]: tokens in each row."""
-        return _row_sums(self.length, self.row_splits)
+        """int64[rows]: tokens in each row, padding included."""
+        return _row_sums(self.length if self.pad is None else self.length + self.pad, self.row_splits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -409,15 +419,16 @@ def _bfd_bins(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int]
     return order, bin_of_sorted, nbins
 
 
-def _pack_bfd(example, start, length, cap, rng, world_size, balance, repack):
-    """BFD (then the repack, for mode "optimal"), then rows in shuffled order (or balanced steps)."""
-    order, bin_of_sorted, nbins = _bfd_bins(length, cap)
+def _pack_bfd(example, start, length, cap, rng, world_size, balance, repack, sizes):
+    """BFD (then the repack, for mode "optimal") of the segments' ``sizes`` (their lengths, padding
+    included), then rows in shuffled order (or balanced steps)."""
+    order, bin_of_sorted, nbins = _bfd_bins(sizes, cap)
     if repack:
-        bin_of_sorted, nbins = fewer_rows(length[order], bin_of_sorted, nbins, cap)
+        bin_of_sorted, nbins = fewer_rows(sizes[order], bin_of_sorted, nbins, cap)
     if balance is None:
         row_order = rng.permutation(nbins)
     else:
-        w = _segment_work(length, balance)[order]
+        w = _segment_work(sizes, balance)[order]
         # float sums are exact here: row work < 2**53 for any realistic row
         work = np.bincount(bin_of_sorted, weights=w, minlength=nbins).astype(np.int64)
         row_order = _balanced_row_order(work, world_size, rng)
@@ -531,11 +542,14 @@ def plan(
     balance: str | None = None,
     answers=None,
     rng: np.random.Generator | None = None,
+    layout: Layout | None = None,
 ) -> Plan:
     """Plan rows from example lengths; see the module docstring for the algorithms.
 
     ``answers`` (``overlong="truncate-left"`` only): see :func:`answer_lengths`. ``rng``: draw the
-    shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`)."""
+    shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`).
+    ``layout``: pad the segments for context parallelism or a kernel multiple
+    (:mod:`packer.context_parallel`); rows are packed with their padding inside the budget."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd, optimal or wrap")
     if overlong not in OVERLONG:
@@ -548,6 +562,8 @@ def plan(
     seed = _as_int("seed", seed, 0, "use a non-negative integer seed")
     world_size = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks (>= 1)")
     batch_size, budget_cap = row_size(mode, max_len, max_tokens, batch_size)
+    if layout is not None and budget_cap is not None:
+        budget_cap = padded_budget(layout, mode, max_len, budget_cap)
 
     lengths = _as_lengths(lengths)
     n = lengths.size
@@ -572,8 +588,9 @@ def plan(
     else:
         example, start, length = _segments(lengths, max_len, overlong, answers)
         if mode in ("bfd", "optimal"):
+            sizes = length if layout is None else pad_up(length, layout.segment_multiple)
             example, start, length, row_splits = _pack_bfd(
-                example, start, length, budget_cap, rng, world_size, balance, mode == "optimal"
+                example, start, length, budget_cap, rng, world_size, balance, mode == "optimal", sizes
             )
         else:  # batch
             p = rng.permutation(example.size)
@@ -587,14 +604,30 @@ def plan(
                 p, row_splits = _balance_batch(length, world_size, batch_size, balance)
                 example, start, length = example[p], start[p], length[p]
 
+    pad = None if layout is None else layout.padding(length, row_splits)
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (example, start, length, row_splits)]
-    for a in arrays:
+    for a in arrays if pad is None else [*arrays, pad]:
         a.flags.writeable = False
-    stats = _stats(lengths, Plan(*arrays, stats={}), mode, budget_cap, world_size,
+    stats = _stats(lengths, Plan(*arrays, stats={}, pad=pad), mode, budget_cap, world_size,
                    overlong == "truncate-left" and mode != "wrap")
     # The ratio is measured on the finished rows; the frozen Plan is then made once, stats complete.
     ratio = rank_work_ratio(Plan(*arrays, stats={}), world_size, balance or "tokens")
-    return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio})
+    return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio}, pad=pad,
+                pad_id=0 if layout is None else layout.pad_id)
+
+
+def padded_budget(layout: Layout, mode: str, max_len: int, max_tokens: int) -> int:
+    """The row budget of a padded build (``Layout.budget``), refused where a segment could not fit."""
+    cap = layout.budget(max_tokens)
+    if mode == "wrap" and layout.segment_multiple > 1:
+        raise ConfigError("mode 'wrap' cuts rows at the budget, so it cannot pad every segment (--cp-layout zigzag, "
+                          "--pad-to-multiple-of); use --cp-layout contiguous, or mode 'bfd'")
+    longest = pad_up(max_len, layout.segment_multiple)
+    if mode in ("bfd", "optimal") and longest > cap:
+        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest}, more than the row budget of {cap} "
+                          f"(max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len "
+                          "or raise --max-tokens")
+    return cap
 
 
 # --------------------------------------------------------------------------------------------------
@@ -624,7 +657,7 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
             order = rng.permutation(lengths.size)
             p = plan(lengths[order], mode=mode, answers=None if answers is None else np.asarray(answers)[order],
                      rng=rng, **options)
-            p = Plan(order[p.example], p.start, p.length, p.row_splits, p.stats)
+            p = Plan(order[p.example], p.start, p.length, p.row_splits, p.stats, p.pad, p.pad_id)
         else:
             p = plan(lengths, mode=mode, answers=answers, rng=rng, **options)
         plans.append(p)
@@ -634,7 +667,7 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
 # one epoch's accounting (equal in every epoch) and what the rows of all epochs hold, summed
 _PER_EPOCH = ("examples", "examples_packed", "examples_split", "examples_truncated", "examples_dropped", "tokens_in",
               "tokens_truncated", "tokens_dropped", "world_size", "examples_truncated_left", "examples_answer_too_long")
-_SUMMED = ("segments", "tokens", "rows", "padded_tokens")
+_SUMMED = ("segments", "tokens", "rows", "padded_tokens", "pad_tokens")
 
 
 def _concat_epochs(plans: list[Plan]) -> Plan:
@@ -643,6 +676,7 @@ def _concat_epochs(plans: list[Plan]) -> Plan:
         assert p.num_rows == first.num_rows, "every epoch plans the same number of rows"
         assert all(p.stats.get(k) == first.stats.get(k) for k in _PER_EPOCH), "every epoch accounts the same"
     arrays = [np.concatenate([getattr(p, name) for p in plans]) for name in ("example", "start", "length")]
+    pad = None if first.pad is None else np.concatenate([p.pad for p in plans])
     shift = np.cumsum([0] + [int(p.row_splits[-1]) for p in plans[:-1]])
     row_splits = np.concatenate([first.row_splits[:1]] + [p.row_splits[1:] + s for p, s in zip(plans, shift, strict=True)])
     stats = {k: first.stats[k] for k in _PER_EPOCH if k in first.stats}
@@ -656,16 +690,16 @@ def _concat_epochs(plans: list[Plan]) -> Plan:
     stats["rank_work_max_over_mean"] = float(np.mean([p.stats["rank_work_max_over_mean"] for p in plans]))
     stats["epochs"] = len(plans)
     out = [np.ascontiguousarray(a, dtype=np.int64) for a in (*arrays, row_splits)]
-    for a in out:
+    for a in out if pad is None else [*out, pad]:
         a.flags.writeable = False
-    return Plan(*out, stats=stats)
+    return Plan(*out, stats=stats, pad=pad, pad_id=first.pad_id)
 
 
 def _stats(lengths, plan: Plan, mode, budget_cap, world_size, truncate_left: bool) -> dict:
     c = account(plan, lengths).total
     length, row_splits = plan.length, plan.row_splits
     rows = plan.num_rows
-    row_tokens = _row_sums(length, row_splits)
+    row_tokens = plan.row_lengths()  # what a row holds, padding included
     max_row = int(row_tokens.max()) if rows else 0
     tokens = int(length.sum())
     budget = int(budget_cap) if budget_cap is not None else max_row
@@ -689,6 +723,8 @@ def _stats(lengths, plan: Plan, mode, budget_cap, world_size, truncate_left: boo
     }
     if truncate_left:
         s.update(examples_truncated_left=c.truncated_left, examples_answer_too_long=c.truncated - c.truncated_left)
+    if plan.pad is not None:  # padding is in the rows and the budget, not in tokens (the examples' own)
+        s["pad_tokens"] = int(plan.pad.sum())
     if mode == "batch":
         counts = np.diff(row_splits)
         if rows:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .schema import COLUMNS, IGNORE_INDEX
+from .context_parallel import padding_positions
+from .schema import COLUMNS, IGNORE_INDEX, PAD_COLUMN
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +68,25 @@ class RowBatch:
     example_ids: Column | None
     num_loss_tokens: np.ndarray
     max_seqlen: np.ndarray
+    pad_lens: Column | None = None  # a padded build's (packer.context_parallel): padding ending each segment
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> RowBatch:
         """Zero copy where Arrow allows; the token values are not read until a token rule needs them."""
+        names = ["input_ids", "position_ids", "labels", "seq_lens", "example_ids"]
+        names += [PAD_COLUMN] if PAD_COLUMN in batch.schema.names else []
         lists = {name: Column.of(batch.column(name).values.to_numpy(zero_copy_only=False), batch.column(name).offsets)
-                 for name in ("input_ids", "position_ids", "labels", "seq_lens", "example_ids")}
+                 for name in names}
         return cls(**lists, num_loss_tokens=batch.column("num_loss_tokens").to_numpy(),
                    max_seqlen=batch.column("max_seqlen").to_numpy())
+
+    def padding(self) -> np.ndarray | None:
+        """Per token, whether it is padding (None: the build has none); the layout must hold."""
+        if self.pad_lens is None:
+            return None
+        mask = np.zeros(self.input_ids.values.size, bool)
+        mask[padding_positions(np.cumsum(self.seq_lens.values.astype(np.int64)), self.pad_lens.values)] = True
+        return mask
 
     @property
     def num_rows(self) -> int:
@@ -182,9 +194,25 @@ def _budget(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
         yield lay.nseg > limit.max_segments, f"more than batch_size={limit.max_segments} segments"
     if limit.max_row_tokens is not None:
         yield lay.row_len > limit.max_row_tokens, f"more than max_tokens={limit.max_row_tokens:,} tokens"
-    if limit.max_segment_tokens is not None:
-        yield lay.rows_of_segments(lay.seq > limit.max_segment_tokens), \
+    if limit.max_segment_tokens is not None:  # max_len counts the examples' tokens, not their padding
+        pads = 0 if lay.batch.pad_lens is None else lay.batch.pad_lens.values
+        yield lay.rows_of_segments(lay.seq - pads > limit.max_segment_tokens), \
             f"a segment longer than max_len={limit.max_segment_tokens:,}"
+
+
+# A padded build (packer.context_parallel): each segment's last pad_lens tokens are padding, which leaves
+# at least one real token and is trained nowhere; its positions continue, so the rules above hold as they are.
+def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    pads = lay.batch.pad_lens
+    if pads is not None:
+        yield (pads.lengths != lay.nseg) | lay.rows_of_segments((pads.values < 0) | (pads.values >= lay.seq)), \
+            "pad_lens is not one count per segment, each below the segment's length"
+
+
+def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    padding = lay.batch.padding()
+    if padding is not None:
+        yield lay.rows_of_tokens(padding & (lay.batch.labels.values != IGNORE_INDEX)), "a padding token is trained"
 
 
 # -- tokens: the rows whose layout holds ------------------------------------------------------------
@@ -231,9 +259,9 @@ def _vocab(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
             f"token ids outside [0, {lay.vocab:,}) (the tokenizer's vocab size)"
 
 
-LAYOUT_RULES: tuple[Rule, ...] = (_segment_lengths,)  # a row they break is skipped by every rule after them
+LAYOUT_RULES: tuple[Rule, ...] = (_segment_lengths, _pad_lens)  # a row they break is skipped by every rule after
 ROW_RULES: tuple[Rule, ...] = (_max_seqlen, _example_ids, _budget)
-TOKEN_RULES: tuple[Rule, ...] = (_positions, _labels, _vocab)
+TOKEN_RULES: tuple[Rule, ...] = (_positions, _labels, _vocab, _padding)
 
 
 def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None, *,

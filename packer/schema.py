@@ -15,9 +15,9 @@ Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are w
 ``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
 are written before the manifest and derived from it alone (no times), so builds stay byte-identical.
 
-An output folder also holds, while a build runs, ``LOCK`` (the build's flock) and ``STAGING`` (shards
-being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`is_owned` says which names of a
-folder are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
+An output folder also holds, while a build runs, ``STAGING`` (the build's flock ``STAGING/LOCK``, shards
+being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`listed_files` says which files of
+a folder a manifest proves are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
 ``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.config.BuildConfig`,
 so a reader never re-derives a default). Readers take a local path or an fsspec URL (:mod:`packer.fs`).
 
@@ -78,6 +78,14 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(ROW_SCHEMA.names)
+# A padded build (--cp-size, --pad-to-multiple-of; packer.context_parallel) has one more column: the
+# padding tokens at the end of each segment, which its seq_lens include.
+PAD_COLUMN = "pad_lens"
+PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
+
+
+def row_schema(padded: bool) -> pa.Schema:
+    return PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
 
 
 def shard_name(index: int) -> str:
@@ -85,21 +93,34 @@ def shard_name(index: int) -> str:
 
 
 # -- what packer owns in an output folder ----------------------------------------------------------
+#
+# A name proves nothing: packer owns only the files a manifest it wrote lists (:func:`listed_files`,
+# proven by the manifest's content hash) and its staging folder, proven by the lock file inside it
+# (``LOCK`` holding exactly ``LOCK_BYTES``). Everything else in a folder is someone else's.
 
-LOCK = ".packer-lock"  # flock'd by a running build; removed when it ends
-STAGING = ".packer-staging"  # shards being written, and the token spill; gone once a build commits
+STAGING = ".packer-staging"  # the lock, shards being written, the token spill; gone once a build ends
+LOCK = "lock"  # inside STAGING: the build's flock, and the proof that the folder is packer's
+LOCK_BYTES = b"packer: this folder is a packer build's staging area; packer removes it\n"
 TOKENS_DIR = "tokens"  # the token spill, inside STAGING
-MANIFEST_TMP = MANIFEST_NAME + ".tmp"  # the manifest before its atomic rename
+PENDING = "pending-manifest.json"  # inside STAGING: the manifest being committed (then renamed into place)
+PREVIOUS = "previous-manifest.json"  # inside STAGING: the manifest of the build being cleared
 
 
 def is_shard_name(name: str) -> bool:
     return name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)
 
 
-def is_owned(name: str) -> bool:
-    """Whether packer writes an entry of this name in an output folder (anything else is foreign: a
-    build refuses the folder, verify reports it, and nothing of packer's ever deletes it)."""
-    return is_shard_name(name) or name in (MANIFEST_NAME, MANIFEST_TMP, STAGING, LOCK, *DATASETS_FILES)
+def listed_files(data: Any) -> frozenset[str] | None:
+    """The files of a folder that the manifest ``data`` (parsed JSON) proves packer wrote: itself, its
+    shards and the ``datasets`` files; None when its content hash does not prove packer wrote it (any
+    other tool's JSON, an edited or damaged manifest). A version this packer cannot read still proves it."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME or not isinstance(data.get("shards"), list):
+        return None
+    if data.get(CONTENT_HASH) != content_sha256(data):
+        return None
+    shards = {e.get("file") for e in data["shards"] if isinstance(e, dict)}
+    return frozenset({MANIFEST_NAME, *DATASETS_FILES, *(f for f in shards if isinstance(f, str) and is_shard_name(f)
+                                                         and "/" not in f)})
 
 
 # -- the manifest, typed ----------------------------------------------------------------------------
@@ -150,6 +171,8 @@ class Stats:
     examples_truncated_left: int | None = None  # --overlong truncate-left: of examples_truncated, those
     # cut at the start of the prompt (the answer whole) ...
     examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
+    pad_tokens: int | None = None  # a padded build: the padding tokens in the rows (not in tokens; in max_row_tokens)
+    pad_token_id: int | None = None  # ... and their id: the tokenizer's pad id, else its eos id
 
     # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
     # dropped by reason, tokens
@@ -161,6 +184,11 @@ class Stats:
     @property
     def epoch_count(self) -> int:
         return self.epochs or 1
+
+    @property
+    def padded(self) -> bool:
+        """Whether the shards have the ``pad_lens`` column (``PADDED_ROW_SCHEMA``)."""
+        return self.pad_tokens is not None
 
 
 # Types the parser checks each manifest key against (bool is not an int here).
@@ -356,7 +384,7 @@ def open_shard(path: fs.PathLike) -> pa.Table:
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
-    if not table.schema.remove_metadata().equals(ROW_SCHEMA):
+    if not any(table.schema.remove_metadata().equals(s) for s in (ROW_SCHEMA, PADDED_ROW_SCHEMA)):
         raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
     return table
 
@@ -396,7 +424,7 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     info = {
         "citation": "",
         "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
-        "features": {f.name: _datasets_feature(f.type) for f in ROW_SCHEMA},
+        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded)},
         "homepage": "",
         "license": "",
     }

@@ -28,6 +28,7 @@ class Totals:
     rows: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    pad_tokens: int = 0  # a padded build's (packer.context_parallel); tokens counts them too
     segments: int = 0
     max_row_tokens: int = 0
     example_ids: list[np.ndarray] = field(default_factory=list)
@@ -43,10 +44,13 @@ class Totals:
         if batch.num_rows:
             self.max_row_tokens = max(self.max_row_tokens, int(batch.input_ids.lengths.max()))
         self.example_ids.append(batch.example_ids.values.astype(np.int64))
-        self.seq_lens.append(batch.seq_lens.values.astype(np.int64))
+        # a padded build: the examples' own tokens and lengths, which the source speaks of
+        padding, pads = batch.padding(), 0 if batch.pad_lens is None else batch.pad_lens.values
+        self.pad_tokens += int(np.sum(pads))
+        self.seq_lens.append((batch.seq_lens.values - pads).astype(np.int64))
         if keep_tokens:
-            self.input_ids.append(batch.input_ids.values)
-            self.labels.append(batch.labels.values)
+            self.input_ids.append(batch.input_ids.values if padding is None else batch.input_ids.values[~padding])
+            self.labels.append(batch.labels.values if padding is None else batch.labels.values[~padding])
 
 
 def limits(config: BuildConfig) -> rows.Limits:
@@ -94,8 +98,10 @@ def check_totals(manifest: Manifest, totals: Totals, report: Report) -> None:
     examples the stats account for."""
     s = manifest.stats
     where = f"{schema.MANIFEST_NAME} stats"
-    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens), ("loss_tokens", totals.loss_tokens),
-                        ("segments", totals.segments), ("max_row_tokens", totals.max_row_tokens)):
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens - totals.pad_tokens),
+                        ("loss_tokens", totals.loss_tokens), ("segments", totals.segments),
+                        ("max_row_tokens", totals.max_row_tokens),
+                        ("pad_tokens", totals.pad_tokens if s.padded else None)):
         if getattr(s, key) != actual:
             report.add("stats", where, f"{key} = {getattr(s, key)!r}, the shards hold {actual:,}")
     for key, actual in (("rows", totals.rows), ("tokens", totals.tokens)):

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import fs, schema
+from .context_parallel import padding_positions
 from .plan import Plan
 from .spill import TokenStore
 
@@ -36,14 +37,20 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     seg_len = plan.length[s_lo:s_hi]
     seg_ex = plan.example[s_lo:s_hi]
     seg_src = store.offsets[seg_ex] + plan.start[s_lo:s_hi]
+    seg_pad = None if plan.pad is None else plan.pad[s_lo:s_hi]
     seg_out = np.zeros(len(seg_len) + 1, dtype=np.int64)
-    np.cumsum(seg_len, out=seg_out[1:])
+    np.cumsum(seg_len if seg_pad is None else seg_len + seg_pad, out=seg_out[1:])
     total = int(seg_out[-1])
     input_ids = np.empty(total, dtype=np.int32)
     position = np.empty(total, dtype=np.int32)
     labels = np.empty(total, dtype=np.int32)
     target = np.empty(total, dtype=bool)
     _read_segments(store, seg_src, seg_out, seg_len, input_ids, target)
+    if seg_pad is not None:  # padding (packer.context_parallel): after each segment's tokens, trained nowhere
+        at = padding_positions(seg_out[1:], seg_pad)
+        input_ids[at] = plan.pad_id
+        target[at] = False
+        seg_len = seg_len + seg_pad
     # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
     position.fill(1)
     if total:
@@ -76,7 +83,9 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
         _arrow(num_loss),
         _arrow(max_seqlen),
     ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+    if seg_pad is not None:
+        columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
+    return pa.RecordBatch.from_arrays(columns, schema=schema.row_schema(seg_pad is not None))
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
@@ -144,7 +153,7 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
     ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
     with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
-          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer):
+          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.row_schema(plan.pad is not None)) as writer):
         for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts):
             if stop is not None and stop.is_set():
                 break

@@ -164,8 +164,8 @@ def test_bfd_epochs_are_plans_of_their_own(tmp_path):
 def test_disk_cost_is_stated_by_inspect(epochs_build, one_epoch_build):
     view = inspect_.summary(epochs_build)
     one = sum(s.bytes for s in schema.read_manifest(one_epoch_build).shards)
-    disk = view["disk"]
-    assert disk["epochs"] == E and disk["bytes"] == sum(s["bytes"] for s in view["shards"])
+    disk = view.to_json()["disk"]
+    assert disk["epochs"] == E and disk["bytes"] == sum(s.bytes for s in view.shards)
     assert abs(disk["bytes"] - E * one) < 0.01 * E * one  # E epochs cost E times the disk
     text = "\n".join(render.summary_lines(view, color=False))
     assert f"{E} planned, each its own shuffle" in text and f"written {E} times" in text
@@ -173,8 +173,8 @@ def test_disk_cost_is_stated_by_inspect(epochs_build, one_epoch_build):
     assert np.array_equal(inspect_.plot_data(epochs_build)["example_tokens"],
                           inspect_.plot_data(one_epoch_build)["example_tokens"])
     found = inspect_.find_example(epochs_build, 5)
-    assert [p["epoch"] for p in found["pieces"]] == list(range(E)) and not found["split"]
-    assert found["tokens"] == inspect_.find_example(one_epoch_build, 5)["tokens"]
+    assert [p.epoch for p in found.pieces] == list(range(E)) and not found.split
+    assert found.tokens == inspect_.find_example(one_epoch_build, 5).tokens
 
 
 @pytest.mark.parametrize(("args", "needle"), [

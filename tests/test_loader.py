@@ -20,8 +20,8 @@ from packer.loader import PackedDataset, make_dataloader
 ROW_TAG = 1000  # each row's first token is ROW_TAG + row index, so a batch names its row
 
 
-def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: int = 0, epochs: int = 1,
-                config: dict | None = None) -> list[dict]:
+def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, rows_per_batch: int = 3, seed: int = 0,
+                epochs: int = 1, config: dict | None = None) -> list[dict]:
     """A finished build by hand: random examples (1–4 per row), completion-only labels, manifest last;
     ``epochs`` planned epochs of ``n_rows // epochs`` rows each."""
     rng = np.random.default_rng(seed)
@@ -56,7 +56,7 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, seed: 
         table = pa.Table.from_pylist(chunk, schema=schema.ROW_SCHEMA)
         path = directory / schema.shard_name(i)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-            for batch in table.to_batches(max_chunksize=3):  # several record batches per shard
+            for batch in table.to_batches(max_chunksize=rows_per_batch):  # several record batches per shard
                 writer.write_batch(batch)
         shards.append(schema.ShardEntry(file=path.name, rows=len(chunk), tokens=sum(len(r["input_ids"]) for r in chunk),
                                         bytes=path.stat().st_size, sha256=fs.file_sha256(path)))

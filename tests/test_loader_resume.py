@@ -24,7 +24,7 @@ E = 2  # planned epochs of the build
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     directory = tmp_path_factory.mktemp("resume")
-    write_build(directory, N * E, epochs=E)
+    write_build(directory, N * E, epochs=E, rows_per_shard=N, rows_per_batch=N)  # few batches: opening is cheap
     return directory
 
 
