@@ -20,7 +20,9 @@ positions in the mix.
 
 Each part is read as its own stream (:mod:`packer.sources`) and encoded by its own
 :class:`packer.tokenization.Encoder` (so chat and prompt/completion sources mix under one tokenizer);
-:class:`MixEncoder` puts a chunk's examples back in mix order.
+:class:`MixEncoder` puts a chunk's examples back in mix order. A build from one source reads it as a
+mix of one part (:func:`packer.pipeline.open_source`), so every build has one stream, one chunk and one
+encoder type; only the manifest tells them apart (a one-source build records its source, not ``parts``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 
 from .accounting import account
 from .errors import ConfigError, SourceError
-from .tokenization import Encoded, Encoder
+from .tokenization import Encoded, Encoder, Skipped
 
 if TYPE_CHECKING:
     from .sources import Stream
@@ -179,6 +181,8 @@ def part_limits(parts: list[dict[str, Any]], seed: int, limit: int, holds: Calla
     the count stops at the first that does not, so a ``--limit`` beyond the data costs what the data
     costs. Each part's count is then at least what the mix reads of it.
     """
+    if len(parts) == 1:  # every draw is the one part's
+        return [limit]
     counts = np.zeros(len(parts), np.int64)
     done, check = 0, CHECK_FROM
     for block in draws(parts, seed, limit):
@@ -231,6 +235,9 @@ class _Reader:
             parts.append({c: v[self.offset:self.offset + k] for c, v in self.batch.items()})
             self.offset += k
             n -= k
+        if len(parts) == 1:  # within one batch (always, for a one-part mix): its columns as they are
+            self.taken += k
+            return parts[0]
         taken = {c: [x for p in parts for x in p.get(c, [None] * len(next(iter(p.values()))))]
                  for c in dict.fromkeys(c for p in parts for c in p)}
         self.taken += len(next(iter(taken.values()))) if taken else 0
@@ -304,22 +311,24 @@ class MixStream:
 class MixEncoder:
     """Encodes a :class:`MixChunk`: each part's records by its own Encoder, examples back in mix order."""
 
-    def __init__(self, encoders: list[Encoder], names: list[str]):
-        self.encoders, self.names = encoders, names
+    def __init__(self, encoders: list[Encoder], wheres: list[str]):
+        self.encoders, self.wheres = encoders, wheres  # wheres: how an error names a part's record
 
-    def encode(self, chunk: MixChunk, first_index: int, *, where: str = "record") -> Encoded:
+    def encode(self, chunk: MixChunk) -> Encoded:
         done: list[Encoded] = []
-        skipped: dict[str, int] = {}
+        skipped: list[dict[str, int]] = [{} for _ in self.encoders]
         for k, first, records, positions in chunk.pieces:
-            enc = self.encoders[k].encode(records, first, where=f"{self.names[k]} record")
+            enc = self.encoders[k].encode(records, first, where=self.wheres[k])
             # example ids: from the part's own record index to the position in the mix
             enc.example_ids = positions[enc.example_ids - first].astype(np.int64)
             done.append(enc)
-            for reason, n in enc.skipped.items():
-                key = f"{reason}@{k}"
-                skipped[key] = skipped.get(key, 0) + n
+            skipped[k] = dict(enc.skipped)
+        if len(done) == 1:  # one part's examples are in mix order already
+            done[0].skipped = Skipped(tuple(skipped))
+            return done[0]
         if not done:
-            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64), skipped)
+            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           Skipped(tuple(skipped)))
         lengths = np.concatenate([e.lengths for e in done]).astype(np.int64)
         example_ids = np.concatenate([e.example_ids for e in done])
         ids = np.concatenate([e.ids for e in done])
@@ -331,22 +340,11 @@ class MixEncoder:
         new_starts = np.zeros(new_len.size + 1, np.int64)
         np.cumsum(new_len, out=new_starts[1:])
         index = np.repeat(starts[:-1][order] - new_starts[:-1], new_len) + np.arange(int(new_starts[-1]))
-        return Encoded(ids[index], trained[index], new_len, example_ids[order], skipped)
-
-
-def split_skipped(skipped: dict[str, int], parts: int) -> tuple[dict[str, int], list[dict[str, int]]]:
-    """A mix spill's ``reason@part`` skip counts as (by reason, by part and reason)."""
-    total: dict[str, int] = {}
-    per = [{} for _ in range(parts)]
-    for key, n in skipped.items():
-        reason, _, k = key.rpartition("@")
-        total[reason] = total.get(reason, 0) + n
-        per[int(k)][reason] = per[int(k)].get(reason, 0) + n
-    return dict(sorted(total.items())), [dict(sorted(p.items())) for p in per]
+        return Encoded(ids[index], trained[index], new_len, example_ids[order], Skipped(tuple(skipped)))
 
 
 def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,
-                plan, per_skipped: list[dict[str, int]]) -> list[dict[str, Any]]:
+                plan, skipped: Skipped) -> list[dict[str, Any]]:
     """Each part's counts (:func:`packer.accounting.account`, one epoch's, so they add up to the totals):
     records read, examples packed whole / split / truncated / dropped, skipped by reason, and the tokens
     its examples hold in the rows of every epoch (as the totals' ``tokens``)."""
@@ -355,7 +353,7 @@ def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_id
     acct = account(plan, lengths, source=example_src, parts=len(parts))
     out = []
     for k, (part, c) in enumerate(zip(parts, acct.parts, strict=True)):
-        dropped = {**per_skipped[k], **({"overlong": c.dropped} if c.dropped else {})}
+        dropped = {**skipped.by_part[k], **({"overlong": c.dropped} if c.dropped else {})}
         out.append({
             "source": part["source"],
             "records_read": int((src == k).sum()),

@@ -64,53 +64,53 @@ def source_info(stream: sources.Stream) -> dict[str, Any]:
     return {"kind": "local", "builder": source.builder, "files": files}
 
 
+def source_parts(config: BuildConfig) -> tuple[dict[str, Any], ...]:
+    """The config's mix, or its one source as a mix of one part (weight 1: every draw is its)."""
+    if config.mix is not None:
+        return tuple(config.mix)
+    given = {k: getattr(config, k) for k in ("recipe", "split", *mix.FIELDS) if getattr(config, k) is not None}
+    return ({"source": config.source, "weight": 1.0, **given},)
+
+
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """The config's source (or mix) opened as a stream and ready to encode."""
+    """The config's source (a mix, or one source as a mix of one part) opened and ready to encode."""
 
-    name: str  # for messages
-    stream: sources.Stream | mix.MixStream  # its first config.limit records
-    encoder: Encoder | mix.MixEncoder
-    where: str  # how an error names a record
+    stream: mix.MixStream  # its first config.limit records
+    encoder: mix.MixEncoder
     source: dict  # the manifest's source record
     read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
 
-    @property
-    def parts(self) -> list | None:
-        return list(self.stream.parts) if isinstance(self.stream, mix.MixStream) else None
-
 
 def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
-    """Open the config's source, or each part of its mix, as a stream of its first ``config.limit``
-    records (a part of a mix with a records count: that many), and make the encoder(s) from the config."""
-    if config.mix is None:
-        source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
-        stream = sources.open_stream(source, limit=config.limit)
-        read = _signatures(stream)
-        spec = make_spec(recipe=source.recipe, config=config, columns=stream.columns())
-        where = f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record"
-        return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
-                      source_info(stream), read)
-    streams, encoders, infos, read = [], [], [], {}
+    """Open each part of the config's mix (its one source, for a one-source build) as a stream of its
+    first records (under ``--limit``, as far as the draws take it; a part with a records count: that
+    many), each with its encoder made from the config and the part's fields."""
+    parts = source_parts(config)
     resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                from_hub=config.from_hub, files=part.get("files")) for part in config.mix]
+                                from_hub=config.from_hub, files=part.get("files")) for part in parts]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
-             mix.part_limits(list(config.mix), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
-    for k, (part, source) in enumerate(zip(config.mix, resolved, strict=True)):
+             mix.part_limits(list(parts), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
+    streams, encoders, wheres, infos, read = [], [], [], [], {}
+    for k, (part, source) in enumerate(zip(parts, resolved, strict=True)):
         stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
         read |= _signatures(stream)
-        fields = {k: part.get(k) for k in mix.FIELDS}
+        fields = {f: part.get(f) for f in mix.FIELDS}
         try:
             spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
-        except ConfigError as e:  # which of the parts it is
-            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None
+        except ConfigError as e:
+            if config.mix is None:
+                raise
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None  # which of the parts it is
         streams.append(stream)
         encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
-        infos.append({"source": part["source"], **source_info(stream)})
-    mixed = mix.MixStream(tuple(config.mix), tuple(streams), config.seed, config.limit)
-    return Opened(mixed.name, mixed, mix.MixEncoder(encoders, [p["source"] for p in config.mix]), "mix record",
-                  {"kind": "mix", "parts": infos}, read)
+        wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
+        infos.append(source_info(stream))
+    record = infos[0] if config.mix is None else {
+        "kind": "mix", "parts": [{"source": part["source"], **info} for part, info in zip(parts, infos, strict=True)]}
+    return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), mix.MixEncoder(encoders, wheres),
+                  record, read)
 
 
 def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
@@ -140,12 +140,11 @@ def check_unchanged(opened: Opened) -> None:
             )
 
 
-def _note(opened: Opened) -> str | None:
+def _note(config: BuildConfig, opened: Opened) -> str | None:
     """The recipe's note (the bundled sample says it is not FLAN data), for a one-source local build."""
-    if isinstance(opened.stream, sources.Stream):
-        source = opened.stream.source
-        if source.recipe and source.recipe.note and source.kind == "local":
-            return source.recipe.note
+    source = opened.stream.streams[0].source
+    if config.mix is None and source.recipe and source.recipe.note and source.kind == "local":
+        return source.recipe.note
     return None
 
 
@@ -176,7 +175,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
             f"--epochs {config.epochs:,}: more than {MAX_EPOCHS:,} epochs, each a whole copy of the data on disk; build "
             "fewer and let the loader replay them (set_epoch: epoch e plays planned epoch e mod E, reshuffled)"
         )
-    for part in config.mix or ({"source": config.source},):
+    for part in source_parts(config):
         output.refuse_inside(out, part["source"])
     _refuse_sources_inside(config, out)
     output.refuse_foreign(out, config.overwrite)
@@ -193,7 +192,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
 
 def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
     """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
-    for part in config.mix or ({"source": config.source, "recipe": config.recipe, "split": config.split},):
+    for part in source_parts(config):
         paths = [part["source"]]
         with suppress(SourceError):  # a source that does not resolve is reported when it is opened
             source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
@@ -268,14 +267,11 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
-                            engine=engine, where=opened.where, progress=progress)
+                            engine=engine, progress=progress)
     check_unchanged(opened)
     lengths, skipped = tokens.lengths, tokens.skipped
-    per_part: list[dict[str, int]] = []
-    if opened.parts is not None:
-        skipped, per_part = mix.split_skipped(skipped, len(opened.parts))
     if len(lengths) == 0:
-        raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
+        raise SourceError(f"{opened.stream.name}: every record was skipped ({skipped}); nothing to pack")
 
     check_room(config, lengths, out)
     pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
@@ -295,12 +291,12 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
         loss_tokens=written.loss_tokens,
         segments_without_loss=written.segments_without_loss,
-        sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
-                                                                  tokens.example_ids, lengths, plan, per_part),
+        sources=None if config.mix is None else mix.part_counts(list(config.mix), config.seed, tokens.records,
+                                                                tokens.example_ids, lengths, plan, skipped),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
-        note=_note(opened),
+        note=_note(config, opened),
         config=config,
         tokenizer=identity["tokenizer"],
         source=identity["source"],

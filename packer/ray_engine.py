@@ -9,7 +9,7 @@ The pipeline and its bytes are the local engine's; only where the work runs chan
 
 - **tokenize**: the driver reads the source's stream (one reader: a file or Hub stream cannot be split
   by position) and submits each chunk's records (``CHUNK`` records) as a Ray task running the same
-  :class:`packer.tokenization.Encoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
+  :class:`packer.mix.MixEncoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
   driver takes the results back *in source order* and appends them to the resumable spill of
   :mod:`packer.spill`, so the spill is the local engine's byte for byte (tokens of an example do not
   depend on its batch).
@@ -36,9 +36,10 @@ import numpy as np
 from . import schema
 from . import spill as spill_
 from .errors import ConfigError
+from .mix import MixChunk, MixEncoder, MixStream
 from .plan import Plan
 from .spill import Spill, open_store
-from .tokenization import Encoded, Encoder
+from .tokenization import Encoded
 from .writer import Written, shard_bounds, shard_entry, write_shard
 
 
@@ -53,23 +54,23 @@ def _ray():
     return ray
 
 
-def _encode(encoder: Encoder, records: dict, lo: int, where: str) -> Encoded:
+def _encode(encoder: MixEncoder, chunk: MixChunk) -> Encoded:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per task; Ray runs one task per CPU
-    return encoder.encode(records, lo, where=where)
+    return encoder.encode(chunk)
 
 
 class RayEngine:
     """The :class:`packer.engines.Engine` whose steps run as Ray tasks on the cluster ``ray.init()`` joins."""
 
-    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
+    def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]:
         """The Encoded chunks of records ``start`` … of ``stream``, in source order, tokenized by Ray tasks."""
         ray = _ray()
         task = ray.remote(num_cpus=1)(_encode)
         encoder_ref = ray.put(encoder)
         window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
         pending: deque = deque()
-        for lo, records in stream.chunks(start, spill_.CHUNK):
-            pending.append(task.remote(encoder_ref, records, lo, where))
+        for _, chunk in stream.chunks(start, spill_.CHUNK):
+            pending.append(task.remote(encoder_ref, chunk))
             if len(pending) >= window:
                 yield ray.get(pending.popleft())
         while pending:

@@ -33,7 +33,7 @@ from .plan import Plan
 from .report import Report
 from .schema import Manifest
 from .spill import CHUNK
-from .tokenization import tokenizer_info
+from .tokenization import Skipped, tokenizer_info
 from .verify_rows import Totals
 
 
@@ -87,17 +87,14 @@ class _Reread:
     lengths: np.ndarray  # per kept record
     example_ids: np.ndarray  # per kept record: its position in the source
     read: int  # records read, kept or not
-    skipped: dict[str, int]  # records that failed to format, by reason
+    skipped: Skipped  # records that failed to format, by reason
 
 
-def _reread(opened: Opened, where: str) -> _Reread:
-    chunks = list(LocalEngine().encode_chunks(opened.stream, opened.encoder, 0, where=opened.where))
-    skipped: dict[str, int] = {}
+def _reread(opened: Opened) -> _Reread:
+    chunks = list(LocalEngine().encode_chunks(opened.stream, opened.encoder, 0))
+    skipped = Skipped(tuple({} for _ in opened.stream.parts))
     for chunk in chunks:
-        for reason, k in chunk.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + k
-    if opened.parts is not None:
-        skipped = mix.split_skipped(skipped, len(opened.parts))[0]
+        skipped += chunk.skipped
 
     def cat(name: str, dtype) -> np.ndarray:
         return np.concatenate([getattr(c, name) for c in chunks]) if chunks else np.zeros(0, dtype)
@@ -107,14 +104,16 @@ def _reread(opened: Opened, where: str) -> _Reread:
 
 
 def _check_identity(manifest: Manifest, opened: Opened, where: str, report: Report) -> None:
-    if opened.parts is None:
-        _check_source_identity(manifest.source, opened.source, where, report)
-        return
-    recorded_parts = manifest.source.get("parts") or []  # every source of the mix
-    if len(recorded_parts) != len(opened.source["parts"]):
-        report.add("source", where, f"{len(opened.source['parts'])} sources, the build mixed {len(recorded_parts)}")
-    for got, recorded in zip(opened.source["parts"], recorded_parts):
-        _check_source_identity(recorded, got, f"--source {got['source']}", report)
+    recorded, read = _parts(manifest.source), _parts(opened.source)
+    if len(recorded) != len(read):
+        report.add("source", where, f"{len(read)} sources, the build mixed {len(recorded)}")
+    for got, want in zip(read, recorded):
+        _check_source_identity(want, got, f"--source {got['source']}" if "source" in got else where, report)
+
+
+def _parts(record: dict) -> list[dict]:
+    """A manifest's source record as its parts: a mix's, or the one source's own record."""
+    return record.get("parts", []) if record.get("kind") == "mix" else [record]
 
 
 def _check_records(manifest: Manifest, reread: _Reread, where: str, report: Report) -> None:
@@ -202,7 +201,7 @@ def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals
     where = f"--source {source_name}"
     opened = open_source(config, tokenizer, skip_errors=True)  # the build's own reading and encoder
     _check_identity(manifest, opened, where, report)
-    reread = _reread(opened, where)
+    reread = _reread(opened)
     _check_records(manifest, reread, where, report)
     # the plan takes the build's own flags (truncate-left keeps the answer they mark); the mask itself is
     # checked against a recomputation apart from the encoder
@@ -220,13 +219,10 @@ def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarr
     differ from ``lengths``."""
     wanted = set(example_ids.tolist())
     masks: dict[int, np.ndarray] = {}
-    for lo, chunk in opened.stream.chunks(0, CHUNK):
-        if isinstance(chunk, mix.MixChunk):  # each part's records by its own encoder, at their mix positions
-            pieces = [(opened.encoder.encoders[k], records, positions) for k, _, records, positions in chunk.pieces]
-        else:
-            n = len(next(iter(chunk.values()))) if chunk else 0
-            pieces = [(opened.encoder, chunk, np.arange(lo, lo + n))]
-        for encoder, records, positions in pieces:
+    for _, chunk in opened.stream.chunks(0, CHUNK):
+        # each part's records by its own encoder, at their positions in the mix
+        for k, _, records, positions in chunk.pieces:
+            encoder = opened.encoder.encoders[k]
             keep = [(i, int(p)) for i, p in enumerate(positions) if int(p) in wanted]
             views = encoder.offsets_and_spans([{name: records[name][i] for name in records} for i, _ in keep])
             for (_, position), (offsets, spans, last_flag, eos_added) in zip(keep, views, strict=True):

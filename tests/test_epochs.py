@@ -60,7 +60,7 @@ def _examples(config: BuildConfig) -> list[dict]:
     tokenizer = load_tokenizer(str(BUNDLED_TOKENIZER))
     opened = open_source(config, tokenizer, skip_errors=False)
     out = []
-    for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0, where=opened.where):
+    for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0):
         ends = np.cumsum(chunk.lengths)
         for ids, trained in zip(np.split(chunk.ids, ends[:-1]), np.split(chunk.trained, ends[:-1]), strict=True):
             out.append({"input_ids": ids.tolist(), "labels": np.where(trained == 1, ids, -100).tolist()})
