@@ -254,7 +254,7 @@ class MixChunk:
 
 @dataclass(frozen=True, slots=True)
 class MixStream:
-    """The parts' streams interleaved by the draws, read as a :class:`packer.sources.Stream` is (``name``, ``chunks``)."""
+    """The parts' streams interleaved by the draws: what every build reads, a chunk at a time (``chunks``)."""
 
     parts: tuple[dict[str, Any], ...]
     streams: tuple[Stream, ...]  # one per part
