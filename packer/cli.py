@@ -6,20 +6,17 @@ on stderr (never a traceback).
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import json
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import click
 
-from . import __version__, inspect_, output, render, schema
+from . import __version__, inspect_, interrupt, output, render, schema
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
 from .errors import PackerError
 from .mix import parts_from_cli
@@ -27,33 +24,6 @@ from .pipeline import BuildResult, tokenizer_path
 from .pipeline import build as run_build
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
-
-
-def _redeliver_interrupt(unraisable) -> None:
-    """Ctrl-C that lands in a finaliser (``__del__``, a generator closed by the collector) is
-    "ignored" by Python, which prints it and runs on; raise it again in the main thread instead, a
-    moment later from another thread (raised from here, it would land in this hook and be ignored)."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        timer = threading.Timer(0.05, _thread.interrupt_main)
-        timer.daemon = True
-        _REDELIVERIES.append(timer)
-        timer.start()
-    else:
-        sys.__unraisablehook__(unraisable)
-
-
-_REDELIVERIES: list[threading.Timer] = []  # cancelled when the command ends
-
-
-_PROCESS = {"own": False}  # whether this process is the `packer` command, whose signals are ours
-
-
-def _ignore_ctrl_c() -> None:
-    for timer in _REDELIVERIES:
-        timer.cancel()
-    if _PROCESS["own"] and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
@@ -68,26 +38,21 @@ class OneLineErrors(click.Group):
     "interrupted", exit code 130 (128 + SIGINT, as a shell reports it)."""
 
     def invoke(self, ctx: click.Context):
-        previous = sys.unraisablehook
-        sys.unraisablehook = _redeliver_interrupt
         try:
-            return super().invoke(ctx)
+            with interrupt.redelivered():
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted() from None
         except EOFError as e:  # click would take it for Ctrl-C at a prompt ("aborted")
             raise PackerError(f"an input ended unexpectedly ({type(e).__name__}: {e}); check it is complete") from e
-        finally:
-            sys.unraisablehook = previous
-            for timer in _REDELIVERIES:
-                timer.cancel()
 
     def main(self, *args, **kwargs):
         # the `packer` process itself (not a caller's, like click's test runner, which passes args)
-        _PROCESS["own"] = not args and kwargs.get("args") is None
+        interrupt.own_process(not args and kwargs.get("args") is None)
         try:
             self._main(*args, **kwargs)
         finally:
-            _ignore_ctrl_c()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
+            interrupt.ignore()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
 
     def _main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
@@ -96,7 +61,7 @@ class OneLineErrors(click.Group):
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except (Interrupted, KeyboardInterrupt, click.Abort):
-            _ignore_ctrl_c()  # the outcome is decided: a second Ctrl-C must not change it
+            interrupt.ignore()  # the outcome is decided: a second Ctrl-C must not change it
             # a build's staging and token spill stay for the rerun to resume; the lock is released
             click.echo("packer: interrupted", err=True)
             sys.exit(130)
@@ -204,7 +169,7 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
         result = _finished_anyway(Path(config.out), started)
         if result is None:
             raise
-    _ignore_ctrl_c()  # the build is complete: a late Ctrl-C must not report it interrupted
+    interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
@@ -222,7 +187,7 @@ def _finished_anyway(out: Path, started: int) -> BuildResult | None:
         manifest = schema.read_manifest(out)
     except (OSError, PackerError):
         return None
-    output.tidy(out)  # the staging the interrupt kept it from removing
+    output.remove_stale_staging(out)  # the interrupt may have kept the build from removing it
     return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
 
 
@@ -249,7 +214,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     """
     if row_index is not None and example_id is not None:
         raise click.UsageError("give --row or --example, not both")
-    output.tidy(directory)
+    _note_staging(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
     out: dict = {}
@@ -297,6 +262,13 @@ def _use_color() -> bool:
     return not click.utils.should_strip_ansi(sys.stdout)
 
 
+def _note_staging(directory: str) -> None:
+    """inspect and verify only read: a staging folder there is reported, and left to the next build."""
+    note = output.staging_note(directory)
+    if note is not None:
+        click.echo(f"packer: note: {note}", err=True)
+
+
 def _echo(lines: list[str]) -> None:
     for line in lines:
         click.echo(line, color=_use_color())
@@ -318,7 +290,7 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --tokenizer my-tok/      were these made with my tokenizer?
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
-    output.tidy(directory)
+    _note_staging(directory)
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))

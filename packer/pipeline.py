@@ -10,15 +10,20 @@ lock, checks and commit are :mod:`packer.output`'s. ``open_source`` and ``plan_r
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
 from .context_parallel import pad_token_id
-from .errors import ConfigError, SourceError, TokenizerError
+from .errors import ConfigError, OutputError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
 from .plan import Plan, answer_lengths
@@ -68,6 +73,7 @@ class Opened:
     encoder: Encoder | mix.MixEncoder
     where: str  # how an error names a record
     source: dict  # the manifest's source record
+    read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
 
     @property
     def parts(self) -> list | None:
@@ -80,11 +86,12 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
     if config.mix is None:
         source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
         stream = sources.open_stream(source, limit=config.limit)
+        read = _signatures(stream)
         spec = make_spec(recipe=source.recipe, config=config, columns=stream.columns())
         where = f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record"
         return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
-                      source_info(stream))
-    streams, encoders, infos = [], [], []
+                      source_info(stream), read)
+    streams, encoders, infos, read = [], [], [], {}
     resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
                                 from_hub=config.from_hub, files=part.get("files")) for part in config.mix]
     # under --limit, each part is read no further than the records the draws take from it
@@ -92,6 +99,7 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
              mix.part_limits(list(config.mix), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
     for k, (part, source) in enumerate(zip(config.mix, resolved, strict=True)):
         stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
+        read |= _signatures(stream)
         fields = {k: part.get(k) for k in mix.FIELDS}
         try:
             spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
@@ -102,7 +110,34 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         infos.append({"source": part["source"], **source_info(stream)})
     mixed = mix.MixStream(tuple(config.mix), tuple(streams), config.seed, config.limit)
     return Opened(mixed.name, mixed, mix.MixEncoder(encoders, [p["source"] for p in config.mix]), "mix record",
-                  {"kind": "mix", "parts": infos})
+                  {"kind": "mix", "parts": infos}, read)
+
+
+def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
+    return {f: _signature(f) for f in stream.files} if stream.source.kind == "local" else {}
+
+
+def _signature(path: str) -> tuple[int, ...]:
+    """What changes when a file is written to or replaced (its mtime has nanoseconds)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+def check_unchanged(opened: Opened) -> None:
+    """Refuse a build whose source files changed between their hashing (the manifest's record) and the
+    end of their reading: the manifest would describe other bytes than were read."""
+    for path, before in opened.read.items():
+        try:
+            after = _signature(path)
+        except OSError:
+            after = None
+        if after != before:
+            how = "was removed" if after is None else ("was replaced" if after[2:] != before[2:] else
+                                                       f"was written to ({before[0]:,} → {after[0]:,} bytes)")
+            raise SourceError(
+                f"{path}: {how} while the build read it, so the build cannot say what it read; rerun once the "
+                "file no longer changes (or build from a copy)"
+            )
 
 
 def _note(opened: Opened) -> str | None:
@@ -130,20 +165,82 @@ def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0) -> Pl
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     """Build ``config.out`` from ``config.source``, holding the output folder's lock throughout.
 
-    A second build into the same folder meanwhile is refused. A write that fails (disk full, a file
-    size limit, a read-only or vanished folder) becomes an ``OutputError`` and the partial build is
-    removed: the folder holds no manifest, no shards and no staging files afterwards.
+    Refused before anything is touched: a remote ``--out``, a source inside it, a folder holding what
+    packer did not write (:mod:`packer.output`). A second build into the same folder meanwhile is
+    refused. A build that fails leaves nothing behind (a write that fails, such as a full disk, becomes
+    an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume.
     """
-    out = Path(config.out)
-    with output.lock(out):
+    out = output.local_folder(config.out)
+    if config.epochs > MAX_EPOCHS:
+        raise ConfigError(
+            f"--epochs {config.epochs:,}: more than {MAX_EPOCHS:,} epochs, each a whole copy of the data on disk; build "
+            "fewer and let the loader replay them (set_epoch: epoch e plays planned epoch e mod E, reshuffled)"
+        )
+    for part in config.mix or ({"source": config.source},):
+        output.refuse_inside(out, part["source"])
+    _refuse_sources_inside(config, out)
+    output.refuse_foreign(out, config.overwrite)
+    engine = engines.for_config(config)
+    with output.lock(out) as staging:
         try:
-            return _build(config, engines.for_config(config), progress=progress)
+            return _build(config, engine, out, staging, progress=progress)
         except OSError as e:
             failure = output.write_failure(e, out)
             if failure is None:
                 raise
-            output.discard(out)
             raise failure from e
+
+
+def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
+    """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
+    for part in config.mix or ({"source": config.source, "recipe": config.recipe, "split": config.split},):
+        paths = [part["source"]]
+        with suppress(SourceError):  # a source that does not resolve is reported when it is opened
+            source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                     from_hub=config.from_hub, files=part.get("files"))
+            paths += source.files
+        output.refuse_sources_inside(out, part["source"], paths)
+
+
+# What the shards hold at least, per token (input_ids, position_ids, labels: int32) and per example
+# (its seq_lens int32 and example_ids int64 entries), and what planning holds in memory per example
+# and epoch (the plan's three int64 arrays, twice while the epochs are concatenated) and per epoch
+# (its Plan and stats objects: a generous allowance).
+_SHARD_BYTES_PER_TOKEN, _SHARD_BYTES_PER_EXAMPLE = 12, 12
+_PLAN_BYTES_PER_EXAMPLE, _PLAN_BYTES_PER_EPOCH = 48, 4096
+# Epochs planned and stored: each is a whole copy of the data on disk, so past this many the loader's
+# replay of a build's epochs (set_epoch: epoch e plays planned epoch e mod E, reshuffled) is the way.
+MAX_EPOCHS = 10_000
+
+
+def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
+    """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
+    memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
+    grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
+    kept = lengths if config.pack == "wrap" or config.overlong == "split" else np.minimum(lengths, config.max_len)
+    epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(lengths)
+    free = shutil.disk_usage(out).free
+    if config.epochs * epoch > free:
+        raise OutputError(
+            f"--epochs {config.epochs:,}: the shards would take at least {_size(config.epochs * epoch)} "
+            f"({_size(epoch)} an epoch) and {out} has {_size(free)} free; lower --epochs (the loader can also replay "
+            "a build's epochs, each reshuffled: set_epoch) or free space"
+        )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    plan = config.epochs * (_PLAN_BYTES_PER_EXAMPLE * len(lengths) + _PLAN_BYTES_PER_EPOCH)
+    if plan > memory // 2:
+        raise ConfigError(
+            f"--epochs {config.epochs:,}: planning {config.epochs:,} epochs of {len(lengths):,} examples needs about "
+            f"{_size(plan)} of memory and this machine has {_size(memory)}; lower --epochs (the loader can also "
+            "replay a build's epochs, each reshuffled: set_epoch)"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,} bytes"
 
 
 def _check_id_range(tokenizer, name: str) -> None:
@@ -157,11 +254,9 @@ def _check_id_range(tokenizer, name: str) -> None:
         )
 
 
-def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
+def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
+           ) -> BuildResult:
     started = time.perf_counter()
-    out = Path(config.out)
-    for part in config.mix or ({"source": config.source},):
-        output.refuse_inside(out, part["source"])
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
@@ -171,17 +266,18 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
-    staging = output.prepare(out)  # a matching interrupted spill is resumed
+    output.prepare(out, staging)  # a matching interrupted spill is resumed
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, where=opened.where, progress=progress)
+    check_unchanged(opened)
     lengths, skipped = tokens.lengths, tokens.skipped
     per_part: list[dict[str, int]] = []
     if opened.parts is not None:
         skipped, per_part = mix.split_skipped(skipped, len(opened.parts))
     if len(lengths) == 0:
-        output.discard(out)
         raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
 
+    check_room(config, lengths, out)
     pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
     plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
@@ -211,5 +307,5 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
         stats=stats,
         shards=written.shards,
     )
-    output.commit(out, manifest)
+    output.commit(out, staging, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)

@@ -15,9 +15,9 @@ Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are w
 ``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
 are written before the manifest and derived from it alone (no times), so builds stay byte-identical.
 
-An output folder also holds, while a build runs, ``LOCK`` (the build's flock) and ``STAGING`` (shards
-being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`is_owned` says which names of a
-folder are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
+An output folder also holds, while a build runs, ``STAGING`` (the build's flock ``STAGING/LOCK``, shards
+being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`listed_files` says which files of
+a folder a manifest proves are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
 ``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.config.BuildConfig`,
 so a reader never re-derives a default). Readers take a local path or an fsspec URL (:mod:`packer.fs`).
 
@@ -93,21 +93,34 @@ def shard_name(index: int) -> str:
 
 
 # -- what packer owns in an output folder ----------------------------------------------------------
+#
+# A name proves nothing: packer owns only the files a manifest it wrote lists (:func:`listed_files`,
+# proven by the manifest's content hash) and its staging folder, proven by the lock file inside it
+# (``LOCK`` holding exactly ``LOCK_BYTES``). Everything else in a folder is someone else's.
 
-LOCK = ".packer-lock"  # flock'd by a running build; removed when it ends
-STAGING = ".packer-staging"  # shards being written, and the token spill; gone once a build commits
+STAGING = ".packer-staging"  # the lock, shards being written, the token spill; gone once a build ends
+LOCK = "lock"  # inside STAGING: the build's flock, and the proof that the folder is packer's
+LOCK_BYTES = b"packer: this folder is a packer build's staging area; packer removes it\n"
 TOKENS_DIR = "tokens"  # the token spill, inside STAGING
-MANIFEST_TMP = MANIFEST_NAME + ".tmp"  # the manifest before its atomic rename
+PENDING = "pending-manifest.json"  # inside STAGING: the manifest being committed (then renamed into place)
+PREVIOUS = "previous-manifest.json"  # inside STAGING: the manifest of the build being cleared
 
 
 def is_shard_name(name: str) -> bool:
     return name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)
 
 
-def is_owned(name: str) -> bool:
-    """Whether packer writes an entry of this name in an output folder (anything else is foreign: a
-    build refuses the folder, verify reports it, and nothing of packer's ever deletes it)."""
-    return is_shard_name(name) or name in (MANIFEST_NAME, MANIFEST_TMP, STAGING, LOCK, *DATASETS_FILES)
+def listed_files(data: Any) -> frozenset[str] | None:
+    """The files of a folder that the manifest ``data`` (parsed JSON) proves packer wrote: itself, its
+    shards and the ``datasets`` files; None when its content hash does not prove packer wrote it (any
+    other tool's JSON, an edited or damaged manifest). A version this packer cannot read still proves it."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME or not isinstance(data.get("shards"), list):
+        return None
+    if data.get(CONTENT_HASH) != content_sha256(data):
+        return None
+    shards = {e.get("file") for e in data["shards"] if isinstance(e, dict)}
+    return frozenset({MANIFEST_NAME, *DATASETS_FILES, *(f for f in shards if isinstance(f, str) and is_shard_name(f)
+                                                         and "/" not in f)})
 
 
 # -- the manifest, typed ----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def check_folder_contents(directory: Path, manifest: Manifest | None, report: Re
     for path in sorted(directory.iterdir()):
         name = path.name
         # of packer's own names, only what a finished build holds is expected here
-        if name in listed or name in (schema.MANIFEST_NAME, schema.LOCK, *schema.DATASETS_FILES):
+        if name in listed or name in (schema.MANIFEST_NAME, *schema.DATASETS_FILES):
             continue
         if manifest is None and schema.is_shard_name(name):
             continue  # no manifest: already reported; the shards are not "extra"

@@ -1,8 +1,9 @@
 """The manifest's content hash, and a rerun that re-checks what it would reuse.
 
 Any edit of the manifest is found by verify and refused by the loader at open; the same build command
-run again on a damaged folder (a shard deleted or changed, the manifest edited, a datasets file gone)
-rebuilds it, byte-identical, instead of saying "nothing to do".
+run again on a damaged folder (a shard deleted or changed, a datasets file gone) rebuilds it,
+byte-identical, instead of saying "nothing to do"; an edited manifest or an unlisted shard is refused
+(packer cannot prove them its own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from conftest import make_build
 
 from packer import BuildConfig, build, schema, verify
-from packer.errors import ShardFormatError
+from packer.errors import OutputError, ShardFormatError
 from packer.loader import PackedDataset
 
 OPTIONS = dict(limit=60, pack="bfd", max_len=512, shard_size_mb=1, num_proc=1)
@@ -88,8 +89,7 @@ def test_one_shard_file_check_for_rerun_verify_and_loader(copy, damage):
     assert f"{entry.file}: {first}; " in str(caught.value)
 
 
-@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _edit_manifest, _delete_datasets_info,
-                                    _leftover_shard])
+@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _delete_datasets_info])
 def test_rerun_rebuilds_a_damaged_folder(small, copy, damage):
     damage(copy)
     assert not verify.verify(copy).ok
@@ -97,6 +97,17 @@ def test_rerun_rebuilds_a_damaged_folder(small, copy, damage):
     assert not result.reused
     assert digests(copy) == digests(small)
     assert verify.verify(copy).ok
+
+
+@pytest.mark.parametrize("damage", [_edit_manifest, _leftover_shard])
+def test_rerun_refuses_what_it_cannot_prove_is_its_own(copy, damage):
+    """An edited manifest proves nothing (its content hash fails), and a shard no manifest lists is not
+    packer's: the rerun refuses the folder and changes nothing in it."""
+    damage(copy)
+    before = digests(copy)
+    with pytest.raises(OutputError, match="not a manifest packer wrote|no packer manifest lists"):
+        rerun(copy)
+    assert digests(copy) == before
 
 
 def test_rerun_reuses_an_intact_folder(small, copy):
@@ -210,7 +221,7 @@ def test_a_huge_seq_len_allocates_nothing_in_inspect_or_verify(copy):
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from packer import inspect_, verify
-from packer.errors import ShardFormatError
+from packer.errors import OutputError, ShardFormatError
 report = verify.verify({str(copy)!r})
 assert any("seq_lens" in p.message for p in report.problems), report.problems
 for view in (lambda: inspect_.summary({str(copy)!r}), lambda: inspect_.row({str(copy)!r}, 0),

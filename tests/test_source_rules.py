@@ -262,3 +262,15 @@ def test_plain_text_split_does_not_warn_about_prompts(tmp_path):
     assert result.exit_code == 0, result.output
     warning = next(line for line in result.output.splitlines() if line.startswith("warning"))
     assert "prompts cut" not in warning and "pieces of cut examples" in warning
+
+
+@pytest.mark.parametrize("read", [1, 2, 3, 5, 8])
+def test_a_number_item_cut_by_a_read_is_still_named_as_a_number(tmp_path, monkeypatch, read):
+    from packer import readers
+    from packer.errors import SourceError
+
+    path = tmp_path / "d.json"
+    path.write_text('[{"a": 1}, 1.5e+10]')
+    monkeypatch.setattr(readers, "_READ", read)
+    with pytest.raises(SourceError, match="item 2 of the array is a number"):
+        list(readers.records("json", str(path)))
