@@ -180,9 +180,10 @@ def _probe_copy(model: Any) -> Any:
     return probe.train()
 
 
-def _forward(model: Any, batch: dict, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits, and with ``weights`` the gradient of sum(logits * weights) w.r.t. the input embeddings."""
-    if weights is None:
+def _forward(model: Any, batch: dict, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits, and with ``seeds`` (one a segment of the row) the gradient of each segment's
+    sum(logits * weights) w.r.t. the input embeddings, the weights drawn from the segment's seed."""
+    if seeds is None:
         with torch.no_grad():
             return model(**batch).logits[0].float(), None
     captured = []
@@ -196,11 +197,13 @@ def _forward(model: Any, batch: dict, weights: torch.Tensor | None = None) -> tu
     try:
         with torch.enable_grad():
             logits = model(**batch).logits[0].float()
-            bounds = [0, *itertools.accumulate(len(w) for w in weights)]
+            cu = batch.get("cu_seq_lens_q")
+            bounds = [0, logits.shape[0]] if cu is None else cu.tolist()
             grads = []
-            for i, w in enumerate(weights):
-                out = (logits[bounds[i] : bounds[i + 1]] * w).sum()
-                (grad,) = torch.autograd.grad(out, captured[0], retain_graph=True, allow_unused=True)
+            for i, seed in enumerate(seeds):
+                part = logits[bounds[i] : bounds[i + 1]]
+                weights = torch.randn(part.shape, generator=torch.Generator().manual_seed(seed)).to(part.device)
+                (grad,) = torch.autograd.grad((part * weights).sum(), captured[0], retain_graph=True, allow_unused=True)
                 grads.append(torch.zeros_like(captured[0]) if grad is None else grad)
     finally:
         handle.remove()
@@ -217,19 +220,14 @@ def _examples(model: Any, lengths: list[int]) -> list[torch.Tensor]:
 def _compare(model: Any, implementation: str, exs: list[torch.Tensor], extra: dict, grads: bool) -> None:
     """Each example packed gets the logits (and gradients) it gets alone through eager attention."""
     lens = [len(e) for e in exs]
-    weights = None
-    if grads:
-        gen = torch.Generator().manual_seed(1)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        weights = [torch.randn(n, vocab, generator=gen).to(exs[0].device) for n in lens]
     model.set_attn_implementation("eager")
     alone = [
-        _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), None if weights is None else [weights[i]])
+        _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), [i] if grads else None)
         for i, e in enumerate(exs)
     ]
     model.set_attn_implementation(implementation)
     before = attention.calls()
-    logits, grad = _forward(model, {**_row(exs), **extra}, weights)
+    logits, grad = _forward(model, {**_row(exs), **extra}, list(range(len(exs))) if grads else None)
     bounds = [0, *itertools.accumulate(lens)]
     for i, (a_logits, a_grad) in enumerate(alone):
         if grad is not None and len(exs) > 1:  # the structural rule first: it names the cause
@@ -393,7 +391,9 @@ def prepare(
     attention.register()
     if probe:
         try:
-            with torch.random.fork_rng(devices=[]):  # the probe's draws leave the caller's RNG as it was
+            device = next(model.parameters()).device
+            # the probe's random draws (routing in training) leave the caller's generators as they were
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 _probe(model, implementation, max_tokens)
         except ConfigError:
             raise

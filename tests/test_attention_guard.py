@@ -323,7 +323,10 @@ def test_6_a_bf16_model_is_probed_in_float32():
 def test_7_no_false_refusals_in_place_embeddings_and_unused_keys():
     """CTRL scales its input embeddings in place; a Llama config may carry keys its model never reads."""
     ctrl = CTRLConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64)
-    prepare(tiny(ctrl, "eager"))
+    model, rng = tiny(ctrl, "eager"), torch.get_rng_state()
+    prepare(model)
+    assert torch.equal(torch.get_rng_state(), rng), "the probe's draws leave the caller's generator alone"
+    assert not model.training and next(model.parameters()).requires_grad, "the probe ran on a copy"
     prepare(tiny(LlamaConfig(**SMALL, attention_chunk_size=4)))
     prepare(tiny(LlamaConfig(**SMALL, keep_window_size=4)))
 
