@@ -42,8 +42,6 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
         raise ConfigError(f"--plot {path}: the file's suffix sets the figure's format, and {what} "
                           f"({', '.join(sorted(formats))}); name it {path.stem}.png, .svg or .pdf")
     s, cfg = data.stats, data.config
-    ex_len, row_tok = data.example_tokens, data.row_tokens
-    row_ex, row_pad = data.row_examples, data.row_padded
     budget = max(1, data.row_budget)
     mode = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", rows ≤ {budget:,} tokens")
 
@@ -51,8 +49,24 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
     fig.suptitle(f"{data.directory} — {s.rows:,} rows ({mode}) · {s.tokens:,} tokens · "
                  f"{s.examples_read:,} examples", fontsize=13, fontweight="bold")
 
-    # (a) example lengths
-    ax = axes[0, 0]
+    _lengths_panel(axes[0, 0], data)
+    _fill_panel(axes[0, 1], data, budget)
+    _examples_panel(axes[1, 0], data)
+    _padding_panel(axes[1, 1], data)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise OutputError(f"--plot {path}: cannot be written ({e.strerror or e}); check the folder") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _lengths_panel(ax, data: PlotData) -> None:
+    """(a) example lengths (tokens kept in the rows) against --max-len."""
+    s, cfg, ex_len = data.stats, data.config, data.example_tokens
     if ex_len.size:
         ax.hist(ex_len, bins=min(60, max(10, int(np.sqrt(ex_len.size)))), color=TOKENS, alpha=0.85)
     if cfg.pack != "wrap":
@@ -65,8 +79,12 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
     ax.set_xlabel("tokens per example")
     ax.set_ylabel("examples")
 
-    # (b) fill of every row, sorted
-    ax = axes[0, 1]
+
+def _fill_panel(ax, data: PlotData, budget: int) -> None:
+    """(b) the fill of every row, sorted."""
+    import matplotlib.ticker
+
+    cfg, row_tok = data.config, data.row_tokens
     fill = np.sort(row_tok / budget)[::-1]
     x = np.arange(fill.size)
     ax.fill_between(x, fill, step="mid", color=TOKENS, alpha=0.85, label="tokens")
@@ -84,8 +102,12 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.legend(loc="lower left", fontsize=9)
 
-    # (c) examples per row; in batch mode that is the batch size, so the panel compares the modes instead
-    ax = axes[1, 0]
+
+def _examples_panel(ax, data: PlotData) -> None:
+    """(c) examples per row; in batch mode that is the batch size, so the modes compared instead."""
+    import matplotlib.ticker
+
+    s, cfg, row_ex = data.stats, data.config, data.row_examples
     if cfg.pack == "batch":
         _modes_panel(ax, data.modes, s.epoch_count)
         ax.set_title(f"the same examples under each mode (examples per row: {cfg.batch_size}, the last may hold fewer)",
@@ -99,9 +121,11 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
         ax.set_xlim(max(0, values.min() - 1.5) if values.size else 0, (values.max() + 1.5) if values.size else 2)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
 
-    # (d) padding removed (batch) / row tokens against the budget (bfd, wrap)
-    ax = axes[1, 1]
-    if cfg.pack == "batch":
+
+def _padding_panel(ax, data: PlotData) -> None:
+    """(d) padding removed (batch) / the modes compared (bfd, wrap)."""
+    row_tok, row_pad = data.row_tokens, data.row_padded
+    if data.config.pack == "batch":
         order = np.argsort(-row_pad, kind="stable")
         x = np.arange(order.size)
         ax.bar(x, row_tok[order], width=1.0, color=TOKENS, label="tokens (what packer computes)")
@@ -115,16 +139,7 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
         ax.set_xlim(-0.5, max(0.5, len(x) - 0.5))
         ax.legend(loc="upper right", fontsize=9)
     else:
-        _modes_panel(ax, data.modes, s.epoch_count)
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise OutputError(f"--plot {path}: cannot be written ({e.strerror or e}); check the folder") from None
-    finally:
-        plt.close(fig)
-    return path
+        _modes_panel(ax, data.modes, data.stats.epoch_count)
 
 
 def _modes_panel(ax, modes: tuple[Mode, ...], epochs: int) -> None:
