@@ -211,9 +211,10 @@ def refuse_sources_inside(out: Path, name: str, paths: Iterable[str]) -> None:
     for path in paths:
         with suppress(OSError, ValueError):
             if Path(path).expanduser().resolve().is_relative_to(root):
+                where = name if path == name else f"{name} ({path})"
                 raise OutputError(
-                    f"--out {out}: holds the source {name} ({path}); a build must not write where it reads, so "
-                    "choose an --out outside the source's folder"
+                    f"--out {out}: holds the source {where}; a build must not write where it reads, so choose an "
+                    "--out outside the source's folder"
                 )
 
 
