@@ -229,23 +229,13 @@ def lock(out: Path) -> Iterator[Path]:
     """
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
-    created = not out.exists()
+    created = [p for p in (out, *out.parents) if not p.exists()]  # what a failed build removes again
     staging = out / STAGING
-    for _ in range(10):  # retry if the holder removed the file between our open and our flock
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            fd = _take(out, staging)
-        except OSError as e:
-            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
-        try:
-            same = os.fstat(fd).st_ino == os.stat(staging / LOCK).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    else:  # pragma: no cover - only under a storm of concurrent builds
-        raise OutputError(f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
+    try:
+        fd = _lock(out, staging)
+    except BaseException:
+        _remove_empty(created)
+        raise
     _HELD.add(fd)
     # A build that failed for a reason it reports (a PackerError) leaves nothing; one stopped from
     # outside (Ctrl-C) or by the unforeseen keeps its spill, for the rerun to resume.
@@ -263,9 +253,34 @@ def lock(out: Path) -> Iterator[Path]:
         finally:
             _HELD.discard(fd)
             os.close(fd)
-            if created:
-                with suppress(OSError):
-                    out.rmdir()  # only if empty: a failed first build leaves no folder behind
+            _remove_empty(created)  # a failed first build leaves no folder behind
+
+
+def _lock(out: Path, staging: Path) -> int:
+    for _ in range(10):  # retry if the holder removed the file between our open and our flock
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = _take(out, staging)
+        except OSError as e:
+            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
+        try:
+            same = os.fstat(fd).st_ino == os.stat(staging / LOCK).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+    raise OutputError(  # pragma: no cover - only under a storm of concurrent builds
+        f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this build created, innermost first, each only if it is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _take(out: Path, staging: Path) -> int:
