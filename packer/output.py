@@ -1,4 +1,5 @@
-"""The lifecycle of an output folder: lock, check, prepare, commit, or discard; and what in it is packer's.
+"""The lifecycle of an output folder (lock, check, prepare, commit; a failed build leaves nothing),
+and what in it is packer's.
 
 Ownership is proven, never guessed from a name. packer owns the files that a manifest it wrote lists
 (:func:`packer.schema.listed_files`: checked by the manifest's content hash), and its staging folder
