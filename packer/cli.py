@@ -18,6 +18,7 @@ import click
 
 from . import __version__, inspect_, interrupt, output, render, schema
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
+from .context_parallel import LAYOUTS as CP_LAYOUTS
 from .errors import PackerError
 from .mix import parts_from_cli
 from .pipeline import BuildResult, tokenizer_path
@@ -140,6 +141,14 @@ def main() -> None:
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
                    "plays epoch e's rows in epoch e.")
+@click.option("--cp-size", type=int, default=DEFAULTS["cp_size"], show_default=True,
+              help="Pad rows for a context-parallel group of N ranks that split each row (docs/context-parallel.md); "
+                   "padding is untrained and counted in the budget.")
+@click.option("--cp-layout", type=click.Choice(CP_LAYOUTS),
+              help="zigzag (default; TransformerEngine THD, ring-flash-attn zigzag): every segment padded to a "
+                   "multiple of 2N; contiguous (ring-flash-attn llama3): the row padded to a multiple of N.")
+@click.option("--pad-to-multiple-of", type=int, default=DEFAULTS["pad_to_multiple_of"], show_default=True,
+              help="Pad every segment to a multiple of M (FP8 kernels: 16); composes with --cp-size.")
 def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 

@@ -9,7 +9,7 @@ batch one row becomes (docs/design.md, "The read side")::
     max_length_q, max_length_k        int               Python ints: no host-device sync per layer
     num_items_in_batch                int               loss tokens of the whole global step (below)
 
-``model(**batch)`` works for a transformers causal LM prepared with ``packer.attention.prepare``.
+``model(**batch)`` works for a transformers causal LM prepared with ``packer.prepare``.
 
 Order, ranks and the remainder. The manifest's row order is the planner's: consecutive groups of
 ``world_size`` rows form one global micro-step and rank ``r`` takes the ``r``-th row of each group

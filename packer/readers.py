@@ -164,6 +164,7 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
 
 
 _READ = 1 << 20  # bytes read at a time from a JSON array; doubled while one item does not fit
+_TAIL = 32  # characters at the end of the text read where a value or an error may be cut short, not end
 
 
 def _array_items(path: str, f) -> Iterator[Any]:
@@ -216,13 +217,16 @@ def _array_items(path: str, f) -> Iterator[Any]:
                     raise SourceError(f"{path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
                                       "records") from None
                 except json.JSONDecodeError as e:
-                    if more():
+                    # an error well before the text's end is one (a string may be longer than the text read)
+                    final = len(buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
+                    if not final and more():
                         want *= 2
                         continue
                     raise malformed(e.msg, e.pos) from None
-                if end < len(buf) or eof:
+                if eof or len(buf) - end > _TAIL:
                     break
-                more()  # a value that ends with the text read so far may go on (a number)
+                want *= 2
+                more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
             pos = end
             yield value
             want = _READ

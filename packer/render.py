@@ -27,6 +27,14 @@ def truncation_text(left: int, too_long: int) -> str:
             "--max-len, cut at the end")
 
 
+def padding_text(s, cfg) -> str:
+    """What a padded build's padding (packer.context_parallel) costs, and what it was for."""
+    why = [f"a CP group of {cfg.cp_size} ({cfg.cp_layout})"] if cfg.cp_size > 1 else []
+    why += [f"segments to a multiple of {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
+    return (f"{s.pad_tokens:,} tokens, {s.pad_tokens / max(1, s.tokens + s.pad_tokens):.1%} of the rows, for "
+            f"{' and '.join(why)} (token id {s.pad_token_id}, untrained, in the budget)")
+
+
 def disk_cost_text(epochs: int, size: int) -> str:
     """What holding every planned epoch costs on disk."""
     return f"{epochs} epochs × {size / epochs / 1e6:,.1f} MB: the tokens are read once and written {epochs} times"
@@ -68,6 +76,8 @@ def build_lines(result: BuildResult) -> list[str]:
     else:
         lines.append(f"rows      {s.rows:,} ({mode}) · fill {s.fill:.1%} · "
                      f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
+    if s.padded:
+        lines.append(f"padding   {padding_text(s, cfg)}")
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s")
@@ -101,6 +111,8 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
         lines.append(f"  truncated    {truncation_text(s.examples_truncated_left, s.examples_answer_too_long)}")
     lines.append(f"  fill         {s.fill:.1%} of {s.row_budget:,}-token rows; rows / lower bound "
                  f"{s.rows / max(1, s.lower_bound):.3f} ({s.lower_bound:,})")
+    if s.padded:
+        lines.append(f"  padding      {padding_text(s, cfg)}")
     if s.epochs:
         lines.append(f"  epochs       {s.epochs} planned, each its own shuffle: {s.rows:,} rows = {s.epochs} × "
                      f"{s.rows // s.epochs:,} · {view.bytes / 1e6:,.1f} MB on disk = {disk_cost_text(s.epochs, view.bytes)}")

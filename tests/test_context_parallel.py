@@ -317,3 +317,23 @@ def test_verify_accepts_padding_and_finds_trained_padding(builds, tmp_path):
         writer.write_table(table)
     messages = [p.message for p in verify(directory).problems]
     assert "a padding token is trained" in messages, messages
+
+
+def test_cli_builds_padded_rows_and_shows_their_cost(tmp_path):
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    out = tmp_path / "cli"
+    result = CliRunner().invoke(main, ["build", "flan", "--out", str(out), "--limit", "30", "--pack", "bfd",
+                                       "--max-len", "200", "--max-tokens", "512", "--cp-size", "2",
+                                       "--cp-layout", "contiguous", "--pad-to-multiple-of", "8", "-q"])
+    assert result.exit_code == 0, result.output
+    stats = schema.read_manifest(out).stats
+    line = f"{stats.pad_tokens:,} tokens"
+    assert any(x.startswith("padding") and line in x and "a CP group of 2 (contiguous)" in x
+               for x in result.output.splitlines()), result.output
+    shown = CliRunner().invoke(main, ["inspect", str(out)])
+    assert any(x.strip().startswith("padding") and line in x for x in shown.output.splitlines()), shown.output
+    bad = CliRunner().invoke(main, ["build", "flan", "--out", str(tmp_path / "bad"), "--cp-layout", "zigzag"])
+    assert bad.exit_code == 2 and "give --cp-size" in bad.output

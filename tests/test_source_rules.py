@@ -234,9 +234,10 @@ def test_the_plots_mode_axis_says_it_counts_every_epoch():
     import matplotlib.pyplot as plt
 
     from packer.plot import _modes_panel
+    from packer.views import Mode
 
-    modes = [{"mode": "bfd", "built": True, "rows": 4, "optimizer_steps": 4, "examples_per_step": 2.0,
-              "tokens": 100, "computed_tokens": 100, "fill": 0.9}]
+    modes = [Mode(mode="bfd", built=True, rows=4, optimizer_steps=4, examples_per_step=2.0, tokens=100,
+                  computed_tokens=100, fill=0.9, padding=0.0, peak_row_tokens=30, note="")]
     fig, ax = plt.subplots()
     try:
         _modes_panel(ax, modes, 3)
@@ -262,3 +263,15 @@ def test_plain_text_split_does_not_warn_about_prompts(tmp_path):
     assert result.exit_code == 0, result.output
     warning = next(line for line in result.output.splitlines() if line.startswith("warning"))
     assert "prompts cut" not in warning and "pieces of cut examples" in warning
+
+
+@pytest.mark.parametrize("read", [1, 2, 3, 5, 8])
+def test_a_number_item_cut_by_a_read_is_still_named_as_a_number(tmp_path, monkeypatch, read):
+    from packer import readers
+    from packer.errors import SourceError
+
+    path = tmp_path / "d.json"
+    path.write_text('[{"a": 1}, 1.5e+10]')
+    monkeypatch.setattr(readers, "_READ", read)
+    with pytest.raises(SourceError, match="item 2 of the array is a number"):
+        list(readers.records("json", str(path)))

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from packer import schema
-from packer.attention import prepare
+from packer import prepare, schema
 from packer.loader import make_dataloader
 from train import bench, measure, report
 from train.bench import BenchError, check_cuda

@@ -63,7 +63,7 @@ def run(
     lr: float = 1e-3,
 ) -> dict[str, Any]:
     """Train ``warmup + steps`` optimizer steps on one side; figures cover the last ``steps``."""
-    from packer.attention import prepare
+    from packer import prepare
 
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")

@@ -5,7 +5,7 @@
 
 By default a tiny randomly initialised Llama sized to the build's tokenizer (the manifest's vocab size
 and special ids; ``--size`` picks another shape from train/model.py); ``--model`` takes any local
-Hugging Face causal LM directory. The model is switched to ``packer_varlen`` attention by ``packer.attention.prepare`` (flash-attn / torch varlen on CUDA,
+Hugging Face causal LM directory. The model is switched to ``packer_varlen`` attention by ``packer.prepare`` (flash-attn / torch varlen on CUDA,
 per-segment SDPA on CPU), which refuses a model that would let examples see each other.
 
 One optimizer step is ``--grad-accum`` micro-batches (rows) per rank. Every micro-batch carries
@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from packer import schema
-from packer.attention import prepare
+from packer import prepare, schema
 from packer.loader import make_dataloader
 from train.model import SIZES, random_llama
 
