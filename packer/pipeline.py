@@ -194,12 +194,11 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
 def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
     """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
     for part in config.mix or ({"source": config.source, "recipe": config.recipe, "split": config.split},):
-        paths = [part["source"]]
+        paths = []
         with suppress(SourceError):  # a source that does not resolve is reported when it is opened
-            source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                     from_hub=config.from_hub, files=part.get("files"))
-            paths += source.files
-        output.refuse_sources_inside(out, part["source"], paths)
+            paths += sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                     from_hub=config.from_hub, files=part.get("files")).files
+        output.refuse_sources_inside(out, part["source"], [*paths, part["source"]])  # the files first: they say more
 
 
 # What the shards hold at least, per token (input_ids, position_ids, labels: int32) and per example
