@@ -21,10 +21,10 @@ it was: attention implementation of every sub-config, config values, no hook):
      (PhiMoE's long/short ``mscale``, a length-dependent RoPE, a capacity limit) changes the short ones;
      each must get the logits it gets *alone* through the model's eager attention (an independent
      reference: scaling, soft-capping, sinks, windows and chunks as the model's own code does them);
-   - *no path from one example to another*: the gradient of each example's outputs with respect to
-     every *other* example's input embeddings is exactly zero (structural, not a tolerance: LFM2's
-     convolution leaks 2e-5 at initialisation and 6.4 after 40 steps), and with respect to its own
-     equals the gradient it gets alone.
+   - *no path from one example to another*: on the examples' first ``PROBE_MIN_LEN + 1`` tokens, the
+     gradient of each example's outputs with respect to every *other* example's input embeddings is
+     exactly zero (structural, not a tolerance: LFM2's convolution leaks 2e-5 at initialisation and 6.4
+     after 40 steps), and with respect to its own equals the gradient it gets alone.
 
    A model whose training forward draws random numbers beyond dropout (PhiMoE's sparsemixer) cannot be
    compared packed against alone in train mode; it is probed in eval mode. Memory: the model's
@@ -35,8 +35,8 @@ After ``prepare`` a forward pre-hook stays on every ``PreTrainedModel`` inside t
 its base model, a composite's language model: each builds the mask for the layers it runs, and each can be
 called with a batch). A packed forward (``cu_seq_lens_*`` kwargs, or ``position_ids`` restarting inside a
 row) raises ``ConfigError`` if the attention implementation of any config or sub-config was changed since
-(``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty ``past_key_values`` is
-passed (PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
+(``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty cache is passed
+(``cache``/``past_key_values``: PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
 find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used (transformers then builds
 no packed mask). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
@@ -270,7 +270,13 @@ def _random_in_training(model: Any, batch: dict) -> bool:
 
 def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
     """The probes on a float32 copy, as the loader's batches are called; says when a cache is the cause."""
-    probe = _probe_copy(model)
+    try:
+        probe = _probe_copy(model)
+    except Exception as e:  # e.g. quantized weights that cannot be cast
+        raise _refuse(
+            model, f"the probe runs on a float32 copy of the model, which failed: {type(e).__name__}: {e}; "
+            "prepare(model, probe=False) skips the probe"
+        ) from e
     try:
         probe.set_attn_implementation(implementation)
     except (ValueError, KeyError, ImportError) as e:

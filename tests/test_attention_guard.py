@@ -331,6 +331,13 @@ def test_7_no_false_refusals_in_place_embeddings_and_unused_keys():
     prepare(tiny(LlamaConfig(**SMALL, keep_window_size=4)))
 
 
+def test_a_model_that_cannot_be_copied_for_the_probe_is_refused_with_the_way_out():
+    model = tiny(LlamaConfig(**SMALL))
+    model.stream = (x for x in [])  # a generator: deepcopy refuses it, as it refuses some quantized weights
+    assert_refused_unchanged(model, r"the probe runs on a float32 copy .* which failed: TypeError.*probe=False")
+    prepare(model, probe=False)
+
+
 def test_a_row_longer_than_the_vetted_budget_is_refused():
     model = prepare(tiny(LlamaConfig(**SMALL)), max_tokens=12)
     with torch.no_grad():
