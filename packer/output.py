@@ -136,7 +136,10 @@ def survey(out: Path) -> Contents:
     """What of ``out`` is packer's (read only)."""
     if not out.is_dir():
         return Contents(None, frozenset(), ())
-    names = sorted(p.name for p in out.iterdir())
+    try:
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot read it ({_reason(e)}); choose a folder you can read and write") from e
     finished = _json(out / MANIFEST_NAME)
     if schema.listed_files(finished) is None:
         finished = None
