@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import sys
-import time
-from pathlib import Path
 
 import click
 
@@ -21,8 +19,8 @@ from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES
 from .context_parallel import LAYOUTS as CP_LAYOUTS
 from .errors import PackerError
 from .mix import parts_from_cli
-from .pipeline import BuildResult, tokenizer_path
 from .pipeline import build as run_build
+from .pipeline import tokenizer_path
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
 
@@ -171,13 +169,7 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
         raise click.UsageError("give a SOURCE (or a mix file with --mix)")
     name = "+".join(p["source"] for p in parts) if parts else sources[0]
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
-    started = time.time_ns()
-    try:
-        result = run_build(config, progress=not quiet and not as_json)
-    except KeyboardInterrupt:
-        result = _finished_anyway(Path(config.out), started)
-        if result is None:
-            raise
+    result = run_build(config, progress=not quiet and not as_json)
     interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
@@ -185,19 +177,6 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
                                "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
         return
     _echo(render.build_lines(result))
-
-
-def _finished_anyway(out: Path, started: int) -> BuildResult | None:
-    """After Ctrl-C: the build, if it got past its commit point (its manifest written by this run)."""
-    path = out / schema.MANIFEST_NAME
-    try:
-        if path.stat().st_mtime_ns < started:
-            return None
-        manifest = schema.read_manifest(out)
-    except (OSError, PackerError):
-        return None
-    output.remove_stale_staging(out)  # the interrupt may have kept the build from removing it
-    return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
 
 
 @main.command()

@@ -11,10 +11,10 @@ eos id when it has none), its label -100 (trained nowhere), its position continu
 exact. Causal attention makes the padding harmless: it sits after every real token of its segment,
 so no real token attends to it::
 
-    zigzag, N = 2 (segments to a multiple of 2N = 4)        contiguous, N = 2 (row to a multiple of N)
+    zigzag, N = 2: segments to a multiple of 2N = 4         contiguous, N = 3: the row to a multiple of N
     seq     a a a a a b b b                                  a a a a a b b b
-    padded  a a a a a p p p | b b b p                        a a a a a b b b p p    (= 10, a multiple of 2)
-    chunks  0 0 1 1 2 2 3 3 | 0 1 2 3                        rank 0: a a a a a      rank 1: b b b p p
+    padded  a a a a a p p p | b b b p                        a a a a a b b b p       (9 = 3 × 3)
+    chunks  0 0 1 1 2 2 3 3 | 0 1 2 3                        rank 0: a a a   rank 1: a a b   rank 2: b b p
     rank 0  chunks 0 and 3 of each segment: a a p p b p     (llama3-style: the row cut in N slices)
     rank 1  chunks 1 and 2:                 a a a p b b
 

@@ -21,10 +21,10 @@ it was: attention implementation of every sub-config, config values, no hook):
      (PhiMoE's long/short ``mscale``, a length-dependent RoPE, a capacity limit) changes the short ones;
      each must get the logits it gets *alone* through the model's eager attention (an independent
      reference: scaling, soft-capping, sinks, windows and chunks as the model's own code does them);
-   - *no path from one example to another*: the gradient of each example's outputs with respect to
-     every *other* example's input embeddings is exactly zero (structural, not a tolerance: LFM2's
-     convolution leaks 2e-5 at initialisation and 6.4 after 40 steps), and with respect to its own
-     equals the gradient it gets alone.
+   - *no path from one example to another*: on the examples' first ``PROBE_MIN_LEN + 1`` tokens, the
+     gradient of each example's outputs with respect to every *other* example's input embeddings is
+     exactly zero (structural, not a tolerance: LFM2's convolution leaks 2e-5 at initialisation and 6.4
+     after 40 steps), and with respect to its own equals the gradient it gets alone.
 
    A model whose training forward draws random numbers beyond dropout (PhiMoE's sparsemixer) cannot be
    compared packed against alone in train mode; it is probed in eval mode. Memory: the model's
@@ -35,8 +35,8 @@ After ``prepare`` a forward pre-hook stays on every ``PreTrainedModel`` inside t
 its base model, a composite's language model: each builds the mask for the layers it runs, and each can be
 called with a batch). A packed forward (``cu_seq_lens_*`` kwargs, or ``position_ids`` restarting inside a
 row) raises ``ConfigError`` if the attention implementation of any config or sub-config was changed since
-(``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty ``past_key_values`` is
-passed (PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
+(``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty cache is passed
+(``cache``/``past_key_values``: PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
 find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used (transformers then builds
 no packed mask). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
@@ -180,9 +180,10 @@ def _probe_copy(model: Any) -> Any:
     return probe.train()
 
 
-def _forward(model: Any, batch: dict, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits, and with ``weights`` the gradient of sum(logits * weights) w.r.t. the input embeddings."""
-    if weights is None:
+def _forward(model: Any, batch: dict, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits, and with ``seeds`` (one a segment of the row) the gradient of each segment's
+    sum(logits * weights) w.r.t. the input embeddings, the weights drawn from the segment's seed."""
+    if seeds is None:
         with torch.no_grad():
             return model(**batch).logits[0].float(), None
     captured = []
@@ -196,11 +197,13 @@ def _forward(model: Any, batch: dict, weights: torch.Tensor | None = None) -> tu
     try:
         with torch.enable_grad():
             logits = model(**batch).logits[0].float()
-            bounds = [0, *itertools.accumulate(len(w) for w in weights)]
+            cu = batch.get("cu_seq_lens_q")
+            bounds = [0, logits.shape[0]] if cu is None else cu.tolist()
             grads = []
-            for i, w in enumerate(weights):
-                out = (logits[bounds[i] : bounds[i + 1]] * w).sum()
-                (grad,) = torch.autograd.grad(out, captured[0], retain_graph=True, allow_unused=True)
+            for i, seed in enumerate(seeds):
+                part = logits[bounds[i] : bounds[i + 1]]
+                weights = torch.randn(part.shape, generator=torch.Generator().manual_seed(seed)).to(part.device)
+                (grad,) = torch.autograd.grad((part * weights).sum(), captured[0], retain_graph=True, allow_unused=True)
                 grads.append(torch.zeros_like(captured[0]) if grad is None else grad)
     finally:
         handle.remove()
@@ -217,19 +220,14 @@ def _examples(model: Any, lengths: list[int]) -> list[torch.Tensor]:
 def _compare(model: Any, implementation: str, exs: list[torch.Tensor], extra: dict, grads: bool) -> None:
     """Each example packed gets the logits (and gradients) it gets alone through eager attention."""
     lens = [len(e) for e in exs]
-    weights = None
-    if grads:
-        gen = torch.Generator().manual_seed(1)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        weights = [torch.randn(n, vocab, generator=gen).to(exs[0].device) for n in lens]
     model.set_attn_implementation("eager")
     alone = [
-        _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), None if weights is None else [weights[i]])
+        _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), [i] if grads else None)
         for i, e in enumerate(exs)
     ]
     model.set_attn_implementation(implementation)
     before = attention.calls()
-    logits, grad = _forward(model, {**_row(exs), **extra}, weights)
+    logits, grad = _forward(model, {**_row(exs), **extra}, list(range(len(exs))) if grads else None)
     bounds = [0, *itertools.accumulate(lens)]
     for i, (a_logits, a_grad) in enumerate(alone):
         if grad is not None and len(exs) > 1:  # the structural rule first: it names the cause
@@ -272,7 +270,13 @@ def _random_in_training(model: Any, batch: dict) -> bool:
 
 def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
     """The probes on a float32 copy, as the loader's batches are called; says when a cache is the cause."""
-    probe = _probe_copy(model)
+    try:
+        probe = _probe_copy(model)
+    except Exception as e:  # e.g. quantized weights that cannot be cast
+        raise _refuse(
+            model, f"the probe runs on a float32 copy of the model, which failed: {type(e).__name__}: {e}; "
+            "prepare(model, probe=False) skips the probe"
+        ) from e
     try:
         probe.set_attn_implementation(implementation)
     except (ValueError, KeyError, ImportError) as e:
@@ -393,7 +397,9 @@ def prepare(
     attention.register()
     if probe:
         try:
-            with torch.random.fork_rng(devices=[]):  # the probe's draws leave the caller's RNG as it was
+            device = next(model.parameters()).device
+            # the probe's random draws (routing in training) leave the caller's generators as they were
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 _probe(model, implementation, max_tokens)
         except ConfigError:
             raise

@@ -11,10 +11,8 @@ can be compared on this very dataset.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -25,7 +23,7 @@ from .errors import ConfigError, ShardFormatError
 from .fs import PathLike, join
 from .plan import plan
 from .schema import Manifest
-from .views import Elided, Example, MixPart, Mode, Piece, Row, Run, Segment, Summary
+from .views import Elided, Example, MixPart, Mode, Piece, PlotData, Row, Run, Segment, Summary
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
 DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not in batch mode
@@ -302,8 +300,8 @@ def _token(directory: PathLike, manifest: Manifest, piece: Piece, at: int) -> in
 # -- the numbers behind --plot ----------------------------------------------------------------------
 
 
-def plot_data(directory: PathLike) -> dict[str, Any]:
-    """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
+def plot_data(directory: PathLike) -> PlotData:
+    """Per-example and per-row arrays for the figure."""
     manifest = schema.read_manifest(directory)
     config = manifest.config
     seg = _segments(directory, manifest)
@@ -321,16 +319,7 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
-    return {
-        "directory": str(directory),
-        "pack": config.pack,
-        "batch_size": config.batch_size,
-        "max_len": config.max_len,
-        "row_budget": int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
-        "example_tokens": example_tokens,
-        "row_tokens": row_tokens_all,
-        "row_examples": counts,
-        "row_padded": counts * row_max,  # what a padded batch of the same examples would hold
-        "modes": [dataclasses.asdict(m) for m in compare_modes(lens, splits, config)],
-        "stats": stats.to_json(),
-    }
+    return PlotData(directory=str(directory), config=config, stats=stats,
+                    row_budget=int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
+                    example_tokens=example_tokens, row_tokens=row_tokens_all, row_examples=counts,
+                    row_padded=counts * row_max, modes=tuple(compare_modes(lens, splits, config)))

@@ -1,4 +1,5 @@
-"""The lifecycle of an output folder: lock, check, prepare, commit, or discard; and what in it is packer's.
+"""The lifecycle of an output folder (lock, check, prepare, commit; a failed build leaves nothing),
+and what in it is packer's.
 
 Ownership is proven, never guessed from a name. packer owns the files that a manifest it wrote lists
 (:func:`packer.schema.listed_files`: checked by the manifest's content hash), and its staging folder
@@ -135,7 +136,10 @@ def survey(out: Path) -> Contents:
     """What of ``out`` is packer's (read only)."""
     if not out.is_dir():
         return Contents(None, frozenset(), ())
-    names = sorted(p.name for p in out.iterdir())
+    try:
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot read it ({_reason(e)}); choose a folder you can read and write") from e
     finished = _json(out / MANIFEST_NAME)
     if schema.listed_files(finished) is None:
         finished = None
@@ -211,9 +215,10 @@ def refuse_sources_inside(out: Path, name: str, paths: Iterable[str]) -> None:
     for path in paths:
         with suppress(OSError, ValueError):
             if Path(path).expanduser().resolve().is_relative_to(root):
+                where = name if path == name else f"{name} ({path})"
                 raise OutputError(
-                    f"--out {out}: holds the source {name} ({path}); a build must not write where it reads, so "
-                    "choose an --out outside the source's folder"
+                    f"--out {out}: holds the source {where}; a build must not write where it reads, so choose an "
+                    "--out outside the source's folder"
                 )
 
 
@@ -228,23 +233,13 @@ def lock(out: Path) -> Iterator[Path]:
     """
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
-    created = not out.exists()
+    created = [p for p in (out, *out.parents) if not p.exists()]  # what a failed build removes again
     staging = out / STAGING
-    for _ in range(10):  # retry if the holder removed the file between our open and our flock
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            fd = _take(out, staging)
-        except OSError as e:
-            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
-        try:
-            same = os.fstat(fd).st_ino == os.stat(staging / LOCK).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    else:  # pragma: no cover - only under a storm of concurrent builds
-        raise OutputError(f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
+    try:
+        fd = _lock(out, staging)
+    except BaseException:
+        _remove_empty(created)
+        raise
     _HELD.add(fd)
     # A build that failed for a reason it reports (a PackerError) leaves nothing; one stopped from
     # outside (Ctrl-C) or by the unforeseen keeps its spill, for the rerun to resume.
@@ -262,9 +257,34 @@ def lock(out: Path) -> Iterator[Path]:
         finally:
             _HELD.discard(fd)
             os.close(fd)
-            if created:
-                with suppress(OSError):
-                    out.rmdir()  # only if empty: a failed first build leaves no folder behind
+            _remove_empty(created)  # a failed first build leaves no folder behind
+
+
+def _lock(out: Path, staging: Path) -> int:
+    for _ in range(10):  # retry if the holder removed the file between our open and our flock
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = _take(out, staging)
+        except OSError as e:
+            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
+        try:
+            same = os.fstat(fd).st_ino == os.stat(staging / LOCK).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+    raise OutputError(  # pragma: no cover - only under a storm of concurrent builds
+        f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this build created, innermost first, each only if it is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _take(out: Path, staging: Path) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
 from .context_parallel import pad_token_id
-from .errors import ConfigError, OutputError, SourceError, TokenizerError
+from .errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
 from .plan import Plan, answer_lengths
@@ -167,9 +167,33 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     Refused before anything is touched: a remote ``--out``, a source inside it, a folder holding what
     packer did not write (:mod:`packer.output`). A second build into the same folder meanwhile is
     refused. A build that fails leaves nothing behind (a write that fails, such as a full disk, becomes
-    an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume.
+    an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume, and one
+    interrupted past its commit point (its manifest written) is complete: it returns.
     """
+    started = time.time_ns()
     out = output.local_folder(config.out)
+    try:
+        return _locked_build(config, out, progress=progress)
+    except KeyboardInterrupt:
+        result = _committed(out, started)
+        if result is None:
+            raise
+        return result
+
+
+def _committed(out: Path, started: int) -> BuildResult | None:
+    """After Ctrl-C: the build, if it got past its commit point (its manifest written since ``started``)."""
+    try:
+        if (out / schema.MANIFEST_NAME).stat().st_mtime_ns < started:
+            return None
+        manifest = schema.read_manifest(out)
+    except (OSError, PackerError):
+        return None
+    output.remove_stale_staging(out)  # the interrupt may have kept the build from removing it
+    return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
+
+
+def _locked_build(config: BuildConfig, out: Path, *, progress: bool) -> BuildResult:
     if config.epochs > MAX_EPOCHS:
         raise ConfigError(
             f"--epochs {config.epochs:,}: more than {MAX_EPOCHS:,} epochs, each a whole copy of the data on disk; build "
@@ -193,12 +217,11 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
 def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
     """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
     for part in source_parts(config):
-        paths = [part["source"]]
+        paths = []
         with suppress(SourceError):  # a source that does not resolve is reported when it is opened
-            source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                     from_hub=config.from_hub, files=part.get("files"))
-            paths += source.files
-        output.refuse_sources_inside(out, part["source"], paths)
+            paths += sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                     from_hub=config.from_hub, files=part.get("files")).files
+        output.refuse_sources_inside(out, part["source"], [*paths, part["source"]])  # the files first: they say more
 
 
 # What the shards hold at least, per token (input_ids, position_ids, labels: int32) and per example

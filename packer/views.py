@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .config import BuildConfig
 from .schema import ShardEntry, Stats
 
@@ -175,3 +177,18 @@ class Example:
     def to_json(self) -> dict[str, Any]:
         out = _json(self)
         return {**out, "found": self.found, "pieces": [p.to_json() for p in self.pieces]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PlotData:
+    """The numbers behind ``packer inspect --plot`` (numpy arrays, drawn by :mod:`packer.plot`, not JSON)."""
+
+    directory: str
+    config: BuildConfig
+    stats: Stats
+    row_budget: int  # the build's, else its largest row
+    example_tokens: np.ndarray  # per example, the tokens it keeps in one epoch's rows
+    row_tokens: np.ndarray  # per row
+    row_examples: np.ndarray  # segments per row
+    row_padded: np.ndarray  # per row, what a padded batch of the same examples would hold
+    modes: tuple[Mode, ...]

@@ -323,9 +323,19 @@ def test_6_a_bf16_model_is_probed_in_float32():
 def test_7_no_false_refusals_in_place_embeddings_and_unused_keys():
     """CTRL scales its input embeddings in place; a Llama config may carry keys its model never reads."""
     ctrl = CTRLConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64)
-    prepare(tiny(ctrl, "eager"))
+    model, rng = tiny(ctrl, "eager"), torch.get_rng_state()
+    prepare(model)
+    assert torch.equal(torch.get_rng_state(), rng), "the probe's draws leave the caller's generator alone"
+    assert not model.training and next(model.parameters()).requires_grad, "the probe ran on a copy"
     prepare(tiny(LlamaConfig(**SMALL, attention_chunk_size=4)))
     prepare(tiny(LlamaConfig(**SMALL, keep_window_size=4)))
+
+
+def test_a_model_that_cannot_be_copied_for_the_probe_is_refused_with_the_way_out():
+    model = tiny(LlamaConfig(**SMALL))
+    model.stream = (x for x in [])  # a generator: deepcopy refuses it, as it refuses some quantized weights
+    assert_refused_unchanged(model, r"the probe runs on a float32 copy .* which failed: TypeError.*probe=False")
+    prepare(model, probe=False)
 
 
 def test_a_row_longer_than_the_vetted_budget_is_refused():

@@ -20,9 +20,10 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 
 from packer import context_parallel as cp
 from packer import schema
-from packer.attention import packed_attention, prepare
+from packer.attention import packed_attention
 from packer.config import BuildConfig
 from packer.errors import ConfigError
+from packer.guard import prepare
 from packer.loader import PackedDataset
 
 GROUP = 12  # a build for a CP group of 12 serves groups of 1, 2, 3 and 4 (each divides it)

@@ -276,7 +276,9 @@ def test_ctrl_c_at_each_moment_with_two_workers(tmp_path):
     for moment in CTRL_C_MOMENTS:
         proc = at(moment, "ctrl_c", out, INTERRUPT_ARGS)
         err = proc.communicate(timeout=HOLD)[1]
-        ended = time.monotonic() - acted(out)
+        when = acted(out)
+        assert when is not None, (moment.name, proc.returncode, err)  # the moment came
+        ended = time.monotonic() - when
         _wait_group_gone(proc.pid)
         outcomes.append((moment.name, proc.returncode, round(ended, 2)))
         if moment is COMMITTED:

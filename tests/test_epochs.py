@@ -170,8 +170,8 @@ def test_disk_cost_is_stated_by_inspect(epochs_build, one_epoch_build):
     text = "\n".join(render.summary_lines(view, color=False))
     assert f"{E} planned, each its own shuffle" in text and f"written {E} times" in text
     # the per-example figures are of one epoch; --example lists the example once per epoch
-    assert np.array_equal(inspect_.plot_data(epochs_build)["example_tokens"],
-                          inspect_.plot_data(one_epoch_build)["example_tokens"])
+    assert np.array_equal(inspect_.plot_data(epochs_build).example_tokens,
+                          inspect_.plot_data(one_epoch_build).example_tokens)
     found = inspect_.find_example(epochs_build, 5)
     assert [p.epoch for p in found.pieces] == list(range(E)) and not found.split
     assert found.tokens == inspect_.find_example(one_epoch_build, 5).tokens

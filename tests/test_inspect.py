@@ -201,10 +201,10 @@ def test_plot_writes_a_png(which, request, tmp_path):
 
 def test_plot_data_is_consistent(flan_batch):
     data = inspect_.plot_data(flan_batch)
-    stats = data["stats"]
-    assert data["row_tokens"].sum() == stats["tokens"] == data["example_tokens"].sum()
-    assert data["row_examples"].sum() == stats["segments"]
-    assert data["row_padded"].sum() == stats["padded_tokens"]
+    stats = data.stats
+    assert data.row_tokens.sum() == stats.tokens == data.example_tokens.sum()
+    assert data.row_examples.sum() == stats.segments
+    assert data.row_padded.sum() == stats.padded_tokens
 
 
 def test_every_view_has_json(flan_batch):

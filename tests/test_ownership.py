@@ -178,7 +178,7 @@ def test_a_failed_build_leaves_no_folder_behind(tmp_path):
     out = tmp_path / "new" / "out"
     line = one_line(build_cli("flan", "--limit", "20", "--max-len", "8", "--overlong", "drop", "--out", str(out)))
     assert "nothing to pack" in line
-    assert not out.exists()
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_failed_build_into_an_existing_folder_leaves_it_as_it_was(tmp_path):

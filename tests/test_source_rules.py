@@ -234,9 +234,10 @@ def test_the_plots_mode_axis_says_it_counts_every_epoch():
     import matplotlib.pyplot as plt
 
     from packer.plot import _modes_panel
+    from packer.views import Mode
 
-    modes = [{"mode": "bfd", "built": True, "rows": 4, "optimizer_steps": 4, "examples_per_step": 2.0,
-              "tokens": 100, "computed_tokens": 100, "fill": 0.9}]
+    modes = [Mode(mode="bfd", built=True, rows=4, optimizer_steps=4, examples_per_step=2.0, tokens=100,
+                  computed_tokens=100, fill=0.9, padding=0.0, peak_row_tokens=30, note="")]
     fig, ax = plt.subplots()
     try:
         _modes_panel(ax, modes, 3)
