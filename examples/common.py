@@ -22,4 +22,5 @@ __all__ = ["batches_over_epochs", "tiny_llama"]
 def tiny_llama(directory, *, seed: int = 0):
     """train.model's tiny Llama for the build in ``directory``, attention switched to ``packer_varlen``
     (``packer.prepare`` refuses a model that would leak across examples)."""
-    return prepare(random_llama(schema.read_manifest(directory), "tiny", seed=seed))
+    manifest = schema.read_manifest(directory)
+    return prepare(random_llama(manifest, "tiny", seed=seed), max_tokens=manifest.stats.max_row_tokens)

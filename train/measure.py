@@ -73,7 +73,7 @@ def run(
     pad_id = int(manifest.tokenizer.get("pad_token_id") or 0)
     model = random_llama(manifest, size, seed=0, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
     if mode == "packed":
-        prepare(model)
+        prepare(model, max_tokens=manifest.stats.max_row_tokens)  # probe only what a row can reach
     else:
         model.set_attn_implementation("flash_attention_2" if cuda else "sdpa")
     model.train()

@@ -92,7 +92,8 @@ def train(
     """Run ``steps`` optimizer steps; returns {"losses": [...], "tokens_per_s": ..., "tokens": ...}."""
     dev, rank, world = _setup_distributed(device)
     manifest = schema.read_manifest(shards)
-    model = prepare(load_model(manifest, model_path, dev, seed, size))
+    # the build's longest row bounds what the probe must reach (a real Llama 3's 8K threshold otherwise)
+    model = prepare(load_model(manifest, model_path, dev, seed, size), max_tokens=manifest.stats.max_row_tokens)
     if lr is None:
         lr = 3e-3 if model_path is None else 2e-5
     loader = make_dataloader(
