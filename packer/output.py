@@ -69,8 +69,7 @@ class Contents:
     """An output folder's entries, sorted by proof of ownership."""
 
     finished: dict[str, Any] | None  # the manifest of the finished build there (parsed JSON), if packer's
-    ours: frozenset[str]  # names of entries packer provably wrote (STAGING included when it is packer's)
-    foreign: tuple[str, ...]  # every other entry
+    foreign: tuple[str, ...]  # the entries packer cannot prove it wrote
 
 
 def _json(path: Path) -> Any:
@@ -135,7 +134,7 @@ def _staged_files(out: Path, staging: Path) -> frozenset[str]:
 def survey(out: Path) -> Contents:
     """What of ``out`` is packer's (read only)."""
     if not out.is_dir():
-        return Contents(None, frozenset(), ())
+        return Contents(None, ())
     try:
         names = sorted(p.name for p in out.iterdir())
     except OSError as e:
@@ -147,7 +146,7 @@ def survey(out: Path) -> Contents:
     staging = out / STAGING
     if _staging_is_ours(staging):
         ours |= {STAGING, *_staged_files(out, staging)}
-    return Contents(finished, frozenset(n for n in names if n in ours), tuple(n for n in names if n not in ours))
+    return Contents(finished, tuple(n for n in names if n not in ours))
 
 
 def _writes(name: str) -> bool:
@@ -171,8 +170,8 @@ def refuse_foreign(out: Path, overwrite: bool) -> Contents:
         raise _foreign_staging(out)
     if clash:
         raise OutputError(
-            f"--out {out}: holds {_names(clash)}, which no packer manifest lists (so not packer's), under names a "
-            "build writes; move them away or choose another --out"
+            f"--out {out}: holds {_names(clash)}, under names a build writes, which packer cannot prove it wrote "
+            "(no packer manifest lists them as they are); move them away or choose another --out"
         )
     if foreign and not overwrite:
         raise OutputError(
