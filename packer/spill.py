@@ -160,7 +160,7 @@ def tokenize(
     folder = Path(folder)
     done = _open_spill(folder, identity)
     start = int(done["records"])
-    skipped = Skipped(tuple(done["skipped"]) or tuple({} for _ in stream.parts))
+    skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
     bar = tqdm(total=stream.limit, initial=start, desc="tokenize", unit="ex", disable=not progress,
                dynamic_ncols=True)

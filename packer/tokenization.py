@@ -167,6 +167,10 @@ class Skipped(Mapping[str, int]):
 
     by_part: tuple[dict[str, int], ...] = ({},)
 
+    @classmethod
+    def none(cls, parts: int) -> Skipped:
+        return cls(tuple({} for _ in range(parts)))
+
     def __getitem__(self, reason: str) -> int:
         if not any(reason in part for part in self.by_part):
             raise KeyError(reason)

@@ -92,7 +92,7 @@ class _Reread:
 
 def _reread(opened: Opened) -> _Reread:
     chunks = list(LocalEngine().encode_chunks(opened.stream, opened.encoder, 0))
-    skipped = Skipped(tuple({} for _ in opened.stream.parts))
+    skipped = Skipped.none(len(opened.stream.parts))
     for chunk in chunks:
         skipped += chunk.skipped
 

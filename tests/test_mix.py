@@ -197,3 +197,16 @@ def test_skipped_records_are_counted_per_source_and_resumed(srcs, tmp_path, monk
     assert cli(*args[:-1], str(resumed)).exit_code == 0
     assert tokenized[0].reused_records == 100
     assert manifest(resumed) == manifest(out)
+
+
+def test_skipped_is_a_mapping_of_totals_that_keeps_each_part():
+    from packer.tokenization import Skipped
+
+    a = Skipped(({"empty_text": 2}, {"null_field": 1, "empty_text": 1}))
+    assert a == {"empty_text": 3, "null_field": 1} and sum(a.values()) == 4 and list(a) == ["empty_text", "null_field"]
+    both = a + Skipped(({}, {"null_field": 2}))
+    assert both.by_part == ({"empty_text": 2}, {"empty_text": 1, "null_field": 3}) and dict(both) == {"empty_text": 3,
+                                                                                                       "null_field": 3}
+    assert Skipped.none(2) == {} and "x" not in a
+    with pytest.raises(ValueError):  # counts of another number of parts are not this source's
+        a + Skipped.none(3)
