@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "data" / "flan_sample.jsonl.gz"
+SAMPLE = ROOT / "packer" / "data" / "flan_sample.jsonl.gz"
 
 _RUNNER = r"""
 import atexit, os, sys

@@ -1,7 +1,7 @@
 """Benchmark of the loader's row checks (a script, not a test): python benchmarks/bench_loader.py
 
 The loader checks each row batch's structure the first time a process reads one of its rows
-(``packer.loader.check_rows``). Prints, on a batch-mode build of the bundled sample (as
+(``packer.rows.check_rows``). Prints, on a batch-mode build of the bundled sample (as
 ``train/bench.py`` builds it: batch of 8, max_len 512; 1,000 records by default, so an epoch is long
 enough to time; made in a temporary folder), tokens per second of:
 - the loader's first epoch in a fresh process state (every row batch checked: the worst case),
@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer.loader import check_rows, make_dataloader
+from packer.loader import make_dataloader
+from packer.rows import check_rows
 
 clock = time.perf_counter
 
@@ -62,8 +63,8 @@ def main() -> None:
         def first_epoch(checks: bool = True) -> None:
             fresh = make_dataloader(shards, shuffle=False)
             # opening (maps, Arrow validation) is not per-row work: outside the timing
-            for cols in fresh.dataset._open().batches:
-                cols["checked"] = not checks  # without checks: the same first read, the check marked done
+            opened = fresh.dataset._open()
+            opened.checked = [not checks] * len(opened.batches)  # without checks: the same first read, marked checked
             start = clock()
             for _ in fresh:
                 pass
@@ -77,7 +78,7 @@ def main() -> None:
         t_first, t_first_unchecked = min(seconds[True]), min(seconds[False])
         t_later = best(lambda: [None for _ in dl], args.repeats)
         cols = dl.dataset._open().batches
-        t_check = best(lambda: [check_rows(c, dl.dataset._vocab_size()) for c in cols], args.repeats)
+        t_check = best(lambda: [check_rows(c.rows, dl.dataset._vocab_size()) for c in cols], args.repeats)
         features = []
         for b in batches:
             cu = b["cu_seq_lens_q"].tolist()

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "data" / "flan_sample.jsonl.gz"
+SAMPLE = ROOT / "packer" / "data" / "flan_sample.jsonl.gz"
 
 
 def make_input(path: Path, factor: int) -> int:

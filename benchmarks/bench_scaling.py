@@ -21,9 +21,8 @@ LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
 CHILD = r"""
 import gzip, os, sys, tempfile, time
 from packer import BuildConfig, sources
-from packer.pipeline import tokenizer_path
-from packer.formatting import make_spec
-from packer.tokenization import Encoder, load_tokenizer
+from packer.pipeline import open_source, tokenizer_path
+from packer.tokenization import load_tokenizer
 from packer.engines import LocalEngine
 tok_name, num_proc, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with gzip.open(sources.resolve("flan").files[0], "rb") as f:
@@ -31,14 +30,11 @@ with gzip.open(sources.resolve("flan").files[0], "rb") as f:
 data = os.path.join(tempfile.mkdtemp(), "flan.jsonl")
 with open(data, "wb") as f:  # the sample repeated, read as a stream like any local file
     f.write(sample * repeat)
-src = sources.resolve(data, recipe="flan")
-stream = sources.open_stream(src)
 tok = load_tokenizer(tokenizer_path(None if tok_name == "bundled" else tok_name))
-spec = make_spec(recipe=src.recipe, config=BuildConfig(source="flan", out="-"), columns=stream.columns())
-enc = Encoder(tok, spec)
+opened = open_source(BuildConfig(source=data, recipe="flan", out="-"), tok, skip_errors=False)
 n = [0]
 t = time.perf_counter()
-for chunk in LocalEngine(num_proc).encode_chunks(stream, enc, 0, where="record"):
+for chunk in LocalEngine(num_proc).encode_chunks(opened.stream, opened.encoder, 0):
     n[0] += len(chunk.lengths)
 print(time.perf_counter() - t, n[0])
 """

@@ -42,8 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
-BUNDLED_TOKENIZER = ROOT / "data" / "tokenizer"
-SAMPLE = ROOT / "data" / "flan_sample.jsonl.gz"
+BUNDLED_TOKENIZER = ROOT / "packer" / "data" / "tokenizer"
+SAMPLE = ROOT / "packer" / "data" / "flan_sample.jsonl.gz"
 
 RAW = r"""
 import json, sys, time

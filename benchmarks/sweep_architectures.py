@@ -1,20 +1,23 @@
-"""Every causal-LM type of the installed transformers through ``packer.attention.prepare``: refused, or exact.
+"""Every causal-LM type of the installed transformers through ``packer.prepare``: refused, or exact.
 
     python benchmarks/sweep_architectures.py [TYPE ...] [--markdown]
 
-For each model type in transformers' causal-LM mapping it builds a tiny random config (fp32, CPU, two
-layers, small windows and chunks, so the probe's examples cross them), calls ``prepare``, and:
+For each model type in transformers' causal-LM mapping, and each of the VARIANTS below, it builds a tiny
+random config (CPU, two layers, small windows, chunks and position thresholds), calls ``prepare``, and:
 
 - refused (``ConfigError``): prints the reason; the model must be left as it was (attention
   implementation and config), which is checked;
-- accepted: three examples packed in one row must give, independently of ``prepare``'s own probe,
-  the logits each example gets alone through the model's eager attention, and the packed row's summed
-  loss the same parameter gradients as the examples' losses summed alone. A mismatch is a false
-  accept, the one outcome the guard must never give.
+- accepted: three examples packed in one row (a short one, one past every threshold, a short one) must
+  give, independently of ``prepare``'s own probe, the logits each example gets alone through the model's
+  eager attention, and the packed row's summed loss the same parameter gradients as the examples' losses
+  summed alone, in train mode with dropout off (eval mode where the training forward draws random
+  numbers); and the guard must stay on: switching any config or sub-config to sdpa afterwards makes a
+  packed forward, of the model and of its base model, raise. A mismatch is a false accept, the one
+  outcome the guard must never give.
 
 Types whose tiny config or model cannot be built (needs a checkpoint, a vision tower, ...) are listed
-as skipped. tests/test_architecture_sweep.py runs a deterministic sample of the types through the same
-``judge`` function; this script runs them all (a few minutes on two cores).
+as skipped. tests/test_architecture_sweep.py runs the variants and a deterministic sample of the types
+through the same ``judge`` function; this script runs them all (a few minutes on two cores).
 """
 
 from __future__ import annotations
@@ -52,7 +55,24 @@ SMALL = dict(
 OVERRIDES = {
     "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=6),
+    "ctrl": dict(dff=64),
 }
+# Configs that tried to fool the guard (issue 22): name -> (model type, config overrides, dtype prepared in).
+VARIANTS = {
+    # a scale picked from the row's longest position (long/short mscale), no window to give it away
+    "phimoe+mscale": ("phimoe", dict(sliding_window=None, rope_parameters={
+        "rope_type": "linear", "factor": 1.0, "rope_theta": 1e4, "original_max_position_embeddings": 16,
+        "short_mscale": 1.0, "long_mscale": 1.5}), torch.float32),  # fmt: skip
+    # a window only in the mask, crossed by a few tokens: under bf16's tolerance
+    "phimoe+bf16-window": ("phimoe", dict(sliding_window=16, initializer_range=0.002), torch.bfloat16),
+    # keys the model never reads
+    "llama+unused-keys": ("llama", dict(attention_chunk_size=8, keep_window_size=8), torch.float32),
+}
+# Lengths of the judge's examples: a short one, one past every threshold of SMALL and VARIANTS, another.
+LENGTHS = [5, 21, 10]
+# The rows' budget prepare() is told: SMALL's max_position_embeddings. Thresholds of the configs' own
+# defaults at or past it (Llama 3's original_max_position_embeddings=8192) are out of a row's reach.
+MAX_TOKENS = 128
 MAX_PARAMS = 2_000_000
 TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
 
@@ -83,24 +103,28 @@ def _small_for(cls) -> dict:
     return {**small, **OVERRIDES.get(getattr(cls, "model_type", ""), {})}
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, overrides: dict | None = None):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = cls(**_small_for(cls))
+        config = cls(**{**_small_for(cls), **(overrides or {})})
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if text is not config:  # a multimodal wrapper: shrink its text model the same way
             config = cls(text_config={**text.to_dict(), **_small_for(type(text))})
-    config.use_cache = False
+    for c in [config, *(v for v in vars(config).values() if hasattr(v, "to_dict"))]:
+        c.use_cache = False
+        for name, value in list(vars(c).items()):  # train mode without dropout
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                setattr(c, name, 0.0)
     return config
 
 
-def tiny_model(model_type: str):
+def tiny_model(model_type: str, overrides: dict | None = None):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, overrides)
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):  # sized first: some configs keep large parts (vision towers, byte encoders)
@@ -109,7 +133,15 @@ def tiny_model(model_type: str):
             raise ValueError(f"the tiny config still has {n:,} parameters")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model.train()
+    probe = dict(input_ids=_examples(LENGTHS)[1].view(1, -1))
+    with torch.no_grad():
+        if not torch.equal(model(**probe).logits, model(**probe).logits):  # random routing in training
+            model.eval()
+    return model
 
 
 @dataclass(frozen=True)
@@ -154,29 +186,56 @@ def _loss_and_grads(model, batches: list[dict]) -> tuple[list[torch.Tensor], dic
     return logits, grads
 
 
-def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
-    """Refused (and left unchanged), or exact against eager alone (logits and gradients); else LEAK."""
-    from packer.attention import prepare
+def _unguarded(model, row: dict) -> str | None:
+    """A config or sub-config switched to sdpa after prepare whose packed forward is not refused."""
     from packer.errors import ConfigError
 
+    configs = [model.config, *(v for v in vars(model.config).values() if hasattr(v, "_attn_implementation_internal"))]
+    for config in configs:
+        was = config._attn_implementation_internal
+        config._attn_implementation_internal = "sdpa"
+        try:
+            for runner in (model, model.base_model):
+                try:
+                    with torch.no_grad():
+                        runner(**row)
+                    return f"{type(runner).__name__} ran a packed row after {type(config).__name__} went to sdpa"
+                except ConfigError:
+                    pass
+        finally:
+            config._attn_implementation_internal = was
+    return None
+
+
+def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
+    """Refused (and left unchanged), or exact against eager alone (logits and gradients) and guarded; else LEAK.
+
+    ``model_type`` is a transformers model type or a name in VARIANTS."""
+    from packer import prepare
+    from packer.errors import ConfigError
+
+    base, overrides, dtype = VARIANTS.get(model_type, (model_type, None, torch.float32))
     try:
-        model = tiny_model(model_type)
+        model = tiny_model(base, overrides)
     except Exception as e:
         return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:160])
+    model.to(dtype).float()  # the weights the prepared model will have, for the reference too
     before = (model.config._attn_implementation, model.config.to_json_string())
-    exs = _examples([13, 5, 10])
+    exs = _examples(LENGTHS)
     # the reference: each example alone, through the model's own eager attention, no cache
     try:
         ref_logits, ref_grads = _loss_and_grads(model, [dict(input_ids=e.view(1, -1)) for e in exs])
     except Exception as e:
         return Verdict(model_type, "skipped", f"eager forward fails alone: {type(e).__name__}: {e}"[:160])
     try:
-        prepare(model, implementation=implementation)
+        prepare(model.to(dtype), implementation=implementation, max_tokens=MAX_TOKENS)
     except ConfigError as e:
         after = (model.config._attn_implementation, model.config.to_json_string())
         if after != before:
             return Verdict(model_type, "LEAK", f"refused but left changed: {e}")
         return Verdict(model_type, "refused", str(e))
+    finally:
+        model.float()  # judged in float32: a model accepted in bf16 is the same model
     model.config.use_cache = False
     logits, grads = _loss_and_grads(model, [_row(exs)])
     got = logits[0].split([len(e) for e in exs])
@@ -186,10 +245,13 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     ) if ref_grads else 0.0  # fmt: skip
     if set(grads) != set(ref_grads) or not (d_logits <= TOL and d_grads <= TOL):
         return Verdict(model_type, "LEAK", f"accepted, but logits differ by {d_logits:.3g}, grads by {d_grads:.3g}")
+    unguarded = _unguarded(model, _row(exs))
+    if unguarded:
+        return Verdict(model_type, "LEAK", f"accepted, but the guard is off: {unguarded}")
     return Verdict(model_type, "exact", f"logits within {d_logits:.1e}, grads within {d_grads:.1e}")
 
 
-# README's table: one row per reason, the message fragment that identifies it
+# docs/attention.md's table: one row per reason, the message fragment that identifies it
 REASONS = [
     ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
     ("non-causal", "non-causal attention module"),
@@ -198,10 +260,9 @@ REASONS = [
     ("soft-capping / sinks", "attention logit soft-capping or sinks (use `implementation=\"flash_attention_2\"`)"),
     ("rope_type=", "RoPE frequencies from the longest example in the row (`dynamic`, `longrope`)"),
     ("attn_temperature_tuning", "query temperature from the offset in the row (Llama 4)"),
-    ("attention_chunk_size", "chunked attention (`attention_chunk_size`)"),
-    ("keep_window_size", "dynamic mask computed in the model (Doge `keep_window_size`)"),
     ("depend on the tokens of the other examples", "probe: a non-zero gradient from one example to another"),
-    ("away from the ones it gets alone", "probe: packed logits differ from eager alone (learned positions from the row offset, masks only in the model, ...)"),
+    ("away from the ones it gets alone", "probe: packed logits differ from eager alone (learned positions from the row offset, masks only in the model, chunks, a scale from the row, ...)"),
+    ("gradient packed is", "probe: packed gradients differ from eager alone"),
     ("probe forward failed", "probe: the packed forward fails"),
 ]
 
@@ -219,14 +280,14 @@ def markdown_table(verdicts: list[Verdict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
+    p.add_argument("types", nargs="*", help="model types or VARIANTS (default: every causal-LM type and variant)")
     p.add_argument("--implementation", default="packer_varlen")
-    p.add_argument("--markdown", action="store_true", help="print the refused ones as README's table")
+    p.add_argument("--markdown", action="store_true", help="print the refused ones as docs/attention.md's table")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     verdicts = []
     t0 = time.perf_counter()
-    for t in args.types or causal_lm_types():
+    for t in args.types or [*causal_lm_types(), *VARIANTS]:
         v = judge(t, args.implementation)
         verdicts.append(v)
         print(f"{v.outcome:8s} {t:28s} {v.detail}", flush=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write ``data/flan_sample.jsonl.gz``: a SYNTHETIC FLAN-style instruction sample.
+"""Write ``packer/data/flan_sample.jsonl.gz``: a SYNTHETIC FLAN-style instruction sample.
 
 This is NOT FLAN data and contains no text from the FLAN collection or any other
 dataset. Every record is generated here, from word lists, invented pseudo-words
@@ -56,7 +56,8 @@ FS_MAX_CHARS = 11000  # exemplar budget cap for ordinary few-shot prompts
 MANY_SHOT_P = 0.006  # rare many-shot prompts (20-40 exemplars) ...
 MANY_SHOT_CHARS = 22000  # ... with a larger budget
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(HERE, "flan_sample.jsonl.gz")
+PACKAGE_DATA = os.path.normpath(os.path.join(HERE, "..", "packer", "data"))  # shipped inside the wheel
+DEFAULT_OUT = os.path.join(PACKAGE_DATA, "flan_sample.jsonl.gz")
 LLAMA2_TOKENIZER = os.path.join(HERE, "..", "..", "shared", "data", "llama2-tokenizer")  # ../shared/data
 
 # --------------------------------------------------------------------------- words

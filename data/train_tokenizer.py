@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Train the bundled byte-level BPE tokenizer on ``data/flan_sample.jsonl.gz``.
+"""Train the bundled byte-level BPE tokenizer on ``packer/data/flan_sample.jsonl.gz``.
 
-Writes ``data/tokenizer/`` in Hugging Face form (``tokenizer.json``,
+Writes ``packer/data/tokenizer/`` in Hugging Face form (``tokenizer.json``,
 ``tokenizer_config.json`` and whatever else ``save_pretrained`` writes, e.g. the
-chat template), so that ``transformers.AutoTokenizer.from_pretrained("data/tokenizer")``
+chat template), so that ``transformers.AutoTokenizer.from_pretrained("packer/data/tokenizer")``
 loads it offline as a fast tokenizer.
 
 - Model: byte-level BPE, vocabulary 12,000 (including the special tokens),
@@ -43,8 +43,9 @@ import json
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SAMPLE = os.path.join(HERE, "flan_sample.jsonl.gz")
-DEFAULT_OUT = os.path.join(HERE, "tokenizer")
+PACKAGE_DATA = os.path.normpath(os.path.join(HERE, "..", "packer", "data"))  # shipped inside the wheel
+DEFAULT_SAMPLE = os.path.join(PACKAGE_DATA, "flan_sample.jsonl.gz")
+DEFAULT_OUT = os.path.join(PACKAGE_DATA, "tokenizer")
 VOCAB_SIZE = 12_000
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]

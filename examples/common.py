@@ -6,8 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from packer import schema
-from packer.attention import prepare
+from packer import prepare, schema
 
 try:
     from train.model import random_llama
@@ -22,5 +21,6 @@ __all__ = ["batches_over_epochs", "tiny_llama"]
 
 def tiny_llama(directory, *, seed: int = 0):
     """train.model's tiny Llama for the build in ``directory``, attention switched to ``packer_varlen``
-    (``packer.attention.prepare`` refuses a model that would leak across examples)."""
-    return prepare(random_llama(schema.read_manifest(directory), "tiny", seed=seed))
+    (``packer.prepare`` refuses a model that would leak across examples)."""
+    manifest = schema.read_manifest(directory)
+    return prepare(random_llama(manifest, "tiny", seed=seed), max_tokens=manifest.stats.max_row_tokens)

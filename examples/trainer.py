@@ -4,7 +4,7 @@
 
 ``PackedTrainer`` hands Trainer packer's ``DataLoader`` (one packed row per batch, already split by
 rank, resumable) instead of letting it batch and collate; nothing is padded and no collator runs. The
-attention is ``packer_varlen`` (``packer.attention.prepare``), which keeps the examples of a row apart
+attention is ``packer_varlen`` (``packer.prepare``), which keeps the examples of a row apart
 using the loader's ``cu_seq_lens_*`` / ``max_length_*`` kwargs.
 
 Loss normalisation: Trainer counts the loss tokens of each optimizer step itself (``labels != -100``

@@ -3,7 +3,7 @@
 Importing packer imports nothing heavy: every name below is loaded on first use (PEP 562), so the
 ``packer`` command can take Ctrl-C from its first moment (see ``packer/__main__.py``) and
 ``import packer`` never imports torch: the torch side (``PackedDataset``, ``make_dataloader``,
-``prepare``) lives in ``packer.loader`` and ``packer.attention``.
+``prepare``) lives in ``packer.loader``, ``packer.attention`` (the kernels) and ``packer.guard``.
 """
 
 import importlib
@@ -25,7 +25,7 @@ _WHERE = {
     "PackedDataset": "loader",
     "PackedDataLoader": "loader",
     "make_dataloader": "loader",
-    "prepare": "attention",
+    "prepare": "guard",
 }
 
 

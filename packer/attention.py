@@ -20,13 +20,15 @@ Sliding windows (Mistral/Qwen2 ``sliding_window``) are honoured by every backend
 not see 2-D padding masks (transformers builds none for custom implementations): it is for packed
 rows; for padded batches (e.g. generation) switch the model back with ``set_attn_implementation``.
 
-``prepare(model)`` (in ``packer.guard``, re-exported here) switches a model to ``packer_varlen`` only if
-packed rows are exact on it, judged against the model's own eager attention, and keeps a guard on it.
+``packer.prepare(model)`` (``packer.guard``, which imports this module; this one imports nothing of
+packer's but its errors) switches a model to ``packer_varlen`` only if packed rows are exact on it,
+judged against the model's own eager attention, and keeps a guard on it.
 
 Refused inside the function (``ConfigError``), rather than computed wrongly: attention logit
-soft-capping and attention sinks (``s_aux``), non-causal modules. The kernel call paths (1, 2) are
-tested on CPU against reference implementations of the kernels' documented semantics
-(tests/test_varlen_kernels.py), and against the real kernels where CUDA is present.
+soft-capping and attention sinks (``s_aux``), non-causal modules, and keys that do not cover exactly the
+row's tokens (a cache or prefix, e.g. PEFT prefix tuning: ``cu_seq_lens_k`` indexes the row only). The
+kernel call paths (1, 2) are tested on CPU against reference implementations of the kernels' documented
+semantics (tests/test_varlen_kernels.py), and against the real kernels where CUDA is present.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "packed_attention",
     "register",
-    "prepare",
+    "calls",
     "backend_for",
     "segments_from_position_ids",
 ]
@@ -97,6 +99,11 @@ def _sdpa_segments(q, k, v, cu_q, cu_k, scaling, dropout, window):
     """q/k/v: [H, T, D]; one causal SDPA call per segment. Returns [T, H, D]."""
     bounds_q = cu_q.tolist()
     bounds_k = cu_k.tolist()
+    if bounds_q[0] != 0 or bounds_q[-1] != q.shape[1] or bounds_k[0] != 0 or bounds_k[-1] != k.shape[1]:
+        raise ValueError(
+            f"cu_seq_lens_q {bounds_q} / cu_seq_lens_k {bounds_k} do not span the row's {q.shape[1]} queries "
+            f"and {k.shape[1]} keys"
+        )
     if k.shape[0] != q.shape[0]:  # grouped-query attention
         rep = q.shape[0] // k.shape[0]
         k = k.repeat_interleave(rep, dim=0)
@@ -150,6 +157,13 @@ def packed_attention(
     if getattr(module, "is_causal", True) is False:
         raise ConfigError(f"{type(module).__name__}: non-causal attention cannot be packed by packer_varlen")
     bsz, _, t_q, _ = query.shape
+    if key.shape[2] != t_q:  # shapes only: no host sync
+        raise ConfigError(
+            f"{type(module).__name__}: packer_varlen attends within the row only, but the keys cover {key.shape[2]} "
+            f"positions and the queries {t_q} (a past_key_values cache or prefix, e.g. PEFT prefix tuning); "
+            "pass no cache with packed rows (use_cache=False), and switch back with set_attn_implementation "
+            "to generate"
+        )
     if cu_seq_lens_q is None:
         if position_ids is not None and bsz == 1 and position_ids.shape[-1] == t_q:
             cu_seq_lens_q, max_length_q = segments_from_position_ids(position_ids)
@@ -211,7 +225,3 @@ def calls() -> int:
     """How many times ``packed_attention`` ran (prepare's probe checks the model routes through it)."""
     return _calls
 
-
-# prepare() and its guard live in packer.guard (which imports this module); re-exported here, where
-# users and examples look for it.
-from .guard import prepare  # noqa: E402

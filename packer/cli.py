@@ -6,54 +6,23 @@ on stderr (never a traceback).
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import json
 import os
 import shutil
-import signal
 import sys
-import threading
-import time
-from pathlib import Path
 
 import click
 
-from . import inspect_, output, render, schema
+from . import __version__, inspect_, interrupt, output, render, schema
 from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
+from .context_parallel import LAYOUTS as CP_LAYOUTS
 from .errors import PackerError
 from .mix import parts_from_cli
-from .pipeline import BuildResult, tokenizer_path
 from .pipeline import build as run_build
+from .pipeline import tokenizer_path
 from .tokenization import load_tokenizer
 from .verify import verify as run_verify
-
-
-def _redeliver_interrupt(unraisable) -> None:
-    """Ctrl-C that lands in a finaliser (``__del__``, a generator closed by the collector) is
-    "ignored" by Python, which prints it and runs on; raise it again in the main thread instead, a
-    moment later from another thread (raised from here, it would land in this hook and be ignored)."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        timer = threading.Timer(0.05, _thread.interrupt_main)
-        timer.daemon = True
-        _REDELIVERIES.append(timer)
-        timer.start()
-    else:
-        sys.__unraisablehook__(unraisable)
-
-
-_REDELIVERIES: list[threading.Timer] = []  # cancelled when the command ends
-
-
-_PROCESS = {"own": False}  # whether this process is the `packer` command, whose signals are ours
-
-
-def _ignore_ctrl_c() -> None:
-    for timer in _REDELIVERIES:
-        timer.cancel()
-    if _PROCESS["own"] and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
@@ -68,26 +37,21 @@ class OneLineErrors(click.Group):
     "interrupted", exit code 130 (128 + SIGINT, as a shell reports it)."""
 
     def invoke(self, ctx: click.Context):
-        previous = sys.unraisablehook
-        sys.unraisablehook = _redeliver_interrupt
         try:
-            return super().invoke(ctx)
+            with interrupt.redelivered():
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted() from None
         except EOFError as e:  # click would take it for Ctrl-C at a prompt ("aborted")
             raise PackerError(f"an input ended unexpectedly ({type(e).__name__}: {e}); check it is complete") from e
-        finally:
-            sys.unraisablehook = previous
-            for timer in _REDELIVERIES:
-                timer.cancel()
 
     def main(self, *args, **kwargs):
         # the `packer` process itself (not a caller's, like click's test runner, which passes args)
-        _PROCESS["own"] = not args and kwargs.get("args") is None
+        interrupt.own_process(not args and kwargs.get("args") is None)
         try:
             self._main(*args, **kwargs)
         finally:
-            _ignore_ctrl_c()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
+            interrupt.ignore()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
 
     def _main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
@@ -96,7 +60,7 @@ class OneLineErrors(click.Group):
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except (Interrupted, KeyboardInterrupt, click.Abort):
-            _ignore_ctrl_c()  # the outcome is decided: a second Ctrl-C must not change it
+            interrupt.ignore()  # the outcome is decided: a second Ctrl-C must not change it
             # a build's staging and token spill stay for the rerun to resume; the lock is released
             click.echo("packer: interrupted", err=True)
             sys.exit(130)
@@ -114,7 +78,7 @@ class OneLineErrors(click.Group):
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="packer")
+@click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
 
@@ -129,12 +93,12 @@ def main() -> None:
 @click.argument("sources", nargs=-1)
 @click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
               help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
-                   "sources (then no SOURCE); see README 'Mixtures'.")
+                   "sources (then no SOURCE); see docs/mixtures.md.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
 @click.option("--split", help="Split of a Hub dataset (default: the recipe's, else train).")
-@click.option("--tokenizer", "-t", help="Tokenizer folder or Hub id (default: the bundled data/tokenizer).")
+@click.option("--tokenizer", "-t", help="Tokenizer folder or Hub id (default: the bundled tokenizer, packer/data/tokenizer).")
 @click.option("--prompt-field", help="Record field holding the prompt (not trained on unless --train-on-prompt).")
 @click.option("--completion-field", help="Record field holding the completion (trained on).")
 @click.option("--messages-field", help="Record field holding chat turns [{role, content}], rendered by the chat template.")
@@ -175,6 +139,14 @@ def main() -> None:
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
                    "plays epoch e's rows in epoch e.")
+@click.option("--cp-size", type=int, default=DEFAULTS["cp_size"], show_default=True,
+              help="Pad rows for a context-parallel group of N ranks that split each row (docs/context-parallel.md); "
+                   "padding is untrained and counted in the budget.")
+@click.option("--cp-layout", type=click.Choice(CP_LAYOUTS),
+              help="zigzag (default; TransformerEngine THD, ring-flash-attn zigzag): every segment padded to a "
+                   "multiple of 2N; contiguous (ring-flash-attn llama3): the row padded to a multiple of N.")
+@click.option("--pad-to-multiple-of", type=int, default=DEFAULTS["pad_to_multiple_of"], show_default=True,
+              help="Pad every segment to a multiple of M (FP8 kernels: 16); composes with --cp-size.")
 def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 
@@ -197,33 +169,14 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
         raise click.UsageError("give a SOURCE (or a mix file with --mix)")
     name = "+".join(p["source"] for p in parts) if parts else sources[0]
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
-    started = time.time_ns()
-    try:
-        result = run_build(config, progress=not quiet and not as_json)
-    except KeyboardInterrupt:
-        result = _finished_anyway(Path(config.out), started)
-        if result is None:
-            raise
-    _ignore_ctrl_c()  # the build is complete: a late Ctrl-C must not report it interrupted
+    result = run_build(config, progress=not quiet and not as_json)
+    interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
                                "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
         return
     _echo(render.build_lines(result))
-
-
-def _finished_anyway(out: Path, started: int) -> BuildResult | None:
-    """After Ctrl-C: the build, if it got past its commit point (its manifest written by this run)."""
-    path = out / schema.MANIFEST_NAME
-    try:
-        if path.stat().st_mtime_ns < started:
-            return None
-        manifest = schema.read_manifest(out)
-    except (OSError, PackerError):
-        return None
-    output.tidy(out)  # the staging the interrupt kept it from removing
-    return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
 
 
 @main.command()
@@ -249,7 +202,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     """
     if row_index is not None and example_id is not None:
         raise click.UsageError("give --row or --example, not both")
-    output.tidy(directory)
+    _note_staging(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
     out: dict = {}
@@ -261,9 +214,9 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
             click.echo(f"wrote {out['plot']}")
     if example_id is not None:
         view = inspect_.find_example(directory, example_id)
-        rc = 0 if view["found"] else 1
+        rc = 0 if view.found else 1
         if as_json:
-            click.echo(json.dumps({**view, **out}, indent=2))
+            click.echo(json.dumps({**view.to_json(), **out}, indent=2))
         else:
             _echo(render.example_lines(view, directory, _use_color()))
         return rc
@@ -272,7 +225,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)),
                             elide=None if full else inspect_.ELIDE_KEEP)
         if as_json:
-            click.echo(json.dumps({**view, **out}, indent=2, ensure_ascii=False))
+            click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
         else:
             width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
             _echo(render.row_lines(view, show_ids=show_ids, color=_use_color(), width=width))
@@ -281,7 +234,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         return 0
     view = inspect_.summary(directory)
     if as_json:
-        click.echo(json.dumps({**view, **out}, indent=2))
+        click.echo(json.dumps({**view.to_json(), **out}, indent=2))
     else:
         _echo(render.summary_lines(view, _use_color()))
     return 0
@@ -295,6 +248,13 @@ def _use_color() -> bool:
     if ctx is not None and ctx.color is not None:
         return bool(ctx.color)
     return not click.utils.should_strip_ansi(sys.stdout)
+
+
+def _note_staging(directory: str) -> None:
+    """inspect and verify only read: a staging folder there is reported, and left to the next build."""
+    note = output.staging_note(directory)
+    if note is not None:
+        click.echo(f"packer: note: {note}", err=True)
 
 
 def _echo(lines: list[str]) -> None:
@@ -318,7 +278,7 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --tokenizer my-tok/      were these made with my tokenizer?
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
-    output.tidy(directory)
+    _note_staging(directory)
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))

@@ -3,11 +3,12 @@ same whichever runs them, and so are the bytes.
 
 An engine provides
 
-- ``encode_chunks(stream, encoder, start, where)``: the :class:`~packer.tokenization.Encoded` chunks
-  of records ``start`` … of ``stream`` (a :class:`packer.sources.Stream`), ``spill.CHUNK`` records each,
-  *in source order*;
-- ``write_shards(plan, spill, staging, shard_bytes, totals, progress)``: every shard of the plan
-  written into ``staging``; their :class:`~packer.schema.ShardEntry` in order.
+- ``encode_chunks(stream, encoder, start)``: the :class:`~packer.tokenization.Encoded` chunks of
+  records ``start`` … of ``stream`` (a :class:`packer.mix.MixStream`, encoded by a
+  :class:`packer.mix.MixEncoder`), ``spill.CHUNK`` records each, *in source order*;
+- ``write_shards(plan, spill, staging, shard_bytes, progress)``: every shard of the plan written into
+  ``staging``; a :class:`~packer.writer.Written`: their :class:`~packer.schema.ShardEntry` in order
+  and the counts the stats take from the rows.
 
 :class:`LocalEngine` runs them on this machine; :class:`packer.ray_engine.RayEngine` as Ray Data tasks.
 :func:`for_config` is the one place an engine is picked by name.
@@ -47,18 +48,18 @@ from tqdm import tqdm
 from . import spill as spill_
 from .config import BuildConfig
 from .errors import WorkerError
+from .mix import MixChunk, MixEncoder, MixStream
 from .plan import Plan
 from .ray_engine import RayEngine
-from .schema import ShardEntry
-from .tokenization import Encoded, Encoder
-from .writer import write_shards
+from .tokenization import Encoded
+from .writer import Written, write_shards
 
 
 class Engine(Protocol):
-    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]: ...
+    def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]: ...
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     totals: dict[str, int], progress: bool) -> list[ShardEntry]: ...
+                     progress: bool) -> Written: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,20 +68,20 @@ class LocalEngine:
 
     num_proc: int = 1
 
-    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
-        chunks = stream.chunks(start, spill_.CHUNK)
+    def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]:
+        chunks: Iterator[MixChunk] = (chunk for _, chunk in stream.chunks(start, spill_.CHUNK))
         if self.num_proc > 1:
             first = list(itertools.islice(chunks, 2))
             chunks = itertools.chain(first, chunks)
             if len(first) > 1:  # more than one chunk: a pool pays for its start-up
-                return _pool_chunks(chunks, encoder, self.num_proc, where)
-        return (encoder.encode(records, lo, where=where) for lo, records in chunks)
+                return _pool_chunks(chunks, encoder, self.num_proc)
+        return map(encoder.encode, chunks)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     totals: dict[str, int], progress: bool) -> list[ShardEntry]:
+                     progress: bool) -> Written:
         with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
-            return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, totals=totals,
-                                on_rows=bar.update, threads=self.num_proc)
+            return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, on_rows=bar.update,
+                                threads=self.num_proc)
 
 
 def for_config(config: BuildConfig) -> Engine:
@@ -88,9 +89,8 @@ def for_config(config: BuildConfig) -> Engine:
     return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc or os.cpu_count() or 1)
 
 
-def _pool_chunks(chunks: Iterator[tuple[int, dict]], encoder: Encoder, num_proc: int,
-                 where: str) -> Iterator[Encoded]:
-    """The ``(first index, records)`` chunks, read here from the stream (so an error reading it is raised
+def _pool_chunks(chunks: Iterator[MixChunk], encoder: MixEncoder, num_proc: int) -> Iterator[Encoded]:
+    """The chunks, read here from the stream (so an error reading it is raised
     here, as it is), encoded by ``num_proc`` worker processes and yielded in source order.
 
     Each chunk goes to the worker with the fewest in hand (at most ``_AHEAD`` each), and results are
@@ -106,7 +106,7 @@ def _pool_chunks(chunks: Iterator[tuple[int, dict]], encoder: Encoder, num_proc:
     parent needs: on any exit of this generator (end, error, Ctrl-C, close) the parent kills them and
     reaps them, which cannot block.
     """
-    workers = _Workers(num_proc, encoder, where)
+    workers = _Workers(num_proc, encoder)
     chunks = iter(chunks)
     ready: dict[int, tuple[bool, object]] = {}  # chunk index -> (ok, result or exception), not yet handed out
     sent = done = 0
@@ -145,14 +145,14 @@ _AHEAD = 2  # chunks in hand per worker: one being encoded, one waiting, so no w
 class _Workers:
     """N forked (spawned where fork is missing) processes, each fed chunks of records through its own pipe."""
 
-    def __init__(self, n: int, encoder: Encoder, where: str):
+    def __init__(self, n: int, encoder: MixEncoder):
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.procs, self.conns, self.outboxes = [], [], []
         self.in_hand: list[deque[int]] = []  # per worker, the chunks sent and not yet answered, in order
         try:
             for _ in range(n):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder, where),
+                proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder),
                                    daemon=True)
                 proc.start()
                 theirs.close()
@@ -174,7 +174,7 @@ class _Workers:
         w = min(range(len(self.in_hand)), key=lambda i: len(self.in_hand[i]))
         return w if len(self.in_hand[w]) < _AHEAD else None
 
-    def send(self, w: int, k: int, chunk: tuple[int, dict]) -> None:
+    def send(self, w: int, k: int, chunk: MixChunk) -> None:
         self.in_hand[w].append(k)
         self.outboxes[w].put(chunk)
 
@@ -212,18 +212,18 @@ def _feed(conn, outbox: queue.SimpleQueue) -> None:
             return  # when the close lands mid-send): the build is ending and nothing waits for this chunk
 
 
-def _worker_main(conn, parent: int, encoder: Encoder, where: str) -> None:
+def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
     # Ctrl-C reaches every process of the terminal's group: the parent alone handles it (it kills us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
     while True:
         try:
-            lo, records = conn.recv()
+            chunk = conn.recv()
         except EOFError:  # the parent closed our pipe, or died
             return
         try:
-            result = (True, encoder.encode(records, lo, where=where))
+            result = (True, encoder.encode(chunk))
         except Exception as e:  # the parent raises it (a RecordError names the record)
             result = (False, _portable(e))
         conn.send(result)

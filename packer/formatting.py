@@ -92,6 +92,14 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
                 )
         else:
             spec = FormatSpec(kind="completion", prompt_field=pair[0], completion_field=pair[1])
+    if config.pack == "wrap" and spec.kind != "text":  # the one place: options, recipe or columns alike
+        kind = "chat" if spec.kind == "chat" else "prompt/completion"
+        found = ", ".join(f for f in (spec.messages_field, spec.prompt_field, spec.completion_field) if f)
+        raise ConfigError(
+            f"--pack wrap is for plain text (--text-field); this data is {kind} "
+            f"({'fields ' + found if found else 'recipe ' + recipe.name}), "
+            "which trains on whole examples that wrap would cut mid-answer: use --pack batch or bfd"
+        )
     if spec.kind == "text" and config.pack != "wrap" and train_on_prompt:
         raise ConfigError("--train-on all has no effect on plain text (it is trained whole); drop it")
     train_on = config.train_on
@@ -150,7 +158,7 @@ class Formatter:
             name = getattr(tokenizer, "name_or_path", "the tokenizer")
             raise TokenizerError(
                 f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
-                "(e.g. the bundled data/tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
+                "(e.g. the bundled tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
             )
         self.template = tokenizer.chat() if spec.kind == "chat" else None
 

@@ -6,30 +6,45 @@ it was: attention implementation of every sub-config, config values, no hook):
 1. **Structure**: a transformers causal decoder whose attention goes through ``AttentionInterface``,
    and whose layers all mix tokens by attention (``layer_types`` has no ``conv``, ``mamba``,
    ``linear_attention``, ...: such a mixer runs across the whole row, whatever the attention does).
-2. **Config rules**, settings whose output depends on the row rather than the example, named in the
-   message: RoPE types that pick frequencies from the longest position in the row (``dynamic``,
-   ``longrope``), Llama 4's attention temperature tuning (scales queries by the offset in the *row*),
-   and, for ``packer_varlen``, masks it does not implement (``attention_chunk_size``, Doge's dynamic
-   ``keep_window_size`` mask).
-3. **No path from one example to another**: in a packed probe row, the gradient of each example's
-   outputs with respect to every *other* example's input embeddings is exactly zero. Structural, not
-   a tolerance: any leak, however small on an untrained model (LFM2's convolution leaks 2e-5 at
-   initialisation and 6.4 after 40 steps), gives a non-zero gradient.
-4. **The model's own semantics**: each probe example, packed in one row as the loader yields it, gets
-   the logits it gets *alone* through the model's eager attention (an independent reference: scaling,
-   soft-capping, sinks, windows and chunks as the model's own code does them). The probe examples are
-   longer than every window, chunk and position threshold the config declares.
+2. **Config rules**, settings used by the model whose output depends on the row rather than the
+   example, named in the message: RoPE types that pick frequencies from the longest position in the row
+   (``dynamic``, ``longrope``) and Llama 4's attention temperature tuning (scales queries by the offset in
+   the *row*). Everything else is judged by behaviour, not by a key's presence (a Llama config carrying an
+   unused ``attention_chunk_size`` is exact and accepted; Llama 4's chunks are used, and the probe sees it).
+3. **The probe**, on a float32 copy of the model (whatever its dtype: a window crossed by a few tokens
+   hides under a bf16 tolerance) in train mode with dropout off (the mode it will be used in: a MoE's
+   capacity limit may apply only in training), every sub-config on ``implementation``:
 
-After ``prepare`` a forward pre-hook stays on the model: a packed forward (``cu_seq_lens_*`` kwargs, or
-``position_ids`` restarting inside a row) raises ``ConfigError`` if the attention implementation was
-changed since (``set_attn_implementation``, ``config._attn_implementation = ...``), or, for the
-implementations that find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used
-(transformers then builds no packed mask). Unpacked forwards (generation) are left alone. The check costs
-a few attribute reads per forward.
+   - *the model's own semantics*: one row packs an example longer than every position threshold the
+     config declares (windows, chunks, ``original_max_position_embeddings``, ``max_position_embeddings``
+     where below ``max_tokens``) beside short ones below them, so that a behaviour picked from the *row*
+     (PhiMoE's long/short ``mscale``, a length-dependent RoPE, a capacity limit) changes the short ones;
+     each must get the logits it gets *alone* through the model's eager attention (an independent
+     reference: scaling, soft-capping, sinks, windows and chunks as the model's own code does them);
+   - *no path from one example to another*: on the examples' first ``PROBE_MIN_LEN + 1`` tokens, the
+     gradient of each example's outputs with respect to every *other* example's input embeddings is
+     exactly zero (structural, not a tolerance: LFM2's convolution leaks 2e-5 at initialisation and 6.4
+     after 40 steps), and with respect to its own equals the gradient it gets alone.
+
+   A model whose training forward draws random numbers beyond dropout (PhiMoE's sparsemixer) cannot be
+   compared packed against alone in train mode; it is probed in eval mode. Memory: the model's
+   parameters once more in float32, and one eager forward of the long example; ``max_tokens`` (the
+   longest row you will train on) leaves out the thresholds no row can reach.
+
+After ``prepare`` a forward pre-hook stays on every ``PreTrainedModel`` inside the model (the causal LM,
+its base model, a composite's language model: each builds the mask for the layers it runs, and each can be
+called with a batch). A packed forward (``cu_seq_lens_*`` kwargs, or ``position_ids`` restarting inside a
+row) raises ``ConfigError`` if the attention implementation of any config or sub-config was changed since
+(``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty cache is passed
+(``cache``/``past_key_values``: PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
+find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used (transformers then builds
+no packed mask). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
+forward and model.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Iterator
@@ -48,21 +63,18 @@ MASK_FROM_POSITIONS = ("sdpa", "eager", "flex_attention")
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # RoPE types whose frequencies depend on max(position_ids) + 1: in a row, the longest example's length.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Config values past which a model may behave differently (a window, a chunk, a RoPE switch point).
+THRESHOLDS = ("sliding_window", "attention_chunk_size", "keep_window_size", "original_max_position_embeddings")
+# Where no threshold is declared the examples are still this long, and the gradient probe keeps this many
+# tokens of each (only the boundary matters there; the eager reference's memory grows with the square).
 PROBE_MIN_LEN = 8
+# The largest logit or gradient difference, relative to the largest value alone, two correct paths show
+# in float32: sqrt(eps) = 3.5e-4. They compute the same function through different kernels and differ by
+# rounding (~1e-6 measured on the architecture sweep); a semantic error (a wrong scale, a dropped window,
+# chunk, soft-cap or sink, a row-dependent scale) changes them by 1e-2 to 1.
+PROBE_TOLERANCE = math.sqrt(torch.finfo(torch.float32).eps)
 
-__all__ = ["prepare", "probe_tolerance"]
-
-
-def probe_tolerance(dtype: torch.dtype) -> float:
-    """The largest logit difference (relative to the largest logit) two correct paths may show.
-
-    sqrt(eps): the packed and the reference path compute the same function through different kernels,
-    so they differ by rounding only, which accumulates to a few eps per layer, far below half the
-    mantissa (fp32: 3.5e-4; measured differences are ~1e-6 on the architecture sweep). A semantic
-    error (wrong scale, a dropped window, chunk, soft-cap or sink, a leak) changes logits by 1e-2 to 1
-    relative: above it. In bf16 (0.088) only large errors are resolved by logits; the exact gradient
-    rule catches leaks in every dtype, and probing before casting to bf16 resolves the rest."""
-    return math.sqrt(torch.finfo(dtype).eps)
+__all__ = ["prepare", "PROBE_TOLERANCE"]
 
 
 def _configs(model: Any) -> Iterator[Any]:
@@ -90,17 +102,14 @@ def _refuse(model: Any, why: str) -> ConfigError:
     )
 
 
-def _rope_types(config: Any) -> set[str]:
-    """Every rope_type named in rope_parameters / rope_scaling, per layer type too."""
-    found, todo = set(), [getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)]
+def _rope_dicts(config: Any) -> Iterator[dict]:
+    """rope_parameters / rope_scaling and the dicts nested in them (per layer type)."""
+    todo = [getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)]
     while todo:
         p = todo.pop()
         if isinstance(p, dict):
-            for key in ("rope_type", "type"):
-                if isinstance(p.get(key), str):
-                    found.add(p[key])
+            yield p
             todo.extend(v for v in p.values() if isinstance(v, dict))
-    return found
 
 
 def config_refusals(config: Any, implementation: str) -> list[str]:
@@ -109,7 +118,8 @@ def config_refusals(config: Any, implementation: str) -> list[str]:
     mixers = sorted({t for t in getattr(config, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES})
     if mixers:
         why.append(f"layer_types {mixers} mix tokens outside attention, across the whole row")
-    for rope in sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE)):
+    ropes = {p.get(key) for p in _rope_dicts(config) for key in ("rope_type", "type")}
+    for rope in sorted(ropes & set(LENGTH_DEPENDENT_ROPE)):
         why.append(
             f"rope_type={rope!r} takes its frequencies from the longest example in the row (max position_ids), "
             "so an example changes beside a longer one"
@@ -117,55 +127,28 @@ def config_refusals(config: Any, implementation: str) -> list[str]:
     nope = [i for i, r in enumerate(getattr(config, "no_rope_layers", None) or []) if not r]
     if getattr(config, "attn_temperature_tuning", False) and nope:
         why.append("attn_temperature_tuning scales queries by the token's offset in the row, not in its example")
-    if implementation == attention.ATTN_IMPLEMENTATION:
-        if getattr(config, "attention_chunk_size", None):
-            why.append(f"attention_chunk_size={config.attention_chunk_size}: chunked attention is not implemented")
-        if getattr(config, "keep_window_size", None):
-            why.append("keep_window_size: a dynamic mask computed in the model, which packer_varlen cannot apply")
     return why
 
 
-def _probe_lengths(config: Any) -> tuple[int, int]:
-    """Two example lengths, both longer than every window, chunk and position threshold of the config."""
-    limits = [PROBE_MIN_LEN]
-    for name in ("sliding_window", "attention_chunk_size", "keep_window_size"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            limits.append(value)
+def probe_lengths(config: Any, max_tokens: int | None = None) -> list[int]:
+    """The probe row's example lengths: a short one, one past every threshold a row can reach, a short one.
+
+    The short ones stay below the smallest threshold, so that whatever the model picks from the row's
+    longest position (a scale, a frequency) differs between them alone and them packed beside the long one."""
+    values = [getattr(config, name, None) for name in THRESHOLDS]
+    values += [p.get("original_max_position_embeddings") for p in _rope_dicts(config)]
     if getattr(config, "attn_temperature_tuning", False):
-        limits.append(int(getattr(config, "floor_scale", 0) or 0))
-    # original_max_position_embeddings is a threshold only for the RoPE types that switch at it
-    # (dynamic, longrope: refused by config_refusals); llama3/yarn scale the same at every length, and
-    # probing past their 8,192 would cost an 8K-token eager forward for nothing.
-    params = [getattr(config, "rope_parameters", None) or {}]
-    while params:
-        p = params.pop()
-        if isinstance(p, dict):
-            if p.get("rope_type") in LENGTH_DEPENDENT_ROPE:
-                limits.append(int(p.get("original_max_position_embeddings") or 0))
-            params.extend(v for v in p.values() if isinstance(v, dict))
-    n = max(limits) + 2
-    return n + 3, n
-
-
-def _snapshot(model: Any) -> list[tuple[Any, Any, dict]]:
-    return [(c, c._attn_implementation_internal, c.to_dict()) for c in _configs(model)]
-
-
-def _restore(model: Any, snapshot: list[tuple[Any, Any, dict]]) -> None:
-    for config, impl, values in snapshot:
-        config._attn_implementation_internal = impl
-        for key in ("use_cache",):
-            if key in values:
-                setattr(config, key, values[key])
-
-
-def _probe_rows(model: Any) -> tuple[list[torch.Tensor], dict]:
-    config = _text_config(model)
-    device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(0)
-    exs = [torch.randint(3, config.vocab_size, (n,), generator=gen).to(device) for n in _probe_lengths(config)]
-    return exs, _row(exs)
+        values.append(getattr(config, "floor_scale", None))
+    if max_tokens is not None:  # positions in a row never reach the budget; below it, the table's end is one
+        values.append(getattr(config, "max_position_embeddings", None))
+    limits = {int(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool) and v > 0}
+    if max_tokens is not None:
+        limits = {t for t in limits if t < max_tokens}
+    longest = max(limits, default=PROBE_MIN_LEN) + 3
+    if max_tokens is not None:
+        longest = min(longest, max_tokens)
+    short = max(2, min(limits, default=PROBE_MIN_LEN) - 1)
+    return [short, longest, max(2, short // 2)]
 
 
 def _row(exs: list[torch.Tensor]) -> dict:
@@ -180,74 +163,141 @@ def _row(exs: list[torch.Tensor]) -> dict:
     )  # fmt: skip
 
 
-def _check_no_path_between_examples(model: Any, extra: dict) -> None:
-    """Gradient of each example's outputs w.r.t. the other examples' input embeddings: exactly zero."""
-    exs = [e[:PROBE_MIN_LEN + 1] for e in _probe_rows(model)[0]]  # short: only the boundary matters here
-    batch = _row(exs)
+def _probe_copy(model: Any) -> Any:
+    """A float32 copy in train mode with dropout off, without packer's hooks and parameter gradients."""
+    probe = copy.deepcopy(model).float()
+    for m in probe.modules():
+        for key in [k for k, h in m._forward_pre_hooks.items() if getattr(h, "packer_guard", False)]:
+            del m._forward_pre_hooks[key]
+            m._forward_pre_hooks_with_kwargs.pop(key, None)
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    for obj in [*probe.modules(), *_configs(probe)]:  # dropout read from attributes at forward time
+        for name, value in list(vars(obj).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                setattr(obj, name, 0.0)
+    probe.requires_grad_(False)
+    return probe.train()
+
+
+def _forward(model: Any, batch: dict, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits, and with ``seeds`` (one a segment of the row) the gradient of each segment's
+    sum(logits * weights) w.r.t. the input embeddings, the weights drawn from the segment's seed."""
+    if seeds is None:
+        with torch.no_grad():
+            return model(**batch).logits[0].float(), None
     captured = []
 
     def grab(module, args, output):
-        output = output.detach().requires_grad_(True)
-        captured.append(output)
-        return output
+        leaf = output.detach().requires_grad_(True)
+        captured.append(leaf)
+        return leaf.clone()  # not the leaf itself: CTRL scales its embeddings in place
 
     handle = model.get_input_embeddings().register_forward_hook(grab)
     try:
         with torch.enable_grad():
-            logits = model(**batch, **extra).logits[0].float()
-            embeds = captured[0]
-            weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
-            bounds = batch["cu_seq_lens_q"].tolist()
-            for i in range(len(exs)):
-                out = (logits[bounds[i] : bounds[i + 1]] * weights[bounds[i] : bounds[i + 1]]).sum()
-                (grad,) = torch.autograd.grad(out, embeds, retain_graph=True, allow_unused=True)
-                if grad is None:
-                    continue
-                outside = torch.cat([grad[0, : bounds[i]], grad[0, bounds[i + 1] :]])
-                if outside.abs().max().item() != 0:
-                    raise _refuse(
-                        model,
-                        f"probe: example {i}'s outputs depend on the tokens of the other examples in its row "
-                        f"(gradient {outside.abs().max().item():.3g}, must be exactly 0)",
-                    )
+            logits = model(**batch).logits[0].float()
+            cu = batch.get("cu_seq_lens_q")
+            bounds = [0, logits.shape[0]] if cu is None else cu.tolist()
+            grads = []
+            for i, seed in enumerate(seeds):
+                part = logits[bounds[i] : bounds[i + 1]]
+                weights = torch.randn(part.shape, generator=torch.Generator().manual_seed(seed)).to(part.device)
+                (grad,) = torch.autograd.grad((part * weights).sum(), captured[0], retain_graph=True, allow_unused=True)
+                grads.append(torch.zeros_like(captured[0]) if grad is None else grad)
     finally:
         handle.remove()
+    return logits.detach(), torch.stack(grads)
 
 
-@torch.no_grad()
-def _check_against_eager_alone(model: Any, implementation: str, extra: dict) -> None:
-    """Each example packed must get the logits it gets alone through the model's eager attention."""
-    exs, batch = _probe_rows(model)
+def _examples(model: Any, lengths: list[int]) -> list[torch.Tensor]:
+    config = _text_config(model)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
+
+
+def _compare(model: Any, implementation: str, exs: list[torch.Tensor], extra: dict, grads: bool) -> None:
+    """Each example packed gets the logits (and gradients) it gets alone through eager attention."""
+    lens = [len(e) for e in exs]
     model.set_attn_implementation("eager")
-    alone = [model(input_ids=e.view(1, -1), use_cache=False).logits[0].float() for e in exs]
+    alone = [
+        _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), [i] if grads else None)
+        for i, e in enumerate(exs)
+    ]
     model.set_attn_implementation(implementation)
     before = attention.calls()
-    packed = model(**batch, **extra).logits[0].float().split([len(e) for e in exs])
+    logits, grad = _forward(model, {**_row(exs), **extra}, list(range(len(exs))) if grads else None)
+    bounds = [0, *itertools.accumulate(lens)]
+    for i, (a_logits, a_grad) in enumerate(alone):
+        if grad is not None and len(exs) > 1:  # the structural rule first: it names the cause
+            row = grad[i, 0]
+            outside = torch.cat([row[: bounds[i]], row[bounds[i + 1] :]]).abs().max().item()
+            if outside != 0:
+                raise _refuse(
+                    model,
+                    f"probe: example {i}'s outputs depend on the tokens of the other examples in its row "
+                    f"(gradient {outside:.3g}, must be exactly 0)",
+                )
+        d = (logits[bounds[i] : bounds[i + 1]] - a_logits).abs().max().item()
+        scale = a_logits.abs().max().item()
+        if d > PROBE_TOLERANCE * scale:
+            raise _refuse(
+                model,
+                f"probe: example {i} ({lens[i]} tokens, packed beside {sum(lens) - lens[i]}) gets logits {d:.3g} "
+                f"away from the ones it gets alone through eager attention (tolerance {PROBE_TOLERANCE * scale:.2g}), "
+                f"with attn_implementation={implementation!r}",
+            )
+        if grad is None:
+            continue
+        d = (grad[i, 0, bounds[i] : bounds[i + 1]] - a_grad[0, 0]).abs().max().item()
+        scale = a_grad.abs().max().item()
+        if d > PROBE_TOLERANCE * scale:
+            raise _refuse(
+                model,
+                f"probe: example {i}'s gradient packed is {d:.3g} away from its gradient alone through eager "
+                f"attention (tolerance {PROBE_TOLERANCE * scale:.2g}), with attn_implementation={implementation!r}",
+            )
     if implementation == attention.ATTN_IMPLEMENTATION and attention.calls() == before:
         raise _refuse(model, "its forward never called the registered attention function")
-    diff = max((p - a).abs().max().item() for p, a in zip(packed, alone, strict=True))
-    scale = max(a.abs().max().item() for a in alone)
-    tol = probe_tolerance(next(model.parameters()).dtype)
-    if diff <= tol * scale:
-        return
-    raise _refuse(
-        model,
-        f"probe: an example packed in a row gets logits {diff:.3g} away from the ones it gets alone through "
-        f"eager attention (tolerance {tol * scale:.2g}), with attn_implementation={implementation!r}",
-    )
 
 
-def _probe(model: Any, implementation: str) -> None:
-    """Both probes, as the loader's batches are called; says when a cache is the cause."""
+def _random_in_training(model: Any, batch: dict) -> bool:
+    """Whether two train-mode forwards of one row differ with dropout off (random routing, jitter)."""
+    with torch.no_grad():
+        return not torch.equal(model(**batch).logits, model(**batch).logits)
+
+
+def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
+    """The probes on a float32 copy, as the loader's batches are called; says when a cache is the cause."""
     try:
-        _check_no_path_between_examples(model, {})
-        _check_against_eager_alone(model, implementation, {})
+        probe = _probe_copy(model)
+    except Exception as e:  # e.g. quantized weights that cannot be cast
+        raise _refuse(
+            model, f"the probe runs on a float32 copy of the model, which failed: {type(e).__name__}: {e}; "
+            "prepare(model, probe=False) skips the probe"
+        ) from e
+    try:
+        probe.set_attn_implementation(implementation)
+    except (ValueError, KeyError, ImportError) as e:
+        raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
+    if probe.config._attn_implementation != implementation:
+        raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
+    exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens))
+    if _random_in_training(probe, {**_row(exs), "use_cache": False}):
+        probe.eval()
+
+    def both(extra: dict) -> None:
+        _compare(probe, implementation, [e[: PROBE_MIN_LEN + 1] for e in exs], extra, grads=True)
+        _compare(probe, implementation, exs, extra, grads=False)
+
+    try:
+        both({})
     except ConfigError as e:
-        if not (implementation in MASK_FROM_POSITIONS and _uses_cache(model, {})):
+        if not (implementation in MASK_FROM_POSITIONS and _uses_cache(_text_config(probe), {})):
             raise
         try:  # the same probes without a cache: if they pass, the cache was the cause
-            _check_no_path_between_examples(model, {"use_cache": False})
-            _check_against_eager_alone(model, implementation, {"use_cache": False})
+            both({"use_cache": False})
         except ConfigError:
             raise e from None
         raise ConfigError(
@@ -256,50 +306,81 @@ def _probe(model: Any, implementation: str) -> None:
         ) from None
 
 
-def _uses_cache(model: Any, kwargs: dict) -> bool:
+def _uses_cache(text_config: Any, kwargs: dict) -> bool:
     use = kwargs.get("use_cache")
-    return bool(_text_config(model).use_cache if use is None else use) or kwargs.get("past_key_values") is not None
+    return bool(text_config.use_cache if use is None else use) or _cache(kwargs) is not None
+
+
+def _cache(kwargs: dict) -> Any:
+    """The cache a forward was given (``cache``; ``past_key_values`` before transformers 5.40)."""
+    given = kwargs.get("cache")
+    return kwargs.get("past_key_values") if given is None else given
 
 
 def _is_packed(kwargs: dict) -> bool:
     if kwargs.get("cu_seq_lens_q") is not None:
         return True
     pos = kwargs.get("position_ids")
-    # a host sync, paid only when the setting has changed (see _guard)
+    # a host sync, paid only when something is amiss (see _guard)
     return pos is not None and pos.dim() == 2 and pos.shape[-1] > 1 and bool((pos[:, 1:] == 0).any())
 
 
-def _guard(implementation: str):
-    def hook(model, args, kwargs):
-        now = model.config._attn_implementation
-        changed = now != implementation
-        cached = implementation in MASK_FROM_POSITIONS and _uses_cache(model, kwargs)
-        if not (changed or cached) or not _is_packed(kwargs):
+def _row_length(args: tuple, kwargs: dict) -> int:
+    x = kwargs.get("input_ids", args[0] if args else None)
+    x = kwargs.get("inputs_embeds") if x is None else x
+    return 0 if x is None else x.shape[1]
+
+
+def _guard(model: Any, implementation: str, max_tokens: int | None):
+    """The pre-hook: a packed forward raises if the setting that prepare() vetted no longer holds."""
+    expected = [(c, c._attn_implementation) for c in _configs(model)]
+    text = _text_config(model)
+
+    def hook(module, args, kwargs):
+        changed = [(c, was) for c, was in expected if c._attn_implementation != was]
+        past = _cache(kwargs)
+        prefix = past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0
+        cached = implementation in MASK_FROM_POSITIONS and _uses_cache(text, kwargs)
+        longer = max_tokens is not None and _row_length(args, kwargs) > max_tokens
+        if not (changed or prefix or cached or longer) or not _is_packed(kwargs):
             return None
-        what = (
-            f"attn_implementation changed from {implementation!r} to {now!r}"
-            if changed
-            else "use_cache is on, so transformers builds no packed mask"
-        )
+        if changed:
+            c, was = changed[0]
+            what = f"{type(c).__name__}'s attn_implementation changed from {was!r} to {c._attn_implementation!r}"
+        elif prefix:
+            what = f"its cache holds {past.get_seq_length()} positions (a prefix, e.g. PEFT prefix tuning)"
+        elif cached:
+            what = "use_cache is on, so transformers builds no packed mask"
+        else:
+            what = f"the row has {_row_length(args, kwargs)} tokens, more than max_tokens={max_tokens} it was vetted for"
         raise ConfigError(
-            f"{type(model).__name__}: a packed row after prepare(), but {what}: its examples would attend to "
-            f"each other; call packer.prepare(model) again (or set model.config.use_cache=False)"
+            f"{type(module).__name__}: a packed row after prepare(), but {what}: its examples would not be "
+            "computed as alone; call packer.prepare(model) again (or set model.config.use_cache=False)"
         )
 
+    hook.packer_guard = True
     return hook
 
 
-def prepare(model: Any, *, implementation: str = attention.ATTN_IMPLEMENTATION, probe: bool = True) -> Any:
+def prepare(
+    model: Any,
+    *,
+    implementation: str = attention.ATTN_IMPLEMENTATION,
+    probe: bool = True,
+    max_tokens: int | None = None,
+) -> Any:
     """Switch a transformers causal LM to ``implementation`` if packed rows are exact on it; keep guard.
 
     ``implementation`` is ``"packer_varlen"`` (default) or a transformers one to vet instead (e.g.
     ``"flash_attention_2"``, which takes the loader's ``cu_seq_lens`` kwargs, or ``"sdpa"``, which
     builds a packed mask from ``position_ids`` only without a cache: ``config.use_cache=False``).
-    ``probe=False`` skips the two probes (the structural and config rules still apply).
+    ``max_tokens``: the longest row you will feed (the build's budget); thresholds a row cannot reach are
+    not probed, and a longer packed row raises. ``probe=False`` skips the probes (the structural and
+    config rules still apply).
 
     Raises ``ConfigError`` naming the reason, and leaves the model exactly as it was, when any rule of
-    the module docstring fails. Returns the model, with a forward pre-hook that raises if the setting is
-    later changed so that a packed row would leak.
+    the module docstring fails. Returns the model, with forward pre-hooks that raise if the setting is
+    later changed so that a packed row would not be exact.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -314,30 +395,38 @@ def prepare(model: Any, *, implementation: str = attention.ATTN_IMPLEMENTATION, 
     if why:
         raise _refuse(model, "; ".join(why))
     attention.register()
-    snapshot = _snapshot(model)
-    was_training = model.training
-    handle = getattr(model, "_packer_guard", None)
-    try:
+    if probe:
         try:
-            model.set_attn_implementation(implementation)
-        except (ValueError, KeyError, ImportError) as e:
-            raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
+            device = next(model.parameters()).device
+            # the probe's random draws (routing in training) leave the caller's generators as they were
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                _probe(model, implementation, max_tokens)
+        except ConfigError:
+            raise
+        except Exception as e:  # a forward that fails on a packed row cannot be vouched for
+            longest = max(probe_lengths(text, max_tokens))
+            raise _refuse(
+                model,
+                f"probe forward failed: {type(e).__name__}: {e} (its longest example has {longest} tokens; "
+                "max_tokens=your rows' budget leaves out the thresholds they cannot reach)",
+            ) from e
+    snapshot = [(c, c._attn_implementation_internal) for c in _configs(model)]
+    try:
+        model.set_attn_implementation(implementation)
         if config._attn_implementation != implementation:
             raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
-        if probe:
-            model.eval()
-            try:
-                _probe(model, implementation)
-            except ConfigError:
-                raise
-            except Exception as e:  # a forward that fails on a packed row cannot be vouched for
-                raise _refuse(model, f"probe forward failed: {type(e).__name__}: {e}") from e
-    except BaseException:
-        _restore(model, snapshot)
-        raise
-    finally:
-        model.train(was_training)
-    if handle is not None:
+    except (ValueError, KeyError, ImportError, ConfigError) as e:
+        for c, impl in snapshot:
+            c._attn_implementation_internal = impl
+        raise e if isinstance(e, ConfigError) else _refuse(
+            model, f"transformers would not set attn_implementation={implementation!r}: {e}"
+        ) from e
+    for handle in getattr(model, "_packer_guard", None) or []:
         handle.remove()
-    model._packer_guard = model.register_forward_pre_hook(_guard(implementation), with_kwargs=True)
+    hook = _guard(model, implementation, max_tokens)
+    model._packer_guard = [
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+        for m in model.modules()
+        if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
+    ]
     return model

@@ -11,19 +11,19 @@ can be compared on this very dataset.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
 
-from . import schema
+from . import rows, schema
 from .config import BuildConfig
 from .errors import ConfigError, ShardFormatError
 from .fs import PathLike, join
 from .plan import plan
 from .schema import Manifest
+from .views import Elided, Example, MixPart, Mode, Piece, PlotData, Row, Run, Segment, Summary
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
 DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not in batch mode
@@ -32,93 +32,72 @@ DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not i
 # -- columns of every shard, vectorised ---------------------------------------------------------
 
 
-def _list_column(directory: PathLike, manifest: Manifest, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, row_splits) of a list column over all shards in row order; row_splits is int64[rows+1]."""
-    values, counts = [], []
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """Every segment of a build in row order: its length and example id, and the rows' splits
+    (``row_splits[r]:row_splits[r + 1]`` are row ``r``'s segments)."""
+
+    seq_lens: np.ndarray  # int64
+    example_ids: np.ndarray  # int64
+    row_splits: np.ndarray  # int64[rows + 1]
+
+
+def _segments(directory: PathLike, manifest: Manifest) -> Segments:
+    """Every segment of every shard, the layout of each row batch checked first by the row invariants
+    (:func:`packer.rows.check_rows`, offsets and small columns only), since the views allocate from the
+    lengths (a damaged ``seq_len`` of 10^9 must not become a 10^9-slot plan)."""
+    seq_lens, example_ids, counts = [], [], []
     for entry in manifest.shards:
-        column = schema.open_shard(join(directory, entry.file)).column(name)
-        for chunk in column.chunks:
-            values.append(pc.list_flatten(chunk).to_numpy())
-            counts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    flat = np.concatenate(values).astype(np.int64) if values else np.zeros(0, np.int64)
-    count = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
+        path = join(directory, entry.file)
+        first = 0
+        for batch in schema.open_shard(path).to_batches():
+            _check_layout(path, first, batch)
+            rb = rows.RowBatch.from_arrow(batch)
+            seq_lens.append(rb.seq_lens.values)
+            example_ids.append(rb.example_ids.values)
+            counts.append(rb.seq_lens.lengths)
+            first += batch.num_rows
+    count = _concat(counts)
     splits = np.zeros(count.size + 1, np.int64)
     np.cumsum(count, out=splits[1:])
-    return flat, splits
+    return Segments(_concat(seq_lens), _concat(example_ids), splits)
 
 
-def _segments(directory: PathLike, manifest: Manifest) -> dict[str, np.ndarray]:
-    """Every segment's length and example id, and the rows' splits; the lengths are checked against
-    the rows' real token counts first, since the views allocate from them (a damaged ``seq_len`` of
-    10^9 must not become a 10^9-slot plan)."""
-    seq_lens, row_splits = _list_column(directory, manifest, "seq_lens")
-    example_ids, _ = _list_column(directory, manifest, "example_ids")
-    row_tokens = []
-    for entry in manifest.shards:  # the lengths of input_ids: their offsets only, not the tokens
-        for chunk in schema.open_shard(join(directory, entry.file)).column("input_ids").chunks:
-            row_tokens.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
-    tokens = np.concatenate(row_tokens).astype(np.int64) if row_tokens else np.zeros(0, np.int64)
-    sums = np.zeros(seq_lens.size + 1, np.int64)
-    np.cumsum(seq_lens, out=sums[1:])
-    bad = np.flatnonzero(sums[row_splits[1:]] - sums[row_splits[:-1]] != tokens)
-    if (seq_lens <= 0).any() or bad.size or example_ids.size != seq_lens.size:
-        where = f"row {int(bad[0])}" if bad.size else "a row"
-        raise ShardFormatError(f"{directory}: {where}'s seq_lens do not add up to its tokens (or are ≤ 0); the "
-                               "shards are damaged, run `packer verify` and rebuild the folder")
-    return {"seq_lens": seq_lens, "example_ids": example_ids, "row_splits": row_splits}
+def _check_layout(path: PathLike, first: int, batch) -> None:
+    """Refuse a row batch whose layout breaks the row invariants (rows ``first`` … of the shard)."""
+    problems = rows.check_arrow(batch, None, tokens=False)
+    if problems:
+        raise ShardFormatError(f"{path} row {first + int(problems[0].rows[0])}: {problems[0].message}; the shard "
+                               "is damaged, run `packer verify` and rebuild the folder")
 
 
-def _config(directory: PathLike, manifest: Manifest) -> dict[str, Any]:
-    """The manifest's build config, checked by ``BuildConfig`` itself: the views compute with it."""
-    try:
-        BuildConfig(**{**manifest.config, "out": str(directory)})
-        for key in ("seed", "world_size", "max_len", "batch_size", "max_tokens"):  # the ones computed with
-            value = manifest.config.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{key} is {value!r}, not an integer")
-    except (ConfigError, TypeError) as e:
-        raise ShardFormatError(f"{join(directory, schema.MANIFEST_NAME)} config: not a valid build config ({e}); "
-                               "rebuild the folder") from None
-    return manifest.config
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 # -- summary ------------------------------------------------------------------------------------
 
 
-def summary(directory: PathLike, *, compare: bool = True) -> dict[str, Any]:
+def summary(directory: PathLike, *, compare: bool = True) -> Summary:
     """The manifest's numbers, plus (``compare``) the modes compared on this dataset's lengths."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
-    view = {
-        "directory": str(directory),
-        "note": manifest.note,
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_tokens": config.get("max_tokens"),
-        "max_len": config.get("max_len"),
-        "tokenizer": manifest.tokenizer.get("name_or_path"),
-        "stats": manifest.stats.to_json(),
-        "shards": [dataclasses.asdict(e) for e in manifest.shards],
-        "mix": mix_view(manifest),
-    }
-    # what holding every planned epoch costs on disk (--epochs E: E times one epoch's rows)
-    size = sum(e.bytes for e in manifest.shards)
-    view["disk"] = {"bytes": size, "epochs": manifest.stats.epoch_count,
-                    "bytes_per_epoch": size // manifest.stats.epoch_count}
+    modes = None
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
-        view["modes"] = compare_modes(seg["seq_lens"], seg["row_splits"], config)
-    return view
+        modes = tuple(compare_modes(seg.seq_lens, seg.row_splits, manifest.config))
+    return Summary(directory=str(directory), note=manifest.note, config=manifest.config,
+                   tokenizer=manifest.tokenizer.get("name_or_path"), stats=manifest.stats, shards=manifest.shards,
+                   mix=mix_view(manifest), modes=modes)
 
 
-def mix_view(manifest: Manifest) -> list[dict[str, Any]] | None:
+def mix_view(manifest: Manifest) -> tuple[MixPart, ...] | None:
     """A mix's sources: each one's weight or records count and its counts (None for one source)."""
-    parts, counts = manifest.config.get("mix"), manifest.stats.sources
+    parts, counts = manifest.config.mix, manifest.stats.sources
     if not parts or not counts:
         return None
     tokens = max(1, sum(c["tokens"] for c in counts))
-    return [{**{k: part.get(k) for k in ("source", "weight", "records", "recipe", "split")}, **c,
-             "token_share": c["tokens"] / tokens} for part, c in zip(parts, counts)]
+    return tuple(MixPart(**{k: part.get(k) for k in ("source", "weight", "records", "recipe", "split")}, counts=c,
+                         token_share=c["tokens"] / tokens) for part, c in zip(parts, counts))
 
 
 def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, int, int]:
@@ -133,7 +112,7 @@ def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, i
     return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
 
 
-def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) -> list[dict[str, Any]]:
+def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig) -> list[Mode]:
     """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
@@ -147,41 +126,31 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: dict) ->
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
-    world = int(config.get("world_size") or 1)
-    seed = int(config.get("seed") or 0)
+    world, seed = config.world_size, config.seed
     longest = int(lengths.max())
     tokens = int(lengths.sum())
-    if config["pack"] == "batch":
-        b = int(config["batch_size"])
+    if config.pack == "batch":
+        b = config.batch_size
         batch_rows, row_max, padded, padded_max = _row_stats(lengths, np.asarray(row_splits, np.int64))
     else:
         b = DEFAULT_BATCH
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
-    if config["pack"] in ("bfd", "optimal"):
-        budget = int(config.get("max_tokens") or config.get("max_len") or longest)
+    if config.pack in ("bfd", "optimal"):
+        budget = config.max_tokens
     else:
-        budget = int(config["max_tokens"]) if config["pack"] == "wrap" and config.get("max_tokens") else row_max
+        budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config["pack"] else
+    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config.pack else
               plan(lengths, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
               for mode in ("bfd", "optimal")}
 
-    def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> dict[str, Any]:
+    def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> Mode:
         steps = math.ceil(rows / world)
-        return {
-            "mode": mode,
-            "rows": rows,
-            "tokens": tokens,
-            "computed_tokens": computed,  # what the model runs on: tokens plus padding
-            "padding": 1 - tokens / computed if computed else 0.0,
-            "peak_row_tokens": peak,  # what memory is sized for: the largest row (or padded batch, or budget)
-            "fill": tokens / (rows * peak) if rows and peak else 0.0,
-            "optimizer_steps": steps,
-            "examples_per_step": len(lengths) / max(1, steps),
-            "built": mode == config["pack"],
-            "note": note,
-        }
+        return Mode(mode=mode, rows=rows, tokens=tokens, computed_tokens=computed,
+                    padding=1 - tokens / computed if computed else 0.0, peak_row_tokens=peak,
+                    fill=tokens / (rows * peak) if rows and peak else 0.0, optimizer_steps=steps,
+                    examples_per_step=len(lengths) / max(1, steps), built=mode == config.pack, note=note)
 
     return [
         entry("padded", batch_rows, padded, padded_max, f"{b} examples per batch, padded to the longest in it"),
@@ -205,171 +174,138 @@ def _locate(manifest: Manifest, row: int) -> tuple[str, int]:
     raise AssertionError("unreachable: row counted in total")
 
 
-def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = ELIDE_KEEP) -> dict[str, Any]:
+def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = ELIDE_KEEP) -> Row:
     """Row ``index`` segment by segment: example id, offset, length, trained tokens, ids, and (with a
     tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens. With ``elide``, a
     segment longer than ``3 * elide`` tokens keeps ``elide`` tokens at each end and the runs hold
-    an ``{"elided": n}`` marker between them; ``ids``/``trained`` always hold the whole segment."""
+    an :class:`~packer.views.Elided` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
-    table = schema.open_shard(join(directory, name))
-    record = table.slice(local, 1).to_pylist()[0]
+    path = join(directory, name)
+    one = schema.open_shard(path).slice(local, 1).combine_chunks().to_batches()[0]
+    _check_layout(path, local, one)
+    record = one.to_pylist()[0]
     ids = np.asarray(record["input_ids"])
     labels = np.asarray(record["labels"])
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
-    if bounds[-1] != len(ids) or (np.diff(bounds) <= 0).any() or len(labels) != len(ids) \
-            or len(record["example_ids"]) != len(record["seq_lens"]):
-        raise ShardFormatError(f"{join(directory, name)} row {local}: its seq_lens, labels or example_ids do not "
-                               "match its tokens; the shard is damaged, run `packer verify` and rebuild the folder")
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
-        entry = {
-            "segment": k,
-            "example_id": record["example_ids"][k],
-            "offset": int(lo),
-            "length": int(hi - lo),
-            "trained_tokens": int(trained.sum()),
-            "ids": seg_ids.tolist(),
-            "trained": trained.tolist(),
-        }
-        if tokenizer is not None:
-            entry["runs"] = _elided_runs(tokenizer, seg_ids, trained, elide)
-        segments.append(entry)
-    return {
-        "row": index,
-        "shard": name,
-        "tokens": int(len(ids)),
-        "num_loss_tokens": record["num_loss_tokens"],
-        "max_seqlen": record["max_seqlen"],
-        "segments": segments,
-    }
+        segments.append(Segment(
+            segment=k, example_id=record["example_ids"][k], offset=int(lo), length=int(hi - lo),
+            trained_tokens=int(trained.sum()), ids=seg_ids.tolist(), trained=trained.tolist(),
+            runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids, trained, elide)))
+    return Row(row=index, shard=name, tokens=int(len(ids)), num_loss_tokens=record["num_loss_tokens"],
+               max_seqlen=record["max_seqlen"], segments=tuple(segments))
 
 
-def _elided_runs(tokenizer, ids: np.ndarray, trained: np.ndarray, keep: int | None) -> list[dict[str, Any]]:
+def _elided_runs(tokenizer, ids: np.ndarray, trained: np.ndarray, keep: int | None) -> tuple[Run | Elided, ...]:
     n = len(ids)
     if keep is None or n <= 3 * keep:
         return _runs(tokenizer, ids, trained)
     head = _runs(tokenizer, ids[:keep], trained[:keep])
     tail = _runs(tokenizer, ids[n - keep :], trained[n - keep :])
     middle = trained[keep : n - keep]
-    return [*head, {"elided": int(n - 2 * keep), "trained": int(middle.sum())}, *tail]
+    return (*head, Elided(elided=int(n - 2 * keep), trained=int(middle.sum())), *tail)
 
 
-def _runs(tokenizer, ids: np.ndarray, trained: np.ndarray) -> list[dict[str, Any]]:
-    """Runs of masked and trained tokens, each decoded: [{"trained", "tokens", "ids", "text"}, ...]."""
+def _runs(tokenizer, ids: np.ndarray, trained: np.ndarray) -> tuple[Run, ...]:
+    """Runs of masked and trained tokens, each decoded."""
     if len(ids) == 0:
-        return []
+        return ()
     cuts = np.flatnonzero(np.diff(trained.astype(np.int8))) + 1
-    runs = []
-    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]]), strict=True):
-        part = ids[lo:hi].tolist()
-        text = tokenizer.decode(part, skip_special_tokens=False)
-        runs.append({"trained": bool(trained[lo]), "tokens": int(hi - lo), "ids": part, "text": text})
-    return runs
+    return tuple(Run(trained=bool(trained[lo]), tokens=int(hi - lo), ids=ids[lo:hi].tolist(),
+                     text=tokenizer.decode(ids[lo:hi].tolist(), skip_special_tokens=False))
+                 for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]]), strict=True))
 
 
 # -- where did example ID go ----------------------------------------------------------------------
 
 
-def find_example(directory: PathLike, example_id: int) -> dict[str, Any]:
+def find_example(directory: PathLike, example_id: int) -> Example:
     """Where source example ``example_id`` went: every segment of it (row, offset, length) and whether
     it was split (several segments) or truncated. Vectorised over all shards' ``example_ids``."""
     manifest = schema.read_manifest(directory)
-    stats, config = manifest.stats, _config(directory, manifest)
+    stats, config = manifest.stats, manifest.config
     read = stats.examples_read
     if not 0 <= example_id < read:
         raise ConfigError(
             f"--example {example_id} is out of range: the build read {read:,} source examples (0..{read - 1})"
         )
-    _segments(directory, manifest)  # the lengths below are checked first
+    pieces = _pieces(directory, manifest, example_id)
+    first_epoch = [p for p in pieces if not p.epoch]
+    truncated = False
+    if len(first_epoch) == 1 and config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
+        p = first_epoch[0]
+        eos, bos = manifest.tokenizer.get("eos_token_id"), manifest.tokenizer.get("bos_token_id")
+        # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
+        truncated = p.length == config.max_len and (
+            not _ends_with(directory, manifest, p, eos)
+            or (config.overlong == "truncate-left" and not _starts_with(directory, manifest, p, bos)))
+    why = None
+    if not pieces:
+        dropped = stats.dropped_by_reason
+        why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
+               if dropped else "no segment carries this id")
+    return Example(example_id=example_id, pieces=tuple(pieces), tokens=sum(p.length for p in first_epoch),
+                   split=len(first_epoch) > 1, epochs=stats.epoch_count, truncated=truncated, why_missing=why,
+                   pack=config.pack, max_len=config.max_len, overlong=config.overlong)
+
+
+def _pieces(directory: PathLike, manifest: Manifest, example_id: int) -> list[Piece]:
+    """Every segment of the example, in row order (the layout checked first: the lengths are used)."""
+    _segments(directory, manifest)
+    epoch_rows = manifest.stats.rows // manifest.stats.epoch_count if manifest.stats.epoch_count > 1 else None
     pieces = []
     first_row = 0
     for entry in manifest.shards:
         table = schema.open_shard(join(directory, entry.file))
         for chunk_ids, chunk_lens in zip(table.column("example_ids").chunks, table.column("seq_lens").chunks, strict=True):
-            flat_ids = pc.list_flatten(chunk_ids).to_numpy()
-            hits = np.flatnonzero(flat_ids == example_id)
+            hits = np.flatnonzero(pc.list_flatten(chunk_ids).to_numpy() == example_id)
             if hits.size:
                 parents = pc.list_parent_indices(chunk_ids).to_numpy()
                 lens = pc.list_flatten(chunk_lens).to_numpy().astype(np.int64)
                 cum = np.concatenate([[0], np.cumsum(lens)])
                 first_seg = np.searchsorted(parents, parents[hits], side="left")  # first segment of the row
                 for h, r, s0 in zip(hits.tolist(), parents[hits].tolist(), first_seg.tolist(), strict=True):
-                    pieces.append({
-                        "row": first_row + int(r),
-                        "shard": entry.file,
-                        "segment": int(h - s0),
-                        "offset": int(cum[h] - cum[s0]),
-                        "length": int(lens[h]),
-                    })
+                    at = first_row + int(r)
+                    pieces.append(Piece(row=at, shard=entry.file, segment=int(h - s0), offset=int(cum[h] - cum[s0]),
+                                        length=int(lens[h]), epoch=None if epoch_rows is None else at // epoch_rows))
             first_row += len(chunk_ids)
-    if stats.epoch_count > 1:  # a build of E epochs holds every example once per epoch
-        for p in pieces:
-            p["epoch"] = p["row"] // (stats.rows // stats.epoch_count)
-    first_epoch = [p for p in pieces if p.get("epoch", 0) == 0]
-    tokens = sum(p["length"] for p in first_epoch)
-    eos = manifest.tokenizer.get("eos_token_id")
-    truncated = False
-    if len(first_epoch) == 1 and config.get("overlong") in ("truncate", "truncate-left") and config.get("pack") != "wrap":
-        p = first_epoch[0]
-        # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
-        truncated = p["length"] == config.get("max_len") and (
-            not _ends_with(directory, manifest, p, eos)
-            or (config.get("overlong") == "truncate-left"
-                and not _starts_with(directory, manifest, p, manifest.tokenizer.get("bos_token_id"))))
-    if not pieces:
-        dropped = stats.dropped_by_reason
-        why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
-               if dropped else "no segment carries this id")
-    else:
-        why = None
-    return {
-        "example_id": example_id,
-        "found": bool(pieces),
-        "pieces": pieces,
-        "tokens": tokens,
-        "split": len(first_epoch) > 1,
-        "epochs": stats.epoch_count,
-        "truncated": truncated,
-        "why_missing": why,
-        "pack": config.get("pack"),
-        "max_len": config.get("max_len"),
-        "overlong": config.get("overlong"),
-    }
+    return pieces
 
 
-def _starts_with(directory: PathLike, manifest: Manifest, piece: dict, token: int | None) -> bool:
+def _starts_with(directory: PathLike, manifest: Manifest, piece: Piece, token: int | None) -> bool:
     """Whether a piece's first token is ``token`` (a whole example starts with BOS; one cut at its start not)."""
     return token is None or _token(directory, manifest, piece, 0) == token
 
 
-def _ends_with(directory: PathLike, manifest: Manifest, piece: dict, token: int | None) -> bool:
+def _ends_with(directory: PathLike, manifest: Manifest, piece: Piece, token: int | None) -> bool:
     """Whether a piece's last token is ``token`` (a whole example ends in EOS; a truncated one rarely)."""
-    return token is not None and _token(directory, manifest, piece, piece["length"] - 1) == token
+    return token is not None and _token(directory, manifest, piece, piece.length - 1) == token
 
 
-def _token(directory: PathLike, manifest: Manifest, piece: dict, at: int) -> int:
+def _token(directory: PathLike, manifest: Manifest, piece: Piece, at: int) -> int:
     """The token at offset ``at`` of a piece."""
     shard_start = 0  # the piece's row is global; find it inside its shard
     for entry in manifest.shards:
-        if entry.file == piece["shard"]:
+        if entry.file == piece.shard:
             break
         shard_start += entry.rows
-    table = schema.open_shard(join(directory, piece["shard"]))
-    ids = table.column("input_ids")[piece["row"] - shard_start].values
-    return ids[piece["offset"] + at].as_py()
+    table = schema.open_shard(join(directory, piece.shard))
+    ids = table.column("input_ids")[piece.row - shard_start].values
+    return ids[piece.offset + at].as_py()
 
 
 # -- the numbers behind --plot ----------------------------------------------------------------------
 
 
-def plot_data(directory: PathLike) -> dict[str, Any]:
-    """Per-example and per-row arrays for the figure (numpy arrays, not JSON)."""
+def plot_data(directory: PathLike) -> PlotData:
+    """Per-example and per-row arrays for the figure."""
     manifest = schema.read_manifest(directory)
-    config = _config(directory, manifest)
+    config = manifest.config
     seg = _segments(directory, manifest)
-    lens, splits, ex = seg["seq_lens"], seg["row_splits"], seg["example_ids"]
+    lens, splits, ex = seg.seq_lens, seg.row_splits, seg.example_ids
     counts = np.diff(splits)
     nonempty = counts > 0
     row_tokens = np.add.reduceat(lens, splits[:-1][nonempty]) if lens.size else np.zeros(0, np.int64)
@@ -383,16 +319,7 @@ def plot_data(directory: PathLike) -> dict[str, Any]:
     example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
-    return {
-        "directory": str(directory),
-        "pack": config["pack"],
-        "batch_size": config.get("batch_size"),
-        "max_len": config.get("max_len"),
-        "row_budget": int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
-        "example_tokens": example_tokens,
-        "row_tokens": row_tokens_all,
-        "row_examples": counts,
-        "row_padded": counts * row_max,  # what a padded batch of the same examples would hold
-        "modes": compare_modes(lens, splits, config),
-        "stats": stats.to_json(),
-    }
+    return PlotData(directory=str(directory), config=config, stats=stats,
+                    row_budget=int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
+                    example_tokens=example_tokens, row_tokens=row_tokens_all, row_examples=counts,
+                    row_padded=counts * row_max, modes=tuple(compare_modes(lens, splits, config)))

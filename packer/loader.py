@@ -9,7 +9,7 @@ batch one row becomes (docs/design.md, "The read side")::
     max_length_q, max_length_k        int               Python ints: no host-device sync per layer
     num_items_in_batch                int               loss tokens of the whole global step (below)
 
-``model(**batch)`` works for a transformers causal LM prepared with ``packer.attention.prepare``.
+``model(**batch)`` works for a transformers causal LM prepared with ``packer.prepare``.
 
 Order, ranks and the remainder. The manifest's row order is the planner's: consecutive groups of
 ``world_size`` rows form one global micro-step and rank ``r`` takes the ``r``-th row of each group
@@ -45,11 +45,16 @@ causal LM then returns ``sum of token losses / num_items_in_batch``, and the gra
 the micro-batches equal those of the one big batch. Under DDP, which *averages* gradients over ranks,
 multiply each loss by ``world_size`` (as transformers' Trainer does).
 
-Resume. ``PackedDataLoader.state_dict()`` records the epoch and the number of batches handed out in
-it, plus what the order depends on (manifest fingerprint, world size, rank, seed, grad_accum, ...);
-``load_state_dict`` continues exactly there, refusing a state from another shard directory, world
-size or order. The dataset has the same two methods (counting what it yielded itself, which is exact
-with ``num_workers=0``), following the torchdata ``StatefulDataLoader`` protocol.
+Resume (docs/loader.md). The loader's one state is its ``Position``: the epoch and the rows of that
+epoch's order handed out over all ranks, the same on every rank (so rank 0's state resumes them all).
+``state_dict()`` saves it with what the order depends on (manifest fingerprint, seed, shuffle,
+remainder, ...); ``load_state_dict`` makes the next pass continue exactly there, refusing a state from
+another build or order. At another world size or grad_accum (elastic, as MosaicML streaming does), the
+rest of the epoch's order is dealt over the new ranks, each row once; refused inside an optimizer step
+and, mid-epoch, on a plan balanced for the saved world size. ``set_epoch(e)`` starts epoch e at its
+first row; each pass (``iter()``) starts its epoch over unless a state was loaded for it. The dataset
+and ``PackedDataLoader`` share the position: the loader moves it as it hands batches out, so workers
+and their prefetching do not matter.
 
 Cost: opening maps the shards (no read) and builds one int64 index per row batch; each step slices
 buffers and makes three int64 copies of T tokens (the int32 → int64 widening).
@@ -58,10 +63,12 @@ buffers and makes three int64 copies of T tokens (the int32 → int64 widening).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,12 +76,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import fs, schema
+from . import fs, rows, schema
+from .context_parallel import row_view
 from .errors import ConfigError, ShardFormatError
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
-__all__ = ["PackedDataset", "PackedDataLoader", "make_dataloader", "manifest_fingerprint", "STATE_VERSION"]
+__all__ = ["PackedDataset", "PackedDataLoader", "Position", "make_dataloader", "manifest_fingerprint", "STATE_VERSION"]
 
 
 def manifest_fingerprint(directory: str | os.PathLike) -> str:
@@ -88,14 +96,24 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One record batch of a shard: where it is, and its rows as zero-copy views of the memory map."""
+
+    file: str
+    first: int  # the global index of its first row
+    rows: rows.RowBatch
+
+
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
                  vocab_size: int) -> None:
         self.tables = []  # keeps the memory maps alive
-        self.batches: list[dict[str, Any]] = []
+        self.batches: list[_Batch] = []
         self.starts: list[int] = []
+        self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -111,17 +129,18 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                cols: dict[str, Any] = {"file": str(path), "first": n, "checked": False}
-                for name in ("input_ids", "position_ids", "labels", "seq_lens"):
-                    arr = batch.column(name)
-                    cols[name] = arr.values.to_numpy(zero_copy_only=True)
-                    cols[name + ".offsets"] = arr.offsets.to_numpy(zero_copy_only=True)
-                cols["num_loss_tokens"] = batch.column("num_loss_tokens").to_numpy(zero_copy_only=True)
-                cols["max_seqlen"] = batch.column("max_seqlen").to_numpy(zero_copy_only=True)
-                off = cols["input_ids.offsets"]
-                tokens += int(off[-1]) - int(off[0])
-                self.batches.append(cols)
+                padded = schema.PAD_COLUMN in batch.schema.names  # a padded build (packer.context_parallel)
+                lists = {name: rows.Column.of(batch.column(name).values.to_numpy(zero_copy_only=True),
+                                              batch.column(name).offsets.to_numpy(zero_copy_only=True))
+                         for name in ("input_ids", "position_ids", "labels", "seq_lens") + (schema.PAD_COLUMN,) * padded}
+                row_batch = rows.RowBatch(
+                    **lists, example_ids=None,
+                    num_loss_tokens=batch.column("num_loss_tokens").to_numpy(zero_copy_only=True),
+                    max_seqlen=batch.column("max_seqlen").to_numpy(zero_copy_only=True))
+                tokens += int(row_batch.input_ids.offsets[-1])
+                self.batches.append(_Batch(str(path), n, row_batch))
                 self.starts.append(n)
+                self.checked.append(False)
                 n += batch.num_rows
             if tokens != entry.tokens:
                 raise ShardFormatError(
@@ -130,37 +149,53 @@ class _Shards:
                 )
         self.num_rows = n
         self.num_loss_tokens = (
-            np.concatenate([b["num_loss_tokens"] for b in self.batches]).astype(np.int64)
+            np.concatenate([b.rows.num_loss_tokens for b in self.batches]).astype(np.int64)
             if self.batches
             else np.zeros(0, np.int64)
         )
 
+    def check(self, b: int) -> None:
+        """Refuse batch ``b`` at the first problem :func:`packer.rows.check_rows` finds: the row
+        invariants the attention kernel and the loss index with (Arrow's validation at open keeps the
+        offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
+        embedding). ``benchmarks/bench_loader.py`` measures the cost."""
+        batch = self.batches[b]
+        problems = rows.check_rows(batch.rows, self.vocab_size)
+        if problems:
+            raise ShardFormatError(
+                f"{batch.file} row {batch.first + int(problems[0].rows[0])}: {problems[0].message}; the shard is "
+                "damaged, rebuild the folder (`packer verify DIR` lists every problem)"
+            )
+        self.checked[b] = True
+
+    def segment_pads(self, index: int) -> np.ndarray | None:
+        """The padding at the end of each segment of row ``index`` (None: the build has none)."""
+        b = bisect.bisect_right(self.starts, index) - 1
+        r, j = self.batches[b].rows, index - self.starts[b]
+        return None if r.pad_lens is None else r.pad_lens.values[r.pad_lens.offsets[j] : r.pad_lens.offsets[j + 1]]
+
+    def max_segments(self) -> int:
+        return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
+
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         b = bisect.bisect_right(self.starts, index) - 1
-        cols, j = self.batches[b], index - self.starts[b]
-        if not cols["checked"]:  # once per row batch and process, on its first row read
-            problem = check_rows(cols, self.vocab_size)
-            if problem is not None:
-                row, what = problem
-                raise ShardFormatError(
-                    f"{cols['file']} row {cols['first'] + row}: {what}; the shard is damaged, rebuild the folder "
-                    "(`packer verify DIR` lists every problem)"
-                )
-            cols["checked"] = True
-        o0, o1 = cols["input_ids.offsets"][j], cols["input_ids.offsets"][j + 1]
-        s0, s1 = cols["seq_lens.offsets"][j], cols["seq_lens.offsets"][j + 1]
+        if not self.checked[b]:  # once per row batch and process, on its first row read
+            self.check(b)
+        r, j = self.batches[b].rows, index - self.starts[b]
+        o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
+        s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
         cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-        cols["seq_lens"][s0:s1].cumsum(out=cu[1:])
+        r.seq_lens.values[s0:s1].cumsum(out=cu[1:])
         cu_t = torch.from_numpy(cu)
         # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
         if filler:
             labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
         else:
-            labels = torch.from_numpy(cols["labels"][o0:o1].astype(np.int64)[None])
-        max_len = int(cols["max_seqlen"][j])
+            labels = torch.from_numpy(r.labels.values[o0:o1].astype(np.int64)[None])
+        max_len = int(r.max_seqlen[j])
         return {
-            "input_ids": torch.from_numpy(cols["input_ids"][o0:o1].astype(np.int64)[None]),
-            "position_ids": torch.from_numpy(cols["position_ids"][o0:o1].astype(np.int64)[None]),
+            "input_ids": torch.from_numpy(r.input_ids.values[o0:o1].astype(np.int64)[None]),
+            "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
             "labels": labels,
             "cu_seq_lens_q": cu_t,
             "cu_seq_lens_k": cu_t,
@@ -170,69 +205,27 @@ class _Shards:
         }
 
 
-def check_rows(cols: dict[str, Any], vocab_size: int) -> tuple[int, str] | None:
-    """The first damaged row of a row batch and what is wrong with it, or None.
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a loader stands in its epochs: the one state ``state_dict()`` saves, the same on every rank.
 
-    The structure that the attention kernel and the loss index with, in a few vectorised passes over
-    the batch's tokens: Arrow's validation at open keeps the offsets in bounds, this keeps every
-    ``cu_seq_lens`` inside its row and every id inside the embedding. Rows are contiguous, so once each
-    row's ``seq_lens`` sum to its length the batch's cumulative ``seq_lens`` are the segment starts.
-    (``benchmarks/bench_loader.py`` measures the cost.)"""
-    off = cols["input_ids.offsets"].astype(np.int64)
-    for name in ("position_ids", "labels"):
-        bad = cols[name + ".offsets"] != cols["input_ids.offsets"]
-        if bad.any():
-            return max(int(np.argmax(bad)) - 1, 0), f"{name} is not aligned with input_ids"
-    soff = cols["seq_lens.offsets"].astype(np.int64)
-    seq = cols["seq_lens"][soff[0] : soff[-1]].astype(np.int64)
-    soff -= soff[0]
-    nseg = np.diff(soff)
-    if (nseg == 0).any():
-        return int(np.argmax(nseg == 0)), "no segments in seq_lens"
-    if (seq <= 0).any():
-        return _row_of(np.argmax(seq <= 0), soff), "a segment length ≤ 0 in seq_lens"
-    cs = np.zeros(seq.size + 1, np.int64)
-    np.cumsum(seq, out=cs[1:])
-    row_len = np.diff(off)
-    sums = cs[soff[1:]] - cs[soff[:-1]]
-    if (sums != row_len).any():
-        r = int(np.argmax(sums != row_len))
-        return r, f"seq_lens sum to {int(sums[r])}, the row holds {int(row_len[r])} tokens"
-    true_max = np.maximum.reduceat(seq, soff[:-1])
-    if (true_max != cols["max_seqlen"]).any():
-        r = int(np.argmax(true_max != cols["max_seqlen"]))
-        return r, f"max_seqlen {int(cols['max_seqlen'][r])} is not max(seq_lens) = {int(true_max[r])}"
-    lo, hi = int(off[0]), int(off[-1])
-    rel = off - lo
-    ids, pos, labels = cols["input_ids"][lo:hi], cols["position_ids"][lo:hi], cols["labels"][lo:hi]
-    if int(ids.view(np.uint32).max()) >= vocab_size:  # as unsigned, a negative id is huge too
-        bad = ids.view(np.uint32) >= vocab_size
-        return _row_of(np.argmax(bad), rel), f"a token id outside [0, {vocab_size}) (the tokenizer's vocab size)"
-    starts = cs[:-1]
-    # positions: 0 at every segment start, +1 everywhere else
-    step = np.subtract(pos[1:], pos[:-1])
-    step[starts[1:] - 1] = 1
-    if pos[starts].any() or not (step == 1).all():
-        at = np.argmax(pos != np.arange(hi - lo) - np.repeat(starts, seq))  # the rare path: say where
-        return _row_of(at, rel), "position_ids do not restart at 0 at each segment start and count up"
-    ignored = labels == schema.IGNORE_INDEX
-    if not ignored[starts].all():
-        return _row_of(starts[np.argmin(ignored[starts])], rel), \
-            "a label is not -100 at a segment start (it would cross an example boundary)"
-    ok = labels == ids
-    ok |= ignored
-    if not ok.all():
-        return _row_of(np.argmin(ok), rel), "a label is neither -100 nor the input id at its position"
-    loss = row_len - np.add.reduceat(ignored, rel[:-1], dtype=np.int64)
-    if (loss != cols["num_loss_tokens"]).any():
-        r = int(np.argmax(loss != cols["num_loss_tokens"]))
-        return r, f"num_loss_tokens {int(cols['num_loss_tokens'][r])} is not the count of trained labels {int(loss[r])}"
-    return None
+    Epoch ``epoch``'s rows are handed out in one order, drawn for ``order`` = (world_size, grad_accum):
+    the loader's own, or the setting the epoch started at when it was resumed at another one.
+    ``rows`` counts the rows of that order handed out over all ranks (filler rows too), ``micro`` the
+    micro-batches each rank has had of the optimizer step under way (which began at row
+    ``rows - micro * world_size``)."""
+
+    epoch: int
+    rows: int = 0
+    micro: int = 0
+    order: tuple[int, int] = (1, 1)
 
 
-def _row_of(index, offsets: np.ndarray) -> int:
-    """The row holding flat element ``index``, from the batch's offsets (starting at 0)."""
-    return int(np.searchsorted(offsets, int(index), side="right")) - 1
+def _need_int(name: str, value: Any, low: int, why: str) -> int:
+    """``value`` as an int, or a ConfigError unless it is an integer (not a bool) in [low, 2**63)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not low <= value < 2**63:
+        raise ConfigError(f"{name} {value!r}: need an integer >= {low} ({why})")
+    return int(value)
 
 
 class PackedDataset(IterableDataset):
@@ -246,9 +239,14 @@ class PackedDataset(IterableDataset):
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
         remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
         verify: also check every shard's sha256 against the manifest (reads every byte once).
+        cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
+            ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
+        static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
+            ``max_length`` fixed, so a compiled model sees one shape (``packer.context_parallel``).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
-    finished build of this format version, or a shard is missing or has another size than recorded.
+    finished build of this format version, or a shard is missing or has another size than recorded;
+    ``ConfigError`` for an argument out of range or of the wrong type. Resume: docs/loader.md.
     """
 
     def __init__(
@@ -262,6 +260,9 @@ class PackedDataset(IterableDataset):
         grad_accum: int = 1,
         remainder: Literal["pad", "drop"] = "pad",
         verify: bool = False,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__()
         self.directory = directory if fs.is_url(directory) else Path(directory)
@@ -272,17 +273,21 @@ class PackedDataset(IterableDataset):
             world_size = dist[1] if dist else 1
         if rank is None:
             rank = dist[0] if dist else 0
-        if world_size < 1 or not 0 <= rank < world_size:
+        world_size = _need_int("world_size", world_size, 1, "the number of data-parallel ranks")
+        rank = _need_int("rank", rank, 0, "this process's data-parallel rank")
+        if rank >= world_size:
             raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
-        if grad_accum < 1:
-            raise ConfigError(f"grad_accum {grad_accum}: need at least 1 micro-batch per optimizer step")
+        grad_accum = _need_int("grad_accum", grad_accum, 1, "micro-batches per optimizer step")
+        seed = _need_int("seed", seed, 0, "numpy's generators take no negative seed")
+        for name, flag in (("shuffle", shuffle), ("verify", verify)):
+            if type(flag) is not bool:
+                raise ConfigError(f"{name} {flag!r}: need True or False")
         if remainder not in ("pad", "drop"):
             raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.grad_accum, self.remainder = grad_accum, remainder
-        self.epoch = 0
-        self._resume_at = 0  # steps of self.epoch already consumed (set by load_state_dict)
-        self._yielded = 0  # steps this process yielded in the current iteration (num_workers=0)
+        self._position = Position(0, order=(world_size, grad_accum))
+        self._resuming = False  # load_state_dict set _position: the next pass starts there, not at the epoch's start
         self._check_files(verify)
         self._shards: _Shards | None = None
         shards = self._open()
@@ -304,9 +309,10 @@ class PackedDataset(IterableDataset):
             step = world_size * grad_accum
             raise ConfigError(
                 f"remainder='drop' with world_size {world_size} × grad_accum {grad_accum} = {step} rows per "
-                f"optimizer step, but the build has {self.num_rows} rows: every epoch would be empty; use "
+                f"optimizer step, but an epoch has {self.epoch_rows} rows: every epoch would be empty; use "
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
+        self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if loss_tokens != self.manifest.stats.loss_tokens:
             raise ShardFormatError(
@@ -322,21 +328,9 @@ class PackedDataset(IterableDataset):
                 f"{fs.join(self.directory, schema.MANIFEST_NAME)}: lists no shards; rebuild the folder"
             )
         for entry in shards:
-            path = fs.join(self.directory, entry.file)
-            size = fs.file_size(path)
-            if size is None:
-                raise ShardFormatError(
-                    f"{path}: missing, the manifest lists it; copy the whole folder or rebuild it"
-                )
-            if size != entry.bytes:
-                raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest records {entry.bytes}; the shard is truncated or "
-                    "from another build, rebuild the folder"
-                )
-            if verify and fs.file_sha256(path) != entry.sha256:
-                raise ShardFormatError(
-                    f"{path}: sha256 differs from the manifest's; the shard is corrupted, rebuild it"
-                )
+            problems = schema.shard_file_problems(self.directory, entry, sha256=verify)
+            if problems:
+                raise ShardFormatError(f"{fs.join(self.directory, entry.file)}: {problems[0]}; rebuild the folder")
 
     def _vocab_size(self) -> int:
         vocab = self.manifest.tokenizer.get("vocab_size")
@@ -358,40 +352,66 @@ class PackedDataset(IterableDataset):
         return state
 
     # -- order --------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    @property
+    def position(self) -> Position:
+        """Where this loader stands; ``state_dict()`` is this plus what the order depends on."""
+        return self._position
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the shuffle of ``epoch``; a pending resume position is kept only for its own epoch."""
-        if epoch != self.epoch:
-            self._resume_at = 0
-        self.epoch = epoch
+        """Start epoch ``epoch`` at its first row; a position loaded for this same epoch is kept."""
+        epoch = _need_int("epoch", epoch, 0, "epochs count from 0")
+        if not (self._resuming and epoch == self._position.epoch):
+            self._position, self._resuming = self._start(epoch), False
         if 1 < self.epochs <= epoch and not self._warned_past:  # a one-epoch build replays silently, as ever
             self._warned_past = True
             warnings.warn(f"{self.directory} holds {self.epochs} planned epochs; epoch {epoch} replays planned epoch "
                           f"{epoch % self.epochs} (its groupings of examples repeat); rebuild with a larger --epochs "
                           "to give every epoch its own", stacklevel=2)
 
-    def _epoch_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This rank's rows of the epoch: (row index, is filler, num_items_in_batch) per step."""
-        n, w, g = self.epoch_rows, self.world_size, self.grad_accum
-        n_groups = (n // (w * g)) * g if self.remainder == "drop" else -(-n // w)
-        # drop: the kept groups are drawn from all whole groups, so what is dropped changes every epoch
-        pool = n // w if self.remainder == "drop" else n_groups
-        slots = np.arange(pool * w, dtype=np.int64).reshape(pool, w)
+    def _start(self, epoch: int) -> Position:
+        return Position(epoch, order=(self.world_size, self.grad_accum))
+
+    def _order(self, epoch: int, order: tuple[int, int]) -> np.ndarray:
+        """Epoch ``epoch``'s slots in the order drawn for ``order`` = (world_size w, grad_accum g), flat:
+        groups of w consecutive slots, whole groups permuted per (seed, epoch); slot s is row s of the
+        epoch when s < rows per epoch, else a filler. pad: every group, the last completed by fillers;
+        drop: the groups of ``rows // (w * g)`` whole optimizer steps, drawn from all whole groups."""
+        n, (w, g) = self.epoch_rows, order
+        pool = n // w if self.remainder == "drop" else -(-n // w)
+        keep = (n // (w * g)) * g if self.remainder == "drop" else pool
+        groups = np.arange(pool * w, dtype=np.int64).reshape(pool, w)
         if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            slots = slots[rng.permutation(pool)]
-        slots = slots[:n_groups]
-        if self.remainder == "pad" and n_groups % g:
-            extra = g - n_groups % g  # whole filler groups so the last optimizer step has g micro-batches
-            slots = np.concatenate([slots, np.arange(n, n + extra * w, dtype=np.int64).reshape(extra, w)])
+            groups = groups[np.random.default_rng([self.seed, epoch]).permutation(pool)]
+        return groups[:keep].reshape(-1)
+
+    def _steps(self, position: Position) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This rank's steps from the start of ``position``'s optimizer step to the epoch's end: (row
+        index, is filler, num_items_in_batch) per step. The rest of the epoch's order is dealt in groups
+        of ``world_size`` slots, rank r taking the r-th slot of each; pad completes the last group and
+        the last optimizer step with fillers, drop leaves out what does not fill an optimizer step."""
+        n, w, g = self.epoch_rows, self.world_size, self.grad_accum
+        rest = self._order(position.epoch, position.order)[position.rows - position.micro * w :]
+        if self.remainder == "drop":
+            steps = rest.size // (w * g) * g
+            slots = rest[: steps * w]
+        else:
+            groups = -(-rest.size // w)
+            steps = -(-groups // g) * g
+            slots = np.concatenate([rest, np.arange(n, n + steps * w - rest.size, dtype=np.int64)])
+        slots = slots.reshape(steps, w)
         filler = slots >= n
-        rows = slots % n + (self.epoch % self.epochs) * n  # the planned epoch's rows
-        loss = np.where(filler, 0, self._open().num_loss_tokens[rows])
+        index = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
+        loss = np.where(filler, 0, self._open().num_loss_tokens[index])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
-        return rows[:, self.rank], filler[:, self.rank], items
+        return index[:, self.rank], filler[:, self.rank], items
 
     def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
+        """Steps (batches) of a whole epoch on this rank, the same on every rank."""
         n, w, g = self.epoch_rows, self.world_size, self.grad_accum
         if self.remainder == "drop":
             return (n // (w * g)) * g
@@ -399,69 +419,107 @@ class PackedDataset(IterableDataset):
         return -(-groups // g) * g
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rows, filler, items = self._epoch_order()
-        start = self._resume_at
-        self._resume_at = 0
+        position = self._begin_pass()
+        index, filler, items = self._steps(position)
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         shards = self._open()
-        self._yielded = start
-        for k in range(start + wid, len(rows), nw):
-            batch = shards.row(int(rows[k]), bool(filler[k]), int(items[k]))
-            self._yielded = k + 1
+        for k in range(position.micro + wid, len(index), nw):
+            batch = shards.row(int(index[k]), bool(filler[k]), int(items[k]))
+            if self._view is not None:  # a context-parallel rank's share, or a fixed shape
+                batch = _torch(self._view(batch, shards.segment_pads(int(index[k]))))
+            if info is None:  # in a worker, the DataLoader's own process counts what it hands out
+                self._advance()
             yield batch
 
-    # -- resume -------------------------------------------------------------------------------
+    # -- position -----------------------------------------------------------------------------
+    def _begin_pass(self) -> Position:
+        """Where a pass starts: at a loaded position once, else at the start of the epoch."""
+        if not self._resuming:
+            self._position = self._start(self._position.epoch)
+        self._resuming = False
+        return self._position
+
+    def _advance(self) -> None:
+        """One more step handed out, on every rank."""
+        p = self._position
+        self._position = dataclasses.replace(p, rows=p.rows + self.world_size, micro=(p.micro + 1) % self.grad_accum)
+
     def _identity(self) -> dict[str, Any]:
         return {
             "manifest_sha256": self.fingerprint,
             "num_rows": self.num_rows,
-            "world_size": self.world_size,
-            "rank": self.rank,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "grad_accum": self.grad_accum,
             "remainder": self.remainder,
+            "world_size": self.world_size,
+            "grad_accum": self.grad_accum,
         }
 
-    @property
-    def resume_at(self) -> int:
-        """Steps of the current epoch the next ``iter()`` skips (set by ``load_state_dict``)."""
-        return self._resume_at
-
-    def state_at(self, steps_done: int) -> dict[str, Any]:
-        """The resumable state after ``steps_done`` steps of the current epoch."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "steps_done": steps_done, **self._identity()}
-
     def state_dict(self) -> dict[str, Any]:
-        """Position after what this dataset's own iterator yielded (exact with ``num_workers=0``)."""
-        return self.state_at(self._yielded)
+        """The position, the same on every rank, and what the order depends on (a JSON-able dict)."""
+        p = self._position
+        return {"version": STATE_VERSION, "epoch": p.epoch, "rows_done": p.rows, "micro_done": p.micro,
+                "order_world_size": p.order[0], "order_grad_accum": p.order[1], **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position with the next ``iter()``; refuses another build or order,
-        and any state that is not one this loader wrote (``check_state``)."""
-        epoch, steps = check_state(state, self._identity(), len(self), str(self.directory))
-        self.epoch = epoch
-        self._resume_at = steps
-        self._yielded = steps
+        """Continue at ``state``'s position with the next pass, at this loader's world size and
+        grad_accum (docs/loader.md); refuses another build or order and any state this loader did not
+        write (``check_state``)."""
+        position, saved_at = check_state(state, self._identity(), str(self.directory))
+        self._position, self._resuming = self._resumed(position, saved_at), True
+
+    def _resumed(self, position: Position, saved_at: tuple[int, int]) -> Position:
+        """Where a checked state continues here. At the setting it was saved at: there. At another world
+        size or grad_accum (elastic): the rest of the epoch's order is dealt over this loader's ranks,
+        from an optimizer step's end only, and not mid-epoch on a plan balanced for the saved world size."""
+        size = self._order(position.epoch, position.order).size
+        (w, g), here = saved_at, (self.world_size, self.grad_accum)
+        where = f"loader state at epoch {position.epoch}, row {position.rows}"
+        if position.rows > size + w * g - 1 or (position.micro and position.rows - position.micro * w >= size):
+            raise ConfigError(f"{where}: past the end of the epoch ({size} rows in its order): it was not written by "
+                              "this loader's state_dict()")
+        if saved_at == here:
+            return position
+        if position.micro:
+            raise ConfigError(
+                f"{where}: {position.micro} micro-batch(es) inside an optimizer step of grad_accum {g} on {w} ranks, "
+                f"this loader has world_size {here[0]}, grad_accum {here[1]}: resume inside an optimizer step at "
+                f"world_size {w}, grad_accum {g}, or save at an optimizer step's end"
+            )
+        if position.rows == 0:  # nothing of the epoch handed out: it is dealt in this loader's own order
+            return self._start(position.epoch)
+        balance = self.manifest.config.balance
+        if balance and w != here[0] and position.rows < size:
+            raise ConfigError(
+                f"{where} of {size}: saved mid-epoch at world size {w}, this loader has world size {here[0]}; the "
+                f"build's plan balances each step's rows over {self.manifest.config.world_size} ranks "
+                f"(--balance {balance}) and dealing the rest of the epoch over {here[0]} ranks would undo that: "
+                f"resume at world size {w}, or start epoch {position.epoch + 1} at world size {here[0]}"
+            )
+        return position
 
 
 # The keys of a loader state and their types (bool is not an int here).
-_STATE_TYPES = {"version": int, "epoch": int, "steps_done": int, "manifest_sha256": str, "num_rows": int,
-                "world_size": int, "rank": int, "seed": int, "shuffle": bool, "grad_accum": int, "remainder": str}
+_STATE_TYPES = {"version": int, "epoch": int, "rows_done": int, "micro_done": int, "order_world_size": int,
+                "order_grad_accum": int, "manifest_sha256": str, "num_rows": int, "seed": int, "shuffle": bool,
+                "remainder": str, "world_size": int, "grad_accum": int}
 
 
-def check_state(state: Any, mine: dict[str, Any], steps_per_epoch: int, directory: str) -> tuple[int, int]:
-    """``(epoch, steps_done)`` of a resume state, after checking it is exactly what ``state_at`` writes
-    for this loader: the version, every key present with its type and nothing else, the same build
-    (manifest sha256), the same order (world size, rank, seed, ...) and a position inside an epoch.
-    A tampered or foreign state is one ConfigError (ShardFormatError for another build's), never a
-    raw TypeError/KeyError nor a silent resume at a wrong place."""
+def check_state(state: Any, mine: dict[str, Any], directory: str) -> tuple[Position, tuple[int, int]]:
+    """The position a resume state holds and the (world_size, grad_accum) it was saved at, after
+    checking it is exactly what ``state_dict`` writes: the version (a version-1 state is read as the
+    position it stands for), every key present with its type and nothing else, the same build (manifest
+    sha256), the same order (seed, shuffle, remainder) and numbers in range. A tampered or foreign state
+    is one ConfigError (ShardFormatError for another build's), never a raw TypeError/KeyError nor a
+    silent resume at a wrong place."""
     if not isinstance(state, dict):
         raise ConfigError(f"loader state is a {type(state).__name__}, not the dict state_dict() returns")
     version = state.get("version")
-    if type(version) is not int or version != STATE_VERSION:
-        raise ConfigError(f"loader state version {version!r}, this packer reads version {STATE_VERSION}")
+    if type(version) is not int or version not in (1, STATE_VERSION):
+        raise ConfigError(f"loader state version {version!r}, this packer reads versions 1 and {STATE_VERSION}")
+    if version == 1:
+        state = _from_version_1(state)
     missing = sorted(set(_STATE_TYPES) - set(state))
     unknown = sorted(map(str, set(state) - set(_STATE_TYPES)))
     if missing or unknown:
@@ -477,18 +535,41 @@ def check_state(state: Any, mine: dict[str, Any], steps_per_epoch: int, director
             f"{directory}: the loader state was saved on another shard directory (manifest sha256 "
             f"{state['manifest_sha256'][:12]}…, this one {mine['manifest_sha256'][:12]}…); resume on the same build"
         )
-    for key in ("world_size", "rank", "seed", "shuffle", "grad_accum", "remainder", "num_rows"):
+    for key in ("seed", "shuffle", "remainder", "num_rows"):
         if state[key] != mine[key]:
             raise ConfigError(
                 f"loader state was saved with {key}={state[key]!r}, this loader has {key}={mine[key]!r}; "
                 "the row order depends on it, so resuming would repeat or skip rows: resume with the same setting"
             )
-    epoch, steps = state["epoch"], state["steps_done"]
-    if not 0 <= epoch < 2**63:
-        raise ConfigError(f"loader state at epoch {epoch}: need 0 <= epoch < 2**63")
-    if not 0 <= steps <= steps_per_epoch:
-        raise ConfigError(f"loader state at step {steps}, but an epoch has {steps_per_epoch} steps")
-    return epoch, steps
+    if not 0 <= state["epoch"] < 2**63:
+        raise ConfigError(f"loader state at epoch {state['epoch']}: need 0 <= epoch < 2**63")
+    for key in ("world_size", "grad_accum", "order_world_size", "order_grad_accum"):
+        if not 1 <= state[key] < 2**63:
+            raise ConfigError(f"loader state {key} is {state[key]}: need at least 1")
+    rows, micro = state["rows_done"], state["micro_done"]
+    if not 0 <= micro < state["grad_accum"] or not micro * state["world_size"] <= rows < 2**63:
+        raise ConfigError(f"loader state at row {rows}, micro-batch {micro}: need 0 <= micro_done < grad_accum "
+                          f"{state['grad_accum']} and micro_done × world_size <= rows_done")
+    position = Position(state["epoch"], rows, micro, (state["order_world_size"], state["order_grad_accum"]))
+    return position, (state["world_size"], state["grad_accum"])
+
+
+def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """The version-2 state a version-1 one stands for: its ``steps_done`` steps on each of its
+    ``world_size`` ranks, in the order of the setting it was saved at (its ``rank`` no longer matters)."""
+    old = {key: state.get(key) for key in ("steps_done", "world_size", "grad_accum")}
+    for key, value in old.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key != "steps_done"):
+            raise ConfigError(f"loader state (version 1) {key} is {value!r}: it was not written by a loader's "
+                              "state_dict()")
+    steps, w, g = old.values()
+    rest = {key: value for key, value in state.items() if key not in ("steps_done", "rank")}
+    return {**rest, "version": STATE_VERSION, "rows_done": steps * w, "micro_done": steps % g,
+            "order_world_size": w, "order_grad_accum": g}
+
+
+def _torch(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:
@@ -499,33 +580,40 @@ def _no_collate(batch: dict[str, Any]) -> dict[str, Any]:
 class PackedDataLoader(DataLoader):
     """A ``DataLoader`` over a ``PackedDataset`` (batch_size=None: a row is a batch) that can resume.
 
-    ``state_dict()`` counts the batches handed out in the current epoch, so prefetching workers do not
-    matter; ``load_state_dict()`` makes the next ``iter()`` continue right after them.
+    Its position is the dataset's, moved in this process as batches are handed out, so prefetching
+    workers do not matter: each worker reads from a copy of the dataset taken when a pass starts.
     """
 
     dataset: PackedDataset
 
     def __init__(self, dataset: PackedDataset, **kwargs: Any) -> None:
+        if kwargs.get("persistent_workers"):
+            raise ConfigError("persistent_workers=True: the workers would keep the epoch and position of their first "
+                              "pass, and set_epoch or load_state_dict would not reach them; leave it False")
+        if kwargs.get("in_order") is False:
+            raise ConfigError("in_order=False: batches would be handed out as workers finish them, not in the epoch's "
+                              "order, and no position could name what was handed out; leave it True")
         super().__init__(dataset, batch_size=None, collate_fn=_no_collate, **kwargs)
-        self._delivered = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._delivered = self.dataset.resume_at
-        # In-process without pinning there is nothing for DataLoader's machinery to do: read directly.
-        direct = self.num_workers == 0 and not self.pin_memory
-        for batch in iter(self.dataset) if direct else super().__iter__():
-            self._delivered += 1
+        if self.num_workers == 0:  # the dataset's own iterator moves the position
+            # without pinning there is nothing for DataLoader's machinery to do: read directly
+            yield from super().__iter__() if self.pin_memory else iter(self.dataset)
+            return
+        batches = super().__iter__()  # starts the workers, each with a copy of the dataset as it is now...
+        self.dataset._begin_pass()  # ...so this process's copy starts the same pass after them
+        for batch in batches:
+            self.dataset._advance()
             yield batch
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_at(self._delivered)
+        return self.dataset.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._delivered = self.dataset.resume_at
 
 
 def make_dataloader(
@@ -538,6 +626,9 @@ def make_dataloader(
 ) -> PackedDataLoader:
     """A resumable DataLoader yielding one packed row per batch; ``dataset_options`` are
     ``PackedDataset``'s (shuffle, seed, rank, world_size, grad_accum, remainder, verify)."""
+    _need_int("num_workers", num_workers, 0, "worker processes; 0 reads in this process")
+    if prefetch_factor is not None:
+        _need_int("prefetch_factor", prefetch_factor, 1, "batches each worker reads ahead")
     dataset = PackedDataset(directory, **dataset_options)
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:

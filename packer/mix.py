@@ -20,25 +20,37 @@ positions in the mix.
 
 Each part is read as its own stream (:mod:`packer.sources`) and encoded by its own
 :class:`packer.tokenization.Encoder` (so chat and prompt/completion sources mix under one tokenizer);
-:class:`MixEncoder` puts a chunk's examples back in mix order.
+:class:`MixEncoder` puts a chunk's examples back in mix order. A build from one source reads it as a
+mix of one part (:func:`packer.pipeline.open_source`), so every build has one stream, one chunk and one
+encoder type; only the manifest tells them apart (a one-source build records its source, not ``parts``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .accounting import account
 from .errors import ConfigError, SourceError
-from .tokenization import Encoded, Encoder
+from .tokenization import Encoded, Encoder, Skipped
+
+if TYPE_CHECKING:
+    from .sources import Stream
 
 FIELDS = ("prompt_field", "completion_field", "messages_field", "text_field")
 KEYS = ("source", "weight", "records", "recipe", "split", "files", *FIELDS)
 DRAW_BLOCK = 4096  # draws are made in blocks of this many, whatever the chunk size
+PART = np.int32  # a mix position's part
+# a mix by records counts draws its whole order up front (16 bytes a record at the peak): bounded
+RECORDS_DRAWN = 2**31
+CHECK_FROM = 1 << 20  # a weighted mix's draws counted under --limit before the parts are asked if they hold them
+FILES_BESIDE = 64  # open files a build needs besides its mix parts' (spill, shards, tokenizer, workers' pipes)
 SALT = 0x6D6978  # "mix": the draws' stream of random numbers is apart from the plan's for the same seed
 
 
@@ -120,6 +132,10 @@ def check_parts(parts: list, where: str) -> list[dict[str, Any]]:
         raise ConfigError(f"{where}: give every source a weight, or every source a records count, not both")
     if kinds == {True} and sum(p["weight"] for p in out) <= 0:
         raise ConfigError(f"{where}: the weights sum to zero; give at least one source a positive weight")
+    if kinds == {False} and sum(p["records"] for p in out) > RECORDS_DRAWN:
+        raise ConfigError(f"{where}: the records counts sum to {sum(p['records'] for p in out):,}, more than the "
+                          f"{RECORDS_DRAWN:,} a mix by counts can draw (its order is drawn up front); use weights "
+                          "and --limit for a larger mix")
     return out
 
 
@@ -130,7 +146,7 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
     """The source of each mix position, in blocks: a pure function of the parts, seed and limit."""
     rng = np.random.default_rng([SALT, seed])
     if "records" in parts[0]:
-        order = np.repeat(np.arange(len(parts), dtype=np.int16), [p["records"] for p in parts])
+        order = np.repeat(np.arange(len(parts), dtype=PART), [p["records"] for p in parts])
         order = order[rng.permutation(order.size)]
         if limit is not None:
             order = order[:limit]
@@ -138,10 +154,12 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
             yield order[lo:lo + DRAW_BLOCK]
         return
     p = np.array([part["weight"] for part in parts], dtype=np.float64)
+    if not math.isfinite(sum(p.tolist())):  # weights near the float maximum: their ratios are what counts
+        p /= p.max()
     p /= p.sum()
     left = limit
     while left is None or left > 0:
-        block = rng.choice(len(parts), size=DRAW_BLOCK, p=p).astype(np.int16)
+        block = rng.choice(len(parts), size=DRAW_BLOCK, p=p).astype(PART)
         if left is not None:
             block = block[:left]
             left -= block.size
@@ -149,9 +167,46 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
 
 
 def positions_sources(parts: list[dict[str, Any]], seed: int, n: int) -> np.ndarray:
-    """int16[n]: the source of each of the first ``n`` mix positions (recomputed, nothing read)."""
+    """int32[n]: the source of each of the first ``n`` mix positions (recomputed, nothing read)."""
     out = list(draws(parts, seed, n))
-    return np.concatenate(out)[:n] if out else np.zeros(0, np.int16)
+    return np.concatenate(out)[:n] if out else np.zeros(0, PART)
+
+
+def part_limits(parts: list[dict[str, Any]], seed: int, limit: int, holds: Callable[[int, int], bool]) -> list[int]:
+    """How many of the first ``limit`` mix positions each part gives: how far each part is read.
+
+    Counted a block of draws at a time, never an array of ``limit``. A weighted mix ends where a drawn
+    part has no record left, so once ``CHECK_FROM`` positions are counted, and at every doubling, each
+    part is asked whether it holds its count (``holds(part, n)``, which reads no further than ``n``);
+    the count stops at the first that does not, so a ``--limit`` beyond the data costs what the data
+    costs. Each part's count is then at least what the mix reads of it.
+    """
+    if len(parts) == 1:  # every draw is the one part's
+        return [limit]
+    counts = np.zeros(len(parts), np.int64)
+    done, check = 0, CHECK_FROM
+    for block in draws(parts, seed, limit):
+        counts += np.bincount(block, minlength=len(parts))
+        done += block.size
+        if "weight" in parts[0] and done >= check:
+            check *= 2
+            if not all(holds(k, int(n)) for k, n in enumerate(counts)):
+                break
+    return counts.tolist()
+
+
+def _room_for_files(parts: int) -> None:
+    """A mix reads its parts side by side, each holding a file open (the files of one part are read one
+    after another), so the soft limit on open files is raised to what that needs, within the hard limit
+    (as any process may for its own needs). Past the hard limit, reading says so (``packer.readers``)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: no such limit to read
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = parts + FILES_BESIDE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -160,7 +215,7 @@ def positions_sources(parts: list[dict[str, Any]], seed: int, n: int) -> np.ndar
 class _Reader:
     """One part's records, taken n at a time across its stream's batches."""
 
-    def __init__(self, stream, size: int):
+    def __init__(self, stream: Stream, size: int):
         self.batches = stream.chunks(0, size)
         self.batch: dict[str, list] = {}
         self.offset = 0
@@ -180,6 +235,9 @@ class _Reader:
             parts.append({c: v[self.offset:self.offset + k] for c, v in self.batch.items()})
             self.offset += k
             n -= k
+        if len(parts) == 1:  # within one batch (always, for a one-part mix): its columns as they are
+            self.taken += k
+            return parts[0]
         taken = {c: [x for p in parts for x in p.get(c, [None] * len(next(iter(p.values()))))]
                  for c in dict.fromkeys(c for p in parts for c in p)}
         self.taken += len(next(iter(taken.values()))) if taken else 0
@@ -196,10 +254,10 @@ class MixChunk:
 
 @dataclass(frozen=True, slots=True)
 class MixStream:
-    """The parts' streams interleaved by the draws; the same interface as :class:`packer.sources.Stream`."""
+    """The parts' streams interleaved by the draws: what every build reads, a chunk at a time (``chunks``)."""
 
     parts: tuple[dict[str, Any], ...]
-    streams: tuple[Any, ...]  # packer.sources.Stream per part
+    streams: tuple[Stream, ...]  # one per part
     seed: int
     limit: int | None = None
 
@@ -208,8 +266,9 @@ class MixStream:
         return "+".join(p["source"] for p in self.parts)
 
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
+        _room_for_files(len(self.streams))
         readers = [_Reader(s, size) for s in self.streams]
-        pending = np.zeros(0, np.int16)
+        pending = np.zeros(0, PART)
         blocks = draws(list(self.parts), self.seed, self.limit)
         lo = 0
         while True:
@@ -248,29 +307,28 @@ class MixStream:
             if ended:
                 return
 
-    def columns(self) -> list[str]:
-        return []
-
 
 class MixEncoder:
     """Encodes a :class:`MixChunk`: each part's records by its own Encoder, examples back in mix order."""
 
-    def __init__(self, encoders: list[Encoder], names: list[str]):
-        self.encoders, self.names = encoders, names
+    def __init__(self, encoders: list[Encoder], wheres: list[str]):
+        self.encoders, self.wheres = encoders, wheres  # wheres: how an error names a part's record
 
-    def encode(self, chunk: MixChunk, first_index: int, *, where: str = "record") -> Encoded:
+    def encode(self, chunk: MixChunk) -> Encoded:
         done: list[Encoded] = []
-        skipped: dict[str, int] = {}
+        skipped: list[dict[str, int]] = [{} for _ in self.encoders]
         for k, first, records, positions in chunk.pieces:
-            enc = self.encoders[k].encode(records, first, where=f"{self.names[k]} record")
+            enc = self.encoders[k].encode(records, first, where=self.wheres[k])
             # example ids: from the part's own record index to the position in the mix
             enc.example_ids = positions[enc.example_ids - first].astype(np.int64)
             done.append(enc)
-            for reason, n in enc.skipped.items():
-                key = f"{reason}@{k}"
-                skipped[key] = skipped.get(key, 0) + n
+            skipped[k] = dict(enc.skipped)
+        if len(done) == 1:  # one part's examples are in mix order already
+            done[0].skipped = Skipped(tuple(skipped))
+            return done[0]
         if not done:
-            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64), skipped)
+            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           Skipped(tuple(skipped)))
         lengths = np.concatenate([e.lengths for e in done]).astype(np.int64)
         example_ids = np.concatenate([e.example_ids for e in done])
         ids = np.concatenate([e.ids for e in done])
@@ -282,43 +340,28 @@ class MixEncoder:
         new_starts = np.zeros(new_len.size + 1, np.int64)
         np.cumsum(new_len, out=new_starts[1:])
         index = np.repeat(starts[:-1][order] - new_starts[:-1], new_len) + np.arange(int(new_starts[-1]))
-        return Encoded(ids[index], trained[index], new_len, example_ids[order], skipped)
-
-
-def split_skipped(skipped: dict[str, int], parts: int) -> tuple[dict[str, int], list[dict[str, int]]]:
-    """A mix spill's ``reason@part`` skip counts as (by reason, by part and reason)."""
-    total: dict[str, int] = {}
-    per = [{} for _ in range(parts)]
-    for key, n in skipped.items():
-        reason, _, k = key.rpartition("@")
-        total[reason] = total.get(reason, 0) + n
-        per[int(k)][reason] = per[int(k)].get(reason, 0) + n
-    return dict(sorted(total.items())), [dict(sorted(p.items())) for p in per]
+        return Encoded(ids[index], trained[index], new_len, example_ids[order], Skipped(tuple(skipped)))
 
 
 def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,
-                plan, per_skipped: list[dict[str, int]]) -> list[dict[str, Any]]:
-    """Each part's counts: records read, examples packed whole / split / truncated / dropped, skipped by reason."""
+                plan, skipped: Skipped) -> list[dict[str, Any]]:
+    """Each part's counts (:func:`packer.accounting.account`, one epoch's, so they add up to the totals):
+    records read, examples packed whole / split / truncated / dropped, skipped by reason, and the tokens
+    its examples hold in the rows of every epoch (as the totals' ``tokens``)."""
     src = positions_sources(parts, seed, records)
-    example_src = src[np.asarray(example_ids)] if len(example_ids) else np.zeros(0, np.int16)
-    pieces = np.bincount(plan.example, minlength=lengths.size)
-    covered = np.bincount(plan.example, weights=plan.length, minlength=lengths.size).astype(np.int64)
-    whole = covered == lengths
+    example_src = src[np.asarray(example_ids)] if len(example_ids) else np.zeros(0, PART)
+    acct = account(plan, lengths, source=example_src, parts=len(parts))
     out = []
-    for k, part in enumerate(parts):
-        mine = example_src == k
-        dropped = {**per_skipped[k]}
-        overlong = int((mine & (pieces == 0)).sum())
-        if overlong:
-            dropped["overlong"] = overlong
+    for k, (part, c) in enumerate(zip(parts, acct.parts, strict=True)):
+        dropped = {**skipped.by_part[k], **({"overlong": c.dropped} if c.dropped else {})}
         out.append({
             "source": part["source"],
             "records_read": int((src == k).sum()),
-            "examples": int(mine.sum()),
-            "examples_packed": int((mine & (pieces == 1) & whole).sum()),
-            "examples_split": int((mine & (pieces > 1)).sum()),
-            "examples_truncated": int((mine & (pieces > 0) & ~whole).sum()),
+            "examples": c.examples,
+            "examples_packed": c.whole,
+            "examples_split": c.split,
+            "examples_truncated": c.truncated,
             "dropped_by_reason": dict(sorted(dropped.items())),
-            "tokens": int(plan.length[example_src[plan.example] == k].sum()) if plan.example.size else 0,
+            "tokens": c.tokens * acct.epochs,
         })
     return out

@@ -1,12 +1,22 @@
-"""The lifecycle of an output folder: lock, check, prepare, commit, or discard.
+"""The lifecycle of an output folder (lock, check, prepare, commit; a failed build leaves nothing),
+and what in it is packer's.
 
-A build holds ``LOCK`` (an exclusive ``flock``) from start to end. It refuses a folder holding anything
-packer does not own (:func:`packer.schema.is_owned`) or another build, reuses one holding this exact
-build intact (:func:`damage` re-checks it: a damaged one is rebuilt), and otherwise clears what a previous build left (the manifest first, so the folder stops
-looking complete at once). Shards are written into ``STAGING``; :func:`commit` fsyncs and moves them
-into place, writes what ``datasets.load_from_disk`` reads, and writes the manifest last (temporary
-name, fsync, rename): a folder without ``manifest.json`` is never a finished build. A failed write is
-:func:`discard`\\ ed: no manifest, no shards, no staging files remain.
+Ownership is proven, never guessed from a name. packer owns the files that a manifest it wrote lists
+(:func:`packer.schema.listed_files`: checked by the manifest's content hash), and its staging folder
+``STAGING``, proven by the lock file in it (``STAGING/LOCK`` holding ``LOCK_BYTES``). Everything else
+is someone else's: a build refuses a folder holding it, and with ``--overwrite`` builds beside it,
+deleting only the previous build's files; a foreign file with a name a build writes is refused even
+then. No source file may lie inside the folder (:func:`refuse_sources_inside`).
+
+A build holds an exclusive ``flock`` on ``STAGING/LOCK`` from start to end (:func:`lock`). The staging
+folder records every move before it happens, so what a kill leaves is still provably packer's: the
+previous build's manifest is moved to ``STAGING/PREVIOUS`` before its files are deleted (the folder
+stops looking complete at once), and the new manifest is written to ``STAGING/PENDING`` before the
+shards are moved into place; renaming it to ``manifest.json`` is the commit point. A folder without
+``manifest.json`` is never a finished build. When the lock is released, a build that failed with a
+reported error leaves nothing (its staging, and the files the staged manifests list, are removed; a
+folder it created too), an interrupted one keeps its staging (the token spill, which the rerun
+resumes), and a finished one loses its staging.
 """
 
 from __future__ import annotations
@@ -15,14 +25,15 @@ import errno
 import fcntl
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import fs, schema
-from .errors import OutputError, ShardFormatError
-from .schema import LOCK, MANIFEST_NAME, MANIFEST_TMP, STAGING, TOKENS_DIR
+from .errors import OutputError, PackerError, ShardFormatError
+from .schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 
@@ -38,76 +49,148 @@ def _close_held_in_child() -> None:
 os.register_at_fork(after_in_child=_close_held_in_child)
 
 
-@contextmanager
-def lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``out/LOCK`` (creating ``out`` if needed); refuse if held.
+def local_folder(out: str) -> Path:
+    """``--out`` as a local folder (a path or a ``file://`` URL); any other filesystem is refused: the
+    commit protocol needs a local folder's atomic renames, fsync and flock."""
+    local = fs.local_path(out)
+    if local is None:
+        raise OutputError(
+            f"--out {out}: packer writes to a local folder only; build into a local folder, then copy it there "
+            "(the loader, inspect and verify read fsspec URLs)"
+        )
+    return local
 
-    The lock file is removed on release (and ``out`` too if this call created it and it is empty);
-    one left by a killed build is harmless: the kernel released its lock, and the next build takes it.
-    """
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
-    created = not out.exists()
-    path = out / LOCK
-    for _ in range(10):  # retry if the holder removed the file between our open and our flock
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputError(
-                f"--out {out}: another packer build is writing there now ({LOCK} is locked); wait for it to "
-                "finish or choose another --out"
-            ) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    else:  # pragma: no cover - only under a storm of concurrent builds
-        raise OutputError(f"--out {out}: could not take {LOCK}; another build keeps replacing it, retry")
-    _HELD.add(fd)
+
+# -- what is packer's -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Contents:
+    """An output folder's entries, sorted by proof of ownership."""
+
+    finished: dict[str, Any] | None  # the manifest of the finished build there (parsed JSON), if packer's
+    foreign: tuple[str, ...]  # the entries packer cannot prove it wrote
+
+
+def _json(path: Path) -> Any:
     try:
-        _drop_stale_staging(out)
-        yield
-    finally:
-        with suppress(OSError):
-            path.unlink()
-        _HELD.discard(fd)
-        os.close(fd)
-        if created:
-            with suppress(OSError):
-                out.rmdir()  # only if empty: a failed first build leaves no folder behind
+        if path.is_symlink() or not path.is_file():
+            return None
+        return schema.load_json(path.read_bytes(), str(path))
+    except (OSError, ShardFormatError):
+        return None
 
 
-def _drop_stale_staging(out: Path) -> None:
-    """Under the lock, a folder with a manifest holds a finished build: a staging folder or temporary
-    manifest beside it is what a build killed between its commit point (the manifest's rename) and
-    its last step left; remove them, or the folder never verifies."""
-    if (out / MANIFEST_NAME).is_file():
-        with suppress(FileNotFoundError):
-            shutil.rmtree(out / STAGING)
-        with suppress(FileNotFoundError):
-            (out / MANIFEST_TMP).unlink()
+def _staging_is_ours(staging: Path) -> bool:
+    """Whether ``staging`` is packer's: its lock file holds packer's bytes, or it is what a build
+    killed while creating it leaves (an empty folder, or one holding only a torn lock file)."""
+    if staging.is_symlink() or not staging.is_dir():
+        return False
+    try:
+        entries = os.listdir(staging)
+        if not entries:
+            return True
+        lock_file = staging / LOCK
+        if lock_file.is_symlink() or not lock_file.is_file():
+            return False
+        data = lock_file.read_bytes()
+    except OSError:
+        return False
+    return data == LOCK_BYTES or (entries == [LOCK] and LOCK_BYTES.startswith(data))
 
 
-def tidy(directory) -> None:
-    """What ``verify`` and ``inspect`` run first: drop a finished build's stale staging (see
-    :func:`_drop_stale_staging`) if no build holds the folder now. A no-op for URLs, folders without
-    leftovers, and folders this process cannot write (the check then reports the leftover)."""
-    out = Path(directory)
-    if "://" in str(directory) or not (out / MANIFEST_NAME).is_file():
-        return
-    if not ((out / STAGING).exists() or (out / MANIFEST_TMP).exists()):
-        return
-    with suppress(OutputError, OSError), lock(out):
-        pass
+def _proven(out: Path, data: Any) -> frozenset[str]:
+    """The files of ``out`` that the manifest ``data`` proves packer's: listed by it (its content hash
+    checked), and as it records them (a shard of the size it lists, a ``datasets`` file of the bytes
+    it implies), so a file of someone else's put under a listed name is not taken for packer's."""
+    listed = schema.listed_files(data)
+    if listed is None:
+        return frozenset()
+    sizes = {e["file"]: e.get("bytes") for e in data["shards"] if isinstance(e, dict) and "file" in e}
+    try:
+        derived = schema.datasets_files(schema.Manifest.from_json(data))
+    except ShardFormatError:  # a version this packer cannot read: its listing alone
+        derived = {}
+
+    def as_recorded(name: str) -> bool:
+        path = out / name
+        if path.is_symlink() or not path.is_file():
+            return False
+        if name in sizes:
+            return path.stat().st_size == sizes[name]
+        if name in derived:
+            return path.read_bytes() == derived[name]
+        return True
+
+    return frozenset(n for n in listed if as_recorded(n))
+
+
+def _staged_files(out: Path, staging: Path) -> frozenset[str]:
+    """The files of ``out`` that the manifests in ``staging`` prove packer's (a build being committed,
+    one being cleared); never ``manifest.json``, which is only ever moved into staging."""
+    return frozenset().union(*(_proven(out, _json(staging / n)) for n in (PENDING, PREVIOUS))) - {MANIFEST_NAME}
+
+
+def survey(out: Path) -> Contents:
+    """What of ``out`` is packer's (read only)."""
+    if not out.is_dir():
+        return Contents(None, ())
+    try:
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot read it ({_reason(e)}); choose a folder you can read and write") from e
+    finished = _json(out / MANIFEST_NAME)
+    if schema.listed_files(finished) is None:
+        finished = None
+    ours = set(_proven(out, finished))
+    staging = out / STAGING
+    if _staging_is_ours(staging):
+        ours |= {STAGING, *_staged_files(out, staging)}
+    return Contents(finished, tuple(n for n in names if n not in ours))
+
+
+def _writes(name: str) -> bool:
+    """Whether a build writes an entry of this name (so a foreign one there cannot stay beside it)."""
+    return schema.is_shard_name(name) or name in (MANIFEST_NAME, STAGING, *schema.DATASETS_FILES)
+
+
+def refuse_foreign(out: Path, overwrite: bool) -> Contents:
+    """Refuse a folder holding entries packer did not write (without ``--overwrite``), or holding one
+    under a name a build writes (even with it); return the survey."""
+    contents = survey(out)
+    foreign = contents.foreign
+    clash = [n for n in foreign if _writes(n)]
+    if MANIFEST_NAME in clash:
+        raise OutputError(
+            f"--out {out}: its {MANIFEST_NAME} is not a manifest packer wrote (another tool's, or edited or damaged: "
+            "its content_sha256 does not match), so packer cannot tell its files from others'; move the folder's "
+            "files away or choose another --out"
+        )
+    if STAGING in clash:
+        raise _foreign_staging(out)
+    if clash:
+        raise OutputError(
+            f"--out {out}: holds {_names(clash)}, under names a build writes, which packer cannot prove it wrote "
+            "(no packer manifest lists them as they are); move them away or choose another --out"
+        )
+    if foreign and not overwrite:
+        raise OutputError(
+            f"--out {out}: holds files packer did not write ({_names(foreign)}); choose an empty or new folder, or "
+            "pass --overwrite to build beside them (they stay untouched)"
+        )
+    return contents
+
+
+def _foreign_staging(out: Path) -> OutputError:
+    return OutputError(
+        f"--out {out}: holds {STAGING}, which packer did not create (it holds no lock file of packer's); move it "
+        "away or choose another --out"
+    )
+
+
+def _names(names: Iterable[str]) -> str:
+    names = list(names)
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def refuse_inside(out: Path, source: str) -> None:
@@ -121,106 +204,222 @@ def refuse_inside(out: Path, source: str) -> None:
             )
 
 
-def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manifest | None:
-    """Refuse a folder that holds something else; return its manifest if it holds this exact build."""
+def refuse_sources_inside(out: Path, name: str, paths: Iterable[str]) -> None:
+    """Refuse a source path (the file, folder or glob SOURCE names, or a file it resolved to) inside
+    ``out``, before anything there is touched: a build must never write where it reads."""
+    try:
+        root = out.expanduser().resolve()
+    except OSError:
+        return
+    for path in paths:
+        with suppress(OSError, ValueError):
+            if Path(path).expanduser().resolve().is_relative_to(root):
+                where = name if path == name else f"{name} ({path})"
+                raise OutputError(
+                    f"--out {out}: holds the source {where}; a build must not write where it reads, so choose an "
+                    "--out outside the source's folder"
+                )
+
+
+# -- the lock -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def lock(out: Path) -> Iterator[Path]:
+    """Hold an exclusive ``flock`` on ``out/STAGING/LOCK`` (creating ``out`` and the staging folder if
+    needed) and yield the staging folder; refuse if another build holds it or the staging folder is
+    not packer's. On release: see the module docstring (what a failed, interrupted or finished build leaves).
+    """
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: is a file, not a folder; choose another --out")
-    if not out.exists():
-        return None
-    foreign = sorted(p.name for p in out.iterdir() if not schema.is_owned(p.name))
-    if overwrite:
-        if foreign:
-            raise OutputError(
-                f"--out {out}: holds files packer did not write ({', '.join(foreign[:3])}); "
-                "refusing to delete them even with --overwrite; choose an empty or new folder"
-            )
-        return None
-    if foreign:
-        raise OutputError(
-            f"--out {out}: is not empty and not a packer build ({', '.join(foreign[:3])} ...); "
-            "choose an empty or new folder"
-        )
-    path = out / MANIFEST_NAME
-    if path.is_file():
+    created = [p for p in (out, *out.parents) if not p.exists()]  # what a failed build removes again
+    staging = out / STAGING
+    try:
+        fd = _lock(out, staging)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    _HELD.add(fd)
+    # A build that failed for a reason it reports (a PackerError) leaves nothing; one stopped from
+    # outside (Ctrl-C) or by the unforeseen keeps its spill, for the rerun to resume.
+    keep_spill = True
+    try:
+        yield staging
+        keep_spill = False
+    except PackerError:
+        keep_spill = False
+        raise
+    finally:
         try:
-            data = schema.load_json(path.read_bytes(), str(path))
-        except (OSError, ShardFormatError):
-            data = None
-        if not isinstance(data, dict) or any(data.get(k) != v for k, v in identity.items()):
-            raise OutputError(
-                f"--out {out}: holds another build (different config, source or tokenizer) or an unreadable "
-                "manifest; pass --overwrite to replace it or choose another --out"
-            )
-        if damage(out, data) is None:
-            return schema.Manifest.from_json(data, str(path))
-    return None  # an interrupted or damaged build of ours: it is redone
+            with suppress(OSError):  # a folder gone read-only: the next build tidies what is left
+                _release(out, staging, keep_spill=keep_spill)
+        finally:
+            _HELD.discard(fd)
+            os.close(fd)
+            _remove_empty(created)  # a failed first build leaves no folder behind
+
+
+def _lock(out: Path, staging: Path) -> int:
+    for _ in range(10):  # retry if the holder removed the file between our open and our flock
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = _take(out, staging)
+        except OSError as e:
+            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
+        try:
+            same = os.fstat(fd).st_ino == os.stat(staging / LOCK).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+    raise OutputError(  # pragma: no cover - only under a storm of concurrent builds
+        f"--out {out}: could not take {STAGING}/{LOCK}; another build keeps replacing it, retry")
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this build created, innermost first, each only if it is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _take(out: Path, staging: Path) -> int:
+    """Create or adopt the staging folder and flock its lock file; the descriptor."""
+    with suppress(FileExistsError):
+        staging.mkdir()
+    if not _staging_is_ours(staging):
+        raise _foreign_staging(out)
+    path = staging / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        new = True
+    except FileExistsError:
+        fd = os.open(path, os.O_RDONLY)
+        new = False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(
+            f"--out {out}: another packer build is writing there now ({STAGING}/{LOCK} is locked); wait for it to "
+            "finish or choose another --out"
+        ) from None
+    try:
+        if new:
+            os.write(fd, LOCK_BYTES)
+        elif path.read_bytes() != LOCK_BYTES:  # torn by a build killed while writing it (see _staging_is_ours)
+            if not _staging_is_ours(staging):
+                raise OutputError(f"--out {out}: {STAGING} changed while packer took it; rerun")
+            path.write_bytes(LOCK_BYTES)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _release(out: Path, staging: Path, *, keep_spill: bool) -> None:
+    """End a build's hold on ``out``: keep the spill of an interrupted unfinished build (the rerun
+    resumes it), else remove the staging folder, and after a failure the files its manifests list."""
+    finished = schema.listed_files(_json(out / MANIFEST_NAME)) is not None
+    if keep_spill and not finished and set(os.listdir(staging)) - {LOCK}:
+        return
+    if not finished:
+        _remove_listed(out, staging)
+    for entry in staging.iterdir():
+        if entry.name != LOCK:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    (staging / LOCK).unlink()
+    staging.rmdir()
+
+
+def remove_stale_staging(out: Path) -> None:
+    """Remove the staging folder beside a finished build (what a build stopped between its commit point
+    and its release leaves), unless a build holds it now: taking and releasing the lock does it."""
+    with suppress(OutputError, OSError), lock(out):
+        pass
+
+
+def staging_note(directory) -> str | None:
+    """For the read-only commands: a line about a staging folder in ``directory``, which they leave alone."""
+    local = fs.local_path(directory)
+    if local is None or not (local / STAGING).is_dir():
+        return None
+    return (f"{local / STAGING}: a build is writing there now, or one was stopped; the next `packer build` into "
+            f"{local} resumes or removes it")
+
+
+# -- the build's steps ----------------------------------------------------------------------------
+
+
+def check(out: Path, identity: dict[str, Any], overwrite: bool) -> schema.Manifest | None:
+    """Refuse a folder that holds something else; return its manifest if it holds this exact build."""
+    finished = refuse_foreign(out, overwrite).finished
+    if finished is None or overwrite:
+        return None
+    if any(finished.get(k) != v for k, v in identity.items()):
+        raise OutputError(
+            f"--out {out}: holds another build (different config, source or tokenizer); pass --overwrite to "
+            "replace it or choose another --out"
+        )
+    if damage(out, finished) is None:
+        return schema.Manifest.from_json(finished, str(out / MANIFEST_NAME))
+    return None  # a damaged build of ours: it is redone
 
 
 def damage(out: Path, data: dict[str, Any]) -> str | None:
     """What is wrong with a finished build of ours that a rerun would reuse (None: nothing), checked
     before the rerun says "nothing to do": the manifest's content hash, every listed shard's size and
-    sha256, the ``datasets`` files, and no shard the manifest does not list. Hashing the shards reads
-    them once: 0.3% of the build on the bundled sample (``benchmarks/bench_reuse.py``), so always."""
+    sha256 and the ``datasets`` files. Hashing the shards reads them once: 0.3% of the build on the
+    bundled sample (``benchmarks/bench_reuse.py``), so always."""
     try:
         manifest = schema.Manifest.from_json(data)
     except ShardFormatError as e:
         return str(e)
-    listed = {entry.file for entry in manifest.shards}
-    extra = sorted(p.name for p in out.iterdir() if schema.is_shard_name(p.name) and p.name not in listed)
-    if extra:
-        return f"{extra[0]}: not listed in the manifest"
     for entry in manifest.shards:
-        shard = out / entry.file
-        try:
-            if shard.stat().st_size != entry.bytes or fs.file_sha256(shard) != entry.sha256:
-                return f"{entry.file}: other bytes than the manifest records"
-        except OSError:
-            return f"{entry.file}: missing or unreadable"
-    for name, expected in schema.datasets_files(manifest).items():
-        try:
-            if (out / name).read_bytes() != expected:
-                return f"{name}: other bytes than the manifest implies"
-        except OSError:
-            return f"{name}: missing or unreadable"
+        problems = schema.shard_file_problems(out, entry)
+        if problems:
+            return f"{entry.file}: {problems[0]}"
+    for name, problem in schema.datasets_file_problems(out, manifest):
+        return f"{name}: {problem}"
     return None
 
 
-def prepare(out: Path) -> Path:
-    """Clear what a previous build left (keeping a token spill, which checks its own identity and is
-    resumed) and return the empty staging folder."""
+def prepare(out: Path, staging: Path) -> None:
+    """Clear the previous build (the files its manifest lists) and the staging folder, keeping a token
+    spill (it checks its own identity and is resumed)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        clear(out, keep=(TOKENS_DIR,))
-        (out / STAGING).mkdir(exist_ok=True)
+        if schema.listed_files(_json(out / MANIFEST_NAME)) is not None:
+            os.replace(out / MANIFEST_NAME, staging / PREVIOUS)  # first: the folder stops looking complete
+            _fsync_dir(out)
+        _remove_listed(out, staging)
+        for entry in staging.iterdir():
+            if entry.name not in (LOCK, TOKENS_DIR):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     except OSError as e:
         raise OutputError(f"--out {out}: cannot write there ({e.strerror}); choose a writable folder") from e
-    return out / STAGING
 
 
-def clear(out: Path, keep: tuple[str, ...] = ()) -> None:
-    """Remove a previous build: the manifest first, so the folder stops looking complete at once.
-
-    ``keep`` names entries of the staging folder to leave there."""
-    manifest = out / MANIFEST_NAME
-    if manifest.exists():
-        manifest.unlink()
-        _fsync_dir(out)
-    for path in out.iterdir():
-        if path.name == LOCK or not schema.is_owned(path.name):
-            continue
-        if path.name == STAGING and path.is_dir() and keep:
-            for inner in path.iterdir():
-                if inner.name not in keep:
-                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
-        else:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+def _remove_listed(out: Path, staging: Path) -> None:
+    """Delete from ``out`` the files the staged manifests list (a build being cleared or half-committed),
+    then those manifests. ``manifest.json`` itself is only ever moved into staging, never deleted here."""
+    for name in sorted(_staged_files(out, staging)):
+        with suppress(FileNotFoundError):
+            (out / name).unlink()
+    for name in (PENDING, PREVIOUS):
+        with suppress(FileNotFoundError):
+            (staging / name).unlink()
 
 
-def commit(out: Path, manifest: schema.Manifest) -> None:
+def commit(out: Path, staging: Path, manifest: schema.Manifest) -> None:
     """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
-    (``schema.DATASETS_FILES``), then the manifest last (the commit point)."""
-    staging = out / STAGING
-    manifest_bytes = manifest.dumps()  # first: a manifest that cannot be written must not leave shards in place
+    (``schema.DATASETS_FILES``), then the manifest last (the commit point). The manifest is staged
+    first: until the rename, it is what proves the moved files are packer's."""
+    pending = staging / PENDING
+    pending.write_bytes(manifest.dumps())
+    _fsync(pending)
     for entry in manifest.shards:
         _fsync(staging / entry.file)
         os.replace(staging / entry.file, out / entry.file)
@@ -228,23 +427,8 @@ def commit(out: Path, manifest: schema.Manifest) -> None:
         (staging / name).write_bytes(data)
         _fsync(staging / name)
         os.replace(staging / name, out / name)
-    tmp = out / MANIFEST_TMP
-    tmp.write_bytes(manifest_bytes)
-    _fsync(tmp)
-    os.replace(tmp, out / MANIFEST_NAME)
+    os.replace(pending, out / MANIFEST_NAME)
     _fsync_dir(out)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def discard(out: Path) -> None:
-    """After a failed write: remove whatever of an unfinished build is there (never a finished one)."""
-    if not out.is_dir() or (out / MANIFEST_NAME).exists():
-        return
-    with suppress(OSError):
-        clear(out)
-    for name in (STAGING, MANIFEST_TMP):
-        with suppress(OSError):
-            (out / name).unlink() if (out / name).is_file() else shutil.rmtree(out / name)
 
 
 def write_failure(e: OSError, out: Path) -> OutputError | None:

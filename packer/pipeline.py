@@ -10,7 +10,10 @@ lock, checks and commit are :mod:`packer.output`'s. ``open_source`` and ``plan_r
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,8 @@ import numpy as np
 
 from . import __version__, engines, mix, output, schema, sources, spill
 from .config import ROW_LIMIT, BuildConfig
-from .errors import ConfigError, SourceError, TokenizerError
+from .context_parallel import pad_token_id
+from .errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
 from .formatting import make_spec
 from .fs import file_sha256
 from .plan import Plan, answer_lengths
@@ -27,7 +31,7 @@ from .plan import plan_epochs as make_plan
 from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
-BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in data/, portable across checkouts
+BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ class BuildResult:
 
 
 def tokenizer_path(name: str | None) -> str:
-    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in data/)."""
+    """Where to load a tokenizer the config or a manifest names ("bundled" is the one in packer/data/)."""
     return str(BUNDLED_TOKENIZER) if name in (None, BUNDLED) else name
 
 
@@ -60,87 +64,205 @@ def source_info(stream: sources.Stream) -> dict[str, Any]:
     return {"kind": "local", "builder": source.builder, "files": files}
 
 
+def source_parts(config: BuildConfig) -> tuple[dict[str, Any], ...]:
+    """The config's mix, or its one source as a mix of one part (weight 1: every draw is its)."""
+    if config.mix is not None:
+        return tuple(config.mix)
+    given = {k: getattr(config, k) for k in ("recipe", "split", *mix.FIELDS) if getattr(config, k) is not None}
+    return ({"source": config.source, "weight": 1.0, **given},)
+
+
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """The config's source (or mix) opened as a stream and ready to encode."""
+    """The config's source (a mix, or one source as a mix of one part) opened and ready to encode."""
 
-    name: str  # for messages
-    stream: Any  # sources.Stream, or mix.MixStream: its first config.limit records
-    encoder: Any  # tokenization.Encoder, or mix.MixEncoder
-    where: str  # how an error names a record
+    stream: mix.MixStream  # its first config.limit records
+    encoder: mix.MixEncoder
     source: dict  # the manifest's source record
-
-    @property
-    def parts(self) -> list | None:
-        return list(self.stream.parts) if isinstance(self.stream, mix.MixStream) else None
+    read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
 
 
 def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
-    """Open the config's source, or each part of its mix, as a stream of its first ``config.limit``
-    records (a part of a mix with a records count: that many), and make the encoder(s) from the config."""
-    if config.mix is None:
-        source = sources.resolve(config.source, recipe=config.recipe, split=config.split, from_hub=config.from_hub)
-        stream = sources.open_stream(source, limit=config.limit)
-        spec = make_spec(recipe=source.recipe, config=config, columns=stream.columns())
-        where = f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record"
-        return Opened(source.name, stream, Encoder(tokenizer, spec, skip_errors=skip_errors), where,
-                      source_info(stream))
-    streams, encoders, infos = [], [], []
+    """Open each part of the config's mix (its one source, for a one-source build) as a stream of its
+    first records (under ``--limit``, as far as the draws take it; a part with a records count: that
+    many), each with its encoder made from the config and the part's fields."""
+    parts = source_parts(config)
+    resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                from_hub=config.from_hub, files=part.get("files")) for part in parts]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
-             np.bincount(mix.positions_sources(list(config.mix), config.seed, config.limit), minlength=len(config.mix)))
-    for k, part in enumerate(config.mix):
-        source = sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
-                                 from_hub=config.from_hub, files=part.get("files"))
-        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else int(drawn[k]))
-        fields = {k: part.get(k) for k in mix.FIELDS}
-        spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+             mix.part_limits(list(parts), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
+    streams, encoders, wheres, infos, read = [], [], [], [], {}
+    for k, (part, source) in enumerate(zip(parts, resolved, strict=True)):
+        stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
+        read |= _signatures(stream)
+        fields = {f: part.get(f) for f in mix.FIELDS}
+        try:
+            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+        except ConfigError as e:
+            if config.mix is None:
+                raise
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None  # which of the parts it is
         streams.append(stream)
         encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
-        infos.append({"source": part["source"], **source_info(stream)})
-    mixed = mix.MixStream(tuple(config.mix), tuple(streams), config.seed, config.limit)
-    return Opened(mixed.name, mixed, mix.MixEncoder(encoders, [p["source"] for p in config.mix]), "mix record",
-                  {"kind": "mix", "parts": infos})
+        wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
+        infos.append(source_info(stream))
+    record = infos[0] if config.mix is None else {
+        "kind": "mix", "parts": [{"source": part["source"], **info} for part, info in zip(parts, infos, strict=True)]}
+    return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), mix.MixEncoder(encoders, wheres),
+                  record, read)
 
 
-def _note(opened: Opened) -> str | None:
+def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
+    return {f: _signature(f) for f in stream.files} if stream.source.kind == "local" else {}
+
+
+def _signature(path: str) -> tuple[int, ...]:
+    """What changes when a file is written to or replaced (its mtime has nanoseconds)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+def check_unchanged(opened: Opened) -> None:
+    """Refuse a build whose source files changed between their hashing (the manifest's record) and the
+    end of their reading: the manifest would describe other bytes than were read."""
+    for path, before in opened.read.items():
+        try:
+            after = _signature(path)
+        except OSError:
+            after = None
+        if after != before:
+            how = "was removed" if after is None else ("was replaced" if after[2:] != before[2:] else
+                                                       f"was written to ({before[0]:,} → {after[0]:,} bytes)")
+            raise SourceError(
+                f"{path}: {how} while the build read it, so the build cannot say what it read; rerun once the "
+                "file no longer changes (or build from a copy)"
+            )
+
+
+def _note(config: BuildConfig, opened: Opened) -> str | None:
     """The recipe's note (the bundled sample says it is not FLAN data), for a one-source local build."""
-    if isinstance(opened.stream, sources.Stream):
-        source = opened.stream.source
-        if source.recipe and source.recipe.note and source.kind == "local":
-            return source.recipe.note
+    source = opened.stream.streams[0].source
+    if config.mix is None and source.recipe and source.recipe.note and source.kind == "local":
+        return source.recipe.note
     return None
 
 
-def plan_rows(config: BuildConfig, lengths, trained=None) -> Plan:
+def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0) -> Plan:
     """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
     ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
-    flags concatenated: where each answer starts)."""
+    flags concatenated: where each answer starts); padded as the config asks, with ``pad_id``."""
     answers = None
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
     return make_plan(lengths, epochs=config.epochs, mode=config.pack, max_len=config.max_len,
                      max_tokens=config.max_tokens, batch_size=config.batch_size, overlong=config.overlong,
-                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers)
+                     seed=config.seed, world_size=config.world_size, balance=config.balance, answers=answers,
+                     layout=config.layout(pad_id))
 
 
 def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     """Build ``config.out`` from ``config.source``, holding the output folder's lock throughout.
 
-    A second build into the same folder meanwhile is refused. A write that fails (disk full, a file
-    size limit, a read-only or vanished folder) becomes an ``OutputError`` and the partial build is
-    removed: the folder holds no manifest, no shards and no staging files afterwards.
+    Refused before anything is touched: a remote ``--out``, a source inside it, a folder holding what
+    packer did not write (:mod:`packer.output`). A second build into the same folder meanwhile is
+    refused. A build that fails leaves nothing behind (a write that fails, such as a full disk, becomes
+    an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume, and one
+    interrupted past its commit point (its manifest written) is complete: it returns.
     """
-    out = Path(config.out)
-    with output.lock(out):
+    started = time.time_ns()
+    out = output.local_folder(config.out)
+    try:
+        return _locked_build(config, out, progress=progress)
+    except KeyboardInterrupt:
+        result = _committed(out, started)
+        if result is None:
+            raise
+        return result
+
+
+def _committed(out: Path, started: int) -> BuildResult | None:
+    """After Ctrl-C: the build, if it got past its commit point (its manifest written since ``started``)."""
+    try:
+        if (out / schema.MANIFEST_NAME).stat().st_mtime_ns < started:
+            return None
+        manifest = schema.read_manifest(out)
+    except (OSError, PackerError):
+        return None
+    output.remove_stale_staging(out)  # the interrupt may have kept the build from removing it
+    return BuildResult(out, manifest, False, (time.time_ns() - started) / 1e9)
+
+
+def _locked_build(config: BuildConfig, out: Path, *, progress: bool) -> BuildResult:
+    if config.epochs > MAX_EPOCHS:
+        raise ConfigError(
+            f"--epochs {config.epochs:,}: more than {MAX_EPOCHS:,} epochs, each a whole copy of the data on disk; build "
+            "fewer and let the loader replay them (set_epoch: epoch e plays planned epoch e mod E, reshuffled)"
+        )
+    for part in source_parts(config):
+        output.refuse_inside(out, part["source"])
+    _refuse_sources_inside(config, out)
+    output.refuse_foreign(out, config.overwrite)
+    engine = engines.for_config(config)
+    with output.lock(out) as staging:
         try:
-            return _build(config, engines.for_config(config), progress=progress)
+            return _build(config, engine, out, staging, progress=progress)
         except OSError as e:
             failure = output.write_failure(e, out)
             if failure is None:
                 raise
-            output.discard(out)
             raise failure from e
+
+
+def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
+    """Every local path the sources name (as given, and the files a folder or glob resolves to) outside ``out``."""
+    for part in source_parts(config):
+        paths = []
+        with suppress(SourceError):  # a source that does not resolve is reported when it is opened
+            paths += sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
+                                     from_hub=config.from_hub, files=part.get("files")).files
+        output.refuse_sources_inside(out, part["source"], [*paths, part["source"]])  # the files first: they say more
+
+
+# What the shards hold at least, per token (input_ids, position_ids, labels: int32) and per example
+# (its seq_lens int32 and example_ids int64 entries), and what planning holds in memory per example
+# and epoch (the plan's three int64 arrays, twice while the epochs are concatenated) and per epoch
+# (its Plan and stats objects: a generous allowance).
+_SHARD_BYTES_PER_TOKEN, _SHARD_BYTES_PER_EXAMPLE = 12, 12
+_PLAN_BYTES_PER_EXAMPLE, _PLAN_BYTES_PER_EPOCH = 48, 4096
+# Epochs planned and stored: each is a whole copy of the data on disk, so past this many the loader's
+# replay of a build's epochs (set_epoch: epoch e plays planned epoch e mod E, reshuffled) is the way.
+MAX_EPOCHS = 10_000
+
+
+def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
+    """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
+    memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
+    grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
+    kept = lengths if config.pack == "wrap" or config.overlong == "split" else np.minimum(lengths, config.max_len)
+    epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(lengths)
+    free = shutil.disk_usage(out).free
+    if config.epochs * epoch > free:
+        raise OutputError(
+            f"--epochs {config.epochs:,}: the shards would take at least {_size(config.epochs * epoch)} "
+            f"({_size(epoch)} an epoch) and {out} has {_size(free)} free; lower --epochs (the loader can also replay "
+            "a build's epochs, each reshuffled: set_epoch) or free space"
+        )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    plan = config.epochs * (_PLAN_BYTES_PER_EXAMPLE * len(lengths) + _PLAN_BYTES_PER_EPOCH)
+    if plan > memory // 2:
+        raise ConfigError(
+            f"--epochs {config.epochs:,}: planning {config.epochs:,} epochs of {len(lengths):,} examples needs about "
+            f"{_size(plan)} of memory and this machine has {_size(memory)}; lower --epochs (the loader can also "
+            "replay a build's epochs, each reshuffled: set_epoch)"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,} bytes"
 
 
 def _check_id_range(tokenizer, name: str) -> None:
@@ -154,11 +276,9 @@ def _check_id_range(tokenizer, name: str) -> None:
         )
 
 
-def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = False) -> BuildResult:
+def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
+           ) -> BuildResult:
     started = time.perf_counter()
-    out = Path(config.out)
-    for part in config.mix or ({"source": config.source},):
-        output.refuse_inside(out, part["source"])
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
@@ -168,44 +288,43 @@ def _build(config: BuildConfig, engine: engines.Engine, *, progress: bool = Fals
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
-    staging = output.prepare(out)  # a matching interrupted spill is resumed
+    output.prepare(out, staging)  # a matching interrupted spill is resumed
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
-                            engine=engine, where=opened.where, progress=progress)
+                            engine=engine, progress=progress)
+    check_unchanged(opened)
     lengths, skipped = tokens.lengths, tokens.skipped
-    per_part: list[dict[str, int]] = []
-    if opened.parts is not None:
-        skipped, per_part = mix.split_skipped(skipped, len(opened.parts))
     if len(lengths) == 0:
-        output.discard(out)
-        raise SourceError(f"{opened.name}: every record was skipped ({skipped}); nothing to pack")
+        raise SourceError(f"{opened.stream.name}: every record was skipped ({skipped}); nothing to pack")
 
-    plan = plan_rows(config, lengths, tokens.trained_flags())
+    check_room(config, lengths, out)
+    pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
+    plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    totals: dict[str, int] = {}
-    shards = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, totals=totals,
-                                 progress=progress)
+    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
+        pad_token_id=pad_id,
         examples_read=tokens.records,
         records_skipped=sum(skipped.values()),
         dropped_by_reason={k: v for k, v in sorted(dropped.items()) if v},
-        loss_tokens=totals["loss_tokens"],
-        # A completion-only example truncated before its completion trains on nothing: say how many.
-        segments_without_loss=totals["segments_without_loss"],
-        sources=None if opened.parts is None else mix.part_counts(opened.parts, config.seed, tokens.records,
-                                                                  tokens.example_ids, lengths, plan, per_part),
+        loss_tokens=written.loss_tokens,
+        segments_without_loss=written.segments_without_loss,
+        sources=None if config.mix is None else mix.part_counts(list(config.mix), config.seed, tokens.records,
+                                                                tokens.example_ids, lengths, plan, skipped),
     )
     manifest = schema.Manifest(
         created_by=f"packer {__version__}",
-        note=_note(opened),
-        **identity,
+        note=_note(config, opened),
+        config=config,
+        tokenizer=identity["tokenizer"],
+        source=identity["source"],
         stats=stats,
-        shards=tuple(shards),
+        shards=written.shards,
     )
-    output.commit(out, manifest)
+    output.commit(out, staging, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)

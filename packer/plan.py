@@ -81,6 +81,11 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order,
    so its epochs would be identical: refused. Cost: E times one plan.
 
+5. **Padding** (``layout``, :mod:`packer.context_parallel`): every segment is padded to a multiple
+   (and, for the contiguous CP layout, every row); ``bfd``/``optimal`` pack the padded sizes into the
+   budget rounded down to that multiple, so rows with their padding still fit. ``Plan.pad`` holds
+   each segment's padding, ``stats["pad_tokens"]`` their sum; ``tokens`` stays the examples' own. O(m).
+
 Empty input (0 examples) gives an empty plan (0 rows, ``row_splits == [0]``), not an error.
 Bad arguments raise :class:`packer.errors.ConfigError` with the value, the limit and a fix.
 """
@@ -89,15 +94,19 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from packer.accounting import account
+from packer.context_parallel import Layout, pad_up
 from packer.errors import ConfigError
 from packer.repack import fewer_rows
 
-__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "plan", "plan_epochs", "rank_work_ratio"]
+__all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "padded_budget", "plan", "plan_epochs",
+           "rank_work_ratio"]
 
 MODES = ("batch", "bfd", "optimal", "wrap")
 OVERLONG = ("truncate", "split", "drop", "truncate-left")
@@ -113,14 +122,17 @@ class Plan:
     length: np.ndarray  # int64[m] segment length (> 0)
     row_splits: np.ndarray  # int64[rows + 1] row r holds segments row_splits[r]:row_splits[r+1]
     stats: dict  # plain ints / floats
+    # a padded build (packer.context_parallel): int64[m] padding tokens after each segment, and their id
+    pad: np.ndarray | None = None
+    pad_id: int = 0
 
     @property
     def num_rows(self) -> int:
         return int(self.row_splits.size - 1)
 
     def row_lengths(self) -> np.ndarray:
-        """int64[rows]: tokens in each row."""
-        return _row_sums(self.length, self.row_splits)
+        """int64[rows]: tokens in each row, padding included."""
+        return _row_sums(self.length if self.pad is None else self.length + self.pad, self.row_splits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,6 +172,48 @@ def _as_lengths(lengths: Any) -> np.ndarray:
             f"({bad.size} such); drop empty examples before planning"
         )
     return arr
+
+
+def _plain(field: str) -> str:
+    return field
+
+
+def row_size(mode: str, max_len: int, max_tokens: int | None, batch_size: int | None, *,
+             default_batch: int | None = None, name: Callable[[str], str] = _plain) -> tuple[int | None, int | None]:
+    """How a mode sizes its rows, the one statement of the rule (:func:`plan` and ``BuildConfig`` call it):
+    ``batch`` rows hold ``batch_size`` examples (``default_batch`` when it is unset, else it is required)
+    and take no ``max_tokens``; the other modes cut rows at ``max_tokens`` tokens (default ``max_len``) and
+    take no ``batch_size``; ``bfd``/``optimal`` need ``max_len <= max_tokens``, or an example that long
+    could never be placed. Returns ``(batch_size, max_tokens)``, the one that applies filled in; ``name``
+    spells a field in messages (the CLI's ``--max-tokens``)."""
+    mode_is = f"{name('mode')} {mode}"
+    if mode == "batch":
+        if max_tokens is not None:
+            raise ConfigError(f"{name('max_tokens')} ({max_tokens!r}) is a row budget for the modes that fill rows "
+                              f"with tokens; {mode_is} fixes the examples per row ({name('batch_size')}) instead; "
+                              "drop one of the two")
+        if batch_size is None and default_batch is None:
+            raise ConfigError(f"{mode_is} needs {name('batch_size')} (examples per row); set it to 1 or more")
+        batch_size = batch_size if batch_size is not None else default_batch
+        return _as_int(name("batch_size"), batch_size, 1, "set it to the examples per row"), None
+    if batch_size is not None:
+        raise ConfigError(f"{name('batch_size')} applies to {name('mode')} batch only; {mode_is} "
+                          f"fills rows up to {name('max_tokens')} instead; drop one of the two")
+    max_tokens = _as_int(name("max_tokens"), max_len if max_tokens is None else max_tokens, 1,
+                         "set it to the tokens per row")
+    if mode in ("bfd", "optimal") and max_len > max_tokens:
+        raise ConfigError(f"{name('max_len')} {max_len} exceeds the row budget {name('max_tokens')} {max_tokens}: an "
+                          f"example that long could never be placed; lower {name('max_len')} to {max_tokens} or "
+                          f"raise {name('max_tokens')}")
+    return None, max_tokens
+
+
+def check_epochs(mode: str, epochs: int, *, name: Callable[[str], str] = _plain) -> None:
+    """Wrap plans one epoch: it keeps source order, so every epoch would hold the same rows."""
+    if epochs > 1 and mode == "wrap":
+        raise ConfigError(f"{name('epochs')} {epochs} with {name('mode')} wrap: wrap keeps source order, so every "
+                          "epoch would hold the same rows; build one epoch (the loader replays it each epoch, "
+                          f"set_epoch) or use {name('mode')} batch or bfd")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,25 +268,18 @@ def rank_work_ratio(plan: Plan, world_size: int, by: str = "tokens") -> float:
 
 
 def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndarray | None = None):
-    """Segments (example, start, length) in example order, and the accounting counts."""
+    """Segments (example, start, length) in example order (what became of each: :mod:`packer.accounting`)."""
     if overlong == "truncate-left":
         return _truncate_left(lengths, answers, max_len)
     n = lengths.size
     idx = np.arange(n, dtype=np.int64)
     over = lengths > max_len
-    n_over = int(over.sum())
-    excess = int((lengths[over] - max_len).sum())
-    acct = dict(
-        examples_split=0, examples_truncated=0, examples_dropped=0, tokens_truncated=0, tokens_dropped=0
-    )
-    if overlong == "truncate" or n_over == 0:
+    if overlong == "truncate" or not over.any():
         example, start, length = idx, np.zeros(n, np.int64), np.minimum(lengths, max_len)
-        acct.update(examples_truncated=n_over, tokens_truncated=excess)
     elif overlong == "drop":
         keep = ~over
         example = idx[keep]
         start, length = np.zeros(example.size, np.int64), lengths[keep]
-        acct.update(examples_dropped=n_over, tokens_dropped=int(lengths[over].sum()))
     else:  # split
         pieces = (lengths + (max_len - 1)) // max_len
         example = np.repeat(idx, pieces)
@@ -240,8 +287,7 @@ def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndar
         j = np.arange(example.size, dtype=np.int64) - np.repeat(first, pieces)
         start = j * max_len
         length = np.minimum(max_len, lengths[example] - start)
-        acct.update(examples_split=n_over)
-    return example, start, length, acct
+    return example, start, length
 
 
 def answer_lengths(trained, lengths: np.ndarray, max_len: int) -> np.ndarray:
@@ -281,12 +327,7 @@ def _truncate_left(lengths: np.ndarray, answers: np.ndarray | None, max_len: int
     # like every segment start's (nothing before it in the row to predict it from).
     left = over & (answers <= max_len)
     start = np.where(left, lengths - max_len, 0)
-    acct = dict(
-        examples_split=0, examples_truncated=int(over.sum()), examples_dropped=0,
-        tokens_truncated=int((lengths[over] - max_len).sum()), tokens_dropped=0,
-        examples_truncated_left=int(left.sum()), examples_answer_too_long=int((over & ~left).sum()),
-    )
-    return np.arange(n, dtype=np.int64), start, np.minimum(lengths, max_len), acct
+    return np.arange(n, dtype=np.int64), start, np.minimum(lengths, max_len)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,15 +419,16 @@ def _bfd_bins(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int]
     return order, bin_of_sorted, nbins
 
 
-def _pack_bfd(example, start, length, cap, rng, world_size, balance, repack):
-    """BFD (then the repack, for mode "optimal"), then rows in shuffled order (or balanced steps)."""
-    order, bin_of_sorted, nbins = _bfd_bins(length, cap)
+def _pack_bfd(example, start, length, cap, rng, world_size, balance, repack, sizes):
+    """BFD (then the repack, for mode "optimal") of the segments' ``sizes`` (their lengths, padding
+    included), then rows in shuffled order (or balanced steps)."""
+    order, bin_of_sorted, nbins = _bfd_bins(sizes, cap)
     if repack:
-        bin_of_sorted, nbins = fewer_rows(length[order], bin_of_sorted, nbins, cap)
+        bin_of_sorted, nbins = fewer_rows(sizes[order], bin_of_sorted, nbins, cap)
     if balance is None:
         row_order = rng.permutation(nbins)
     else:
-        w = _segment_work(length, balance)[order]
+        w = _segment_work(sizes, balance)[order]
         # float sums are exact here: row work < 2**53 for any realistic row
         work = np.bincount(bin_of_sorted, weights=w, minlength=nbins).astype(np.int64)
         row_order = _balanced_row_order(work, world_size, rng)
@@ -420,8 +462,7 @@ def _pack_wrap(lengths: np.ndarray, cap: int):
     gend = np.minimum(np.repeat(end, pieces), (row + 1) * cap)
     rows = int(-(-int(end[-1]) // cap)) if n else 0
     row_splits = np.searchsorted(row, np.arange(rows + 1), side="left").astype(np.int64)
-    examples_split = int((pieces > 1).sum())
-    return example, gstart - b, gend - gstart, row_splits, examples_split
+    return example, gstart - b, gend - gstart, row_splits
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,11 +542,14 @@ def plan(
     balance: str | None = None,
     answers=None,
     rng: np.random.Generator | None = None,
+    layout: Layout | None = None,
 ) -> Plan:
     """Plan rows from example lengths; see the module docstring for the algorithms.
 
     ``answers`` (``overlong="truncate-left"`` only): see :func:`answer_lengths`. ``rng``: draw the
-    shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`)."""
+    shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`).
+    ``layout``: pad the segments for context parallelism or a kernel multiple
+    (:mod:`packer.context_parallel`); rows are packed with their padding inside the budget."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd, optimal or wrap")
     if overlong not in OVERLONG:
@@ -517,31 +561,9 @@ def plan(
     max_len = _as_int("max_len", max_len, 1, "set max_len to the longest example (in tokens) to keep")
     seed = _as_int("seed", seed, 0, "use a non-negative integer seed")
     world_size = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks (>= 1)")
-    if mode == "batch":
-        if batch_size is None:
-            raise ConfigError("mode 'batch' needs batch_size (examples per row); set batch_size >= 1")
-        batch_size = _as_int("batch_size", batch_size, 1, "set batch_size to the examples per row")
-        if max_tokens is not None:
-            raise ConfigError(
-                f"max_tokens={max_tokens!r} does not apply to mode 'batch' (rows hold batch_size examples); "
-                "leave it unset or use mode 'bfd'"
-            )
-        budget_cap = None
-    else:
-        if batch_size is not None:
-            raise ConfigError(
-                f"batch_size={batch_size!r} does not apply to mode {mode!r} (rows are cut by max_tokens); "
-                "leave it unset or use mode 'batch'"
-            )
-        if max_tokens is None:
-            max_tokens = max_len
-        max_tokens = _as_int("max_tokens", max_tokens, 1, "set max_tokens to the tokens per row")
-        if mode in ("bfd", "optimal") and max_len > max_tokens:
-            raise ConfigError(
-                f"max_len ({max_len}) exceeds max_tokens ({max_tokens}): an example could not fit a row; "
-                f"lower max_len to <= {max_tokens} or raise max_tokens"
-            )
-        budget_cap = max_tokens
+    batch_size, budget_cap = row_size(mode, max_len, max_tokens, batch_size)
+    if layout is not None and budget_cap is not None:
+        budget_cap = padded_budget(layout, mode, max_len, budget_cap)
 
     lengths = _as_lengths(lengths)
     n = lengths.size
@@ -549,17 +571,10 @@ def plan(
 
     if mode == "wrap":
         if n:
-            example, start, length, row_splits, n_split = _pack_wrap(lengths, budget_cap)
+            example, start, length, row_splits = _pack_wrap(lengths, budget_cap)
         else:
             example = start = length = np.zeros(0, np.int64)
-            row_splits, n_split = np.zeros(1, np.int64), 0
-        acct = dict(
-            examples_split=n_split,
-            examples_truncated=0,
-            examples_dropped=0,
-            tokens_truncated=0,
-            tokens_dropped=0,
-        )
+            row_splits = np.zeros(1, np.int64)
         if balance is not None:
             work = _row_sums(_segment_work(length, balance), row_splits)
             rows = work.size
@@ -571,10 +586,11 @@ def plan(
             idx, row_splits = _row_gather(row_splits, order)
             example, start, length = example[idx], start[idx], length[idx]
     else:
-        example, start, length, acct = _segments(lengths, max_len, overlong, answers)
+        example, start, length = _segments(lengths, max_len, overlong, answers)
         if mode in ("bfd", "optimal"):
+            sizes = length if layout is None else pad_up(length, layout.segment_multiple)
             example, start, length, row_splits = _pack_bfd(
-                example, start, length, budget_cap, rng, world_size, balance, mode == "optimal"
+                example, start, length, budget_cap, rng, world_size, balance, mode == "optimal", sizes
             )
         else:  # batch
             p = rng.permutation(example.size)
@@ -588,13 +604,30 @@ def plan(
                 p, row_splits = _balance_batch(length, world_size, batch_size, balance)
                 example, start, length = example[p], start[p], length[p]
 
-    stats = _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance)
+    pad = None if layout is None else layout.padding(length, row_splits)
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (example, start, length, row_splits)]
-    for a in arrays:
+    for a in arrays if pad is None else [*arrays, pad]:
         a.flags.writeable = False
+    stats = _stats(lengths, Plan(*arrays, stats={}, pad=pad), mode, budget_cap, world_size,
+                   overlong == "truncate-left" and mode != "wrap")
     # The ratio is measured on the finished rows; the frozen Plan is then made once, stats complete.
     ratio = rank_work_ratio(Plan(*arrays, stats={}), world_size, balance or "tokens")
-    return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio})
+    return Plan(*arrays, stats={**stats, "rank_work_max_over_mean": ratio}, pad=pad,
+                pad_id=0 if layout is None else layout.pad_id)
+
+
+def padded_budget(layout: Layout, mode: str, max_len: int, max_tokens: int) -> int:
+    """The row budget of a padded build (``Layout.budget``), refused where a segment could not fit."""
+    cap = layout.budget(max_tokens)
+    if mode == "wrap" and layout.segment_multiple > 1:
+        raise ConfigError("mode 'wrap' cuts rows at the budget, so it cannot pad every segment (--cp-layout zigzag, "
+                          "--pad-to-multiple-of); use --cp-layout contiguous, or mode 'bfd'")
+    longest = pad_up(max_len, layout.segment_multiple)
+    if mode in ("bfd", "optimal") and longest > cap:
+        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest}, more than the row budget of {cap} "
+                          f"(max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len "
+                          "or raise --max-tokens")
+    return cap
 
 
 # --------------------------------------------------------------------------------------------------
@@ -611,13 +644,9 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
     split, dropped, ``tokens_in``) is one epoch's, the same in every epoch, and ``epochs`` says E.
     """
     epochs = _as_int("epochs", epochs, 1, "plan at least one epoch")
+    check_epochs(mode, epochs)
     if epochs == 1:
         return plan(lengths, mode=mode, seed=seed, answers=answers, **options)
-    if mode == "wrap":
-        raise ConfigError(
-            f"epochs={epochs} with mode 'wrap': wrap keeps source order, so every epoch would hold the same rows; "
-            "build one epoch and let the loader replay it (set_epoch), or use mode 'batch' or 'bfd'"
-        )
     lengths = _as_lengths(lengths)
     rng = np.random.default_rng(_as_int("seed", seed, 0, "use a non-negative integer seed"))
     plans = []
@@ -628,7 +657,7 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
             order = rng.permutation(lengths.size)
             p = plan(lengths[order], mode=mode, answers=None if answers is None else np.asarray(answers)[order],
                      rng=rng, **options)
-            p = Plan(order[p.example], p.start, p.length, p.row_splits, p.stats)
+            p = Plan(order[p.example], p.start, p.length, p.row_splits, p.stats, p.pad, p.pad_id)
         else:
             p = plan(lengths, mode=mode, answers=answers, rng=rng, **options)
         plans.append(p)
@@ -638,7 +667,7 @@ def plan_epochs(lengths, *, epochs: int = 1, mode: str, seed: int = 0, answers=N
 # one epoch's accounting (equal in every epoch) and what the rows of all epochs hold, summed
 _PER_EPOCH = ("examples", "examples_packed", "examples_split", "examples_truncated", "examples_dropped", "tokens_in",
               "tokens_truncated", "tokens_dropped", "world_size", "examples_truncated_left", "examples_answer_too_long")
-_SUMMED = ("segments", "tokens", "rows", "padded_tokens")
+_SUMMED = ("segments", "tokens", "rows", "padded_tokens", "pad_tokens")
 
 
 def _concat_epochs(plans: list[Plan]) -> Plan:
@@ -647,6 +676,7 @@ def _concat_epochs(plans: list[Plan]) -> Plan:
         assert p.num_rows == first.num_rows, "every epoch plans the same number of rows"
         assert all(p.stats.get(k) == first.stats.get(k) for k in _PER_EPOCH), "every epoch accounts the same"
     arrays = [np.concatenate([getattr(p, name) for p in plans]) for name in ("example", "start", "length")]
+    pad = None if first.pad is None else np.concatenate([p.pad for p in plans])
     shift = np.cumsum([0] + [int(p.row_splits[-1]) for p in plans[:-1]])
     row_splits = np.concatenate([first.row_splits[:1]] + [p.row_splits[1:] + s for p, s in zip(plans, shift, strict=True)])
     stats = {k: first.stats[k] for k in _PER_EPOCH if k in first.stats}
@@ -660,29 +690,30 @@ def _concat_epochs(plans: list[Plan]) -> Plan:
     stats["rank_work_max_over_mean"] = float(np.mean([p.stats["rank_work_max_over_mean"] for p in plans]))
     stats["epochs"] = len(plans)
     out = [np.ascontiguousarray(a, dtype=np.int64) for a in (*arrays, row_splits)]
-    for a in out:
+    for a in out if pad is None else [*out, pad]:
         a.flags.writeable = False
-    return Plan(*out, stats=stats)
+    return Plan(*out, stats=stats, pad=pad, pad_id=first.pad_id)
 
 
-def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_size, balance) -> dict:
-    n = int(lengths.size)
-    rows = int(row_splits.size - 1)
-    row_tokens = _row_sums(length, row_splits)
+def _stats(lengths, plan: Plan, mode, budget_cap, world_size, truncate_left: bool) -> dict:
+    c = account(plan, lengths).total
+    length, row_splits = plan.length, plan.row_splits
+    rows = plan.num_rows
+    row_tokens = plan.row_lengths()  # what a row holds, padding included
     max_row = int(row_tokens.max()) if rows else 0
     tokens = int(length.sum())
     budget = int(budget_cap) if budget_cap is not None else max_row
     s: dict[str, Any] = {
-        "examples": n,
-        "examples_packed": n - acct["examples_split"] - acct["examples_truncated"] - acct["examples_dropped"],
-        "examples_split": int(acct["examples_split"]),
-        "examples_truncated": int(acct["examples_truncated"]),
-        "examples_dropped": int(acct["examples_dropped"]),
+        "examples": c.examples,
+        "examples_packed": c.whole,
+        "examples_split": c.split,
+        "examples_truncated": c.truncated,
+        "examples_dropped": c.dropped,
         "segments": int(length.size),
-        "tokens_in": int(lengths.sum()),
+        "tokens_in": c.tokens_in,
         "tokens": tokens,
-        "tokens_truncated": int(acct["tokens_truncated"]),
-        "tokens_dropped": int(acct["tokens_dropped"]),
+        "tokens_truncated": c.tokens_truncated,
+        "tokens_dropped": c.tokens_dropped,
         "rows": rows,
         "max_row_tokens": max_row,
         "row_budget": budget,
@@ -690,7 +721,10 @@ def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_s
         "fill": tokens / (rows * budget) if rows and budget else 0.0,
         "world_size": int(world_size),
     }
-    s.update({k: int(acct[k]) for k in ("examples_truncated_left", "examples_answer_too_long") if k in acct})
+    if truncate_left:
+        s.update(examples_truncated_left=c.truncated_left, examples_answer_too_long=c.truncated - c.truncated_left)
+    if plan.pad is not None:  # padding is in the rows and the budget, not in tokens (the examples' own)
+        s["pad_tokens"] = int(plan.pad.sum())
     if mode == "batch":
         counts = np.diff(row_splits)
         if rows:
@@ -698,6 +732,6 @@ def _stats(lengths, example, length, row_splits, acct, mode, budget_cap, world_s
             s["padded_tokens"] = int((counts * row_max).sum())
         else:
             s["padded_tokens"] = 0
-    assert s["tokens"] + s["tokens_truncated"] + s["tokens_dropped"] == s["tokens_in"], s
+    assert tokens == c.tokens, (tokens, c)
     assert not math.isnan(s["fill"])
     return s

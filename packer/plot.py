@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, OutputError
+from .views import Mode, PlotData
 
 TOKENS = "#1f77b4"
 PAD = "#d62728"
 EMPTY = "#c7c7c7"
 
 
-def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
+def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
     """Draw the figure of ``data`` (``inspect_.plot_data``) into ``path`` (format from its suffix)."""
     try:
         import matplotlib
@@ -34,32 +34,57 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         raise ConfigError("--plot needs matplotlib: pip install 'packer[plot]'") from e
 
     path = Path(path)
-    s = data["stats"]
-    ex_len, row_tok = data["example_tokens"], data["row_tokens"]
-    row_ex, row_pad = data["row_examples"], data["row_padded"]
-    budget = max(1, int(data["row_budget"]))
-    mode = data["pack"] + (f" of {data['batch_size']}" if data["pack"] == "batch" else f", rows ≤ {budget:,} tokens")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats:
+        what = f"{path.suffix!r} is not one matplotlib writes" if path.suffix else "it has none"
+        raise ConfigError(f"--plot {path}: the file's suffix sets the figure's format, and {what} "
+                          f"({', '.join(sorted(formats))}); name it {path.stem}.png, .svg or .pdf")
+    s, cfg = data.stats, data.config
+    budget = max(1, data.row_budget)
+    mode = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", rows ≤ {budget:,} tokens")
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    fig.suptitle(f"{data['directory']} — {s['rows']:,} rows ({mode}) · {s['tokens']:,} tokens · "
-                 f"{s['examples_read']:,} examples", fontsize=13, fontweight="bold")
+    fig.suptitle(f"{data.directory} — {s.rows:,} rows ({mode}) · {s.tokens:,} tokens · "
+                 f"{s.examples_read:,} examples", fontsize=13, fontweight="bold")
 
-    # (a) example lengths
-    ax = axes[0, 0]
+    _lengths_panel(axes[0, 0], data)
+    _fill_panel(axes[0, 1], data, budget)
+    _examples_panel(axes[1, 0], data)
+    _padding_panel(axes[1, 1], data)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise OutputError(f"--plot {path}: cannot be written ({e.strerror or e}); check the folder") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _lengths_panel(ax, data: PlotData) -> None:
+    """(a) example lengths (tokens kept in the rows) against --max-len."""
+    s, cfg, ex_len = data.stats, data.config, data.example_tokens
     if ex_len.size:
         ax.hist(ex_len, bins=min(60, max(10, int(np.sqrt(ex_len.size)))), color=TOKENS, alpha=0.85)
-    if data.get("max_len") and data["pack"] != "wrap":
-        ax.axvline(data["max_len"], color=PAD, ls="--", lw=1.5)
-        ax.text(data["max_len"], ax.get_ylim()[1] * 0.95, f" --max-len {data['max_len']:,}\n"
-                f" {s['examples_truncated']:,} truncated, {s['examples_split']:,} split",
-                color=PAD, va="top", ha="right" if ex_len.size and np.median(ex_len) < data["max_len"] * 0.5 else "left",
+    if cfg.pack != "wrap":
+        ax.axvline(cfg.max_len, color=PAD, ls="--", lw=1.5)
+        ax.text(cfg.max_len, ax.get_ylim()[1] * 0.95, f" --max-len {cfg.max_len:,}\n"
+                f" {s.examples_truncated:,} truncated, {s.examples_split:,} split",
+                color=PAD, va="top", ha="right" if ex_len.size and np.median(ex_len) < cfg.max_len * 0.5 else "left",
                 fontsize=9, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
     ax.set_title("example lengths (tokens kept in the rows)")
     ax.set_xlabel("tokens per example")
     ax.set_ylabel("examples")
 
-    # (b) fill of every row, sorted
-    ax = axes[0, 1]
+
+def _fill_panel(ax, data: PlotData, budget: int) -> None:
+    """(b) the fill of every row, sorted."""
+    import matplotlib.ticker
+
+    cfg, row_tok = data.config, data.row_tokens
     fill = np.sort(row_tok / budget)[::-1]
     x = np.arange(fill.size)
     ax.fill_between(x, fill, step="mid", color=TOKENS, alpha=0.85, label="tokens")
@@ -71,17 +96,21 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
     ax.set_ylim(0, 1.02)
     ax.set_xlim(-0.5, max(0.5, fill.size - 0.5))
     ax.set_title(f"fill of each row, sorted (budget {budget:,} tokens"
-                 + (", the largest row)" if data["pack"] == "batch" else ")"))
+                 + (", the largest row)" if cfg.pack == "batch" else ")"))
     ax.set_xlabel("rows, fullest first")
     ax.set_ylabel("tokens / row budget")
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.legend(loc="lower left", fontsize=9)
 
-    # (c) examples per row; in batch mode that is the batch size, so the panel compares the modes instead
-    ax = axes[1, 0]
-    if data["pack"] == "batch":
-        _modes_panel(ax, data["modes"])
-        ax.set_title(f"the same examples under each mode (examples per row: {data['batch_size']}, the last may hold fewer)",
+
+def _examples_panel(ax, data: PlotData) -> None:
+    """(c) examples per row; in batch mode that is the batch size, so the modes compared instead."""
+    import matplotlib.ticker
+
+    s, cfg, row_ex = data.stats, data.config, data.row_examples
+    if cfg.pack == "batch":
+        _modes_panel(ax, data.modes, s.epoch_count)
+        ax.set_title(f"the same examples under each mode (examples per row: {cfg.batch_size}, the last may hold fewer)",
                      fontsize=10)
     else:
         values, counts = np.unique(row_ex, return_counts=True)
@@ -92,9 +121,11 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.set_xlim(max(0, values.min() - 1.5) if values.size else 0, (values.max() + 1.5) if values.size else 2)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
 
-    # (d) padding removed (batch) / row tokens against the budget (bfd, wrap)
-    ax = axes[1, 1]
-    if data["pack"] == "batch":
+
+def _padding_panel(ax, data: PlotData) -> None:
+    """(d) padding removed (batch) / the modes compared (bfd, wrap)."""
+    row_tok, row_pad = data.row_tokens, data.row_padded
+    if data.config.pack == "batch":
         order = np.argsort(-row_pad, kind="stable")
         x = np.arange(order.size)
         ax.bar(x, row_tok[order], width=1.0, color=TOKENS, label="tokens (what packer computes)")
@@ -108,31 +139,27 @@ def plot_build(data: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.set_xlim(-0.5, max(0.5, len(x) - 0.5))
         ax.legend(loc="upper right", fontsize=9)
     else:
-        _modes_panel(ax, data["modes"])
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _modes_panel(ax, data.modes, data.stats.epoch_count)
 
 
-def _modes_panel(ax, modes: list[dict[str, Any]]) -> None:
-    """Tokens computed (padding included) under each mode, labelled with rows and optimizer steps."""
+def _modes_panel(ax, modes: tuple[Mode, ...], epochs: int) -> None:
+    """Tokens computed (padding included) under each mode, labelled with rows and optimizer steps: of
+    all the rows, so of every epoch the build holds."""
     import matplotlib.ticker
 
-    names = [f"{m['mode']}{' (this build)' if m['built'] else ''}\n{m['rows']:,} rows = {m['optimizer_steps']:,} steps\n"
-             f"{m['examples_per_step']:.1f} examples/step" for m in modes]
+    names = [f"{m.mode}{' (this build)' if m.built else ''}\n{m.rows:,} rows = {m.optimizer_steps:,} steps\n"
+             f"{m.examples_per_step:.1f} examples/step" for m in modes]
     y = np.arange(len(modes))[::-1]
-    tokens = np.array([m["tokens"] for m in modes])
-    computed = np.array([m["computed_tokens"] for m in modes])
+    tokens = np.array([m.tokens for m in modes])
+    computed = np.array([m.computed_tokens for m in modes])
     ax.barh(y, tokens, color=TOKENS, label="tokens")
     ax.barh(y, computed - tokens, left=tokens, color=PAD, alpha=0.55, label="padding")
     for yi, m in zip(y, modes, strict=True):
-        ax.text(m["computed_tokens"], yi, f"  {m['computed_tokens']:,}\n  fill {m['fill']:.0%}", va="center", fontsize=9)
+        ax.text(m.computed_tokens, yi, f"  {m.computed_tokens:,}\n  fill {m.fill:.0%}", va="center", fontsize=9)
     ax.set_xlim(0, computed.max() * 1.3)
     ax.set_yticks(y, names, fontsize=9)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.set_xlabel("tokens computed per epoch")
+    ax.set_xlabel("tokens computed per epoch" if epochs == 1 else f"tokens computed over the {epochs} epochs the rows hold")
     ax.set_title("the same examples under each mode")
     ax.legend(loc="lower right", fontsize=9)

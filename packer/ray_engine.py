@@ -9,7 +9,7 @@ The pipeline and its bytes are the local engine's; only where the work runs chan
 
 - **tokenize**: the driver reads the source's stream (one reader: a file or Hub stream cannot be split
   by position) and submits each chunk's records (``CHUNK`` records) as a Ray task running the same
-  :class:`packer.tokenization.Encoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
+  :class:`packer.mix.MixEncoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
   driver takes the results back *in source order* and appends them to the resumable spill of
   :mod:`packer.spill`, so the spill is the local engine's byte for byte (tokens of an example do not
   depend on its batch).
@@ -36,11 +36,11 @@ import numpy as np
 from . import schema
 from . import spill as spill_
 from .errors import ConfigError
+from .mix import MixChunk, MixEncoder, MixStream
 from .plan import Plan
-from .schema import ShardEntry
 from .spill import Spill, open_store
-from .tokenization import Encoded, Encoder
-from .writer import add_counts, shard_bounds, shard_entry, write_shard
+from .tokenization import Encoded
+from .writer import Written, shard_bounds, shard_entry, write_shard
 
 
 def _ray():
@@ -54,32 +54,31 @@ def _ray():
     return ray
 
 
-def _encode(encoder: Encoder, records: dict, lo: int, where: str) -> Encoded:
+def _encode(encoder: MixEncoder, chunk: MixChunk) -> Encoded:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per task; Ray runs one task per CPU
-    return encoder.encode(records, lo, where=where)
+    return encoder.encode(chunk)
 
 
 class RayEngine:
     """The :class:`packer.engines.Engine` whose steps run as Ray tasks on the cluster ``ray.init()`` joins."""
 
-    def encode_chunks(self, stream, encoder: Encoder, start: int, *, where: str) -> Iterator[Encoded]:
+    def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]:
         """The Encoded chunks of records ``start`` … of ``stream``, in source order, tokenized by Ray tasks."""
         ray = _ray()
         task = ray.remote(num_cpus=1)(_encode)
         encoder_ref = ray.put(encoder)
         window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
         pending: deque = deque()
-        for lo, records in stream.chunks(start, spill_.CHUNK):
-            pending.append(task.remote(encoder_ref, records, lo, where))
+        for _, chunk in stream.chunks(start, spill_.CHUNK):
+            pending.append(task.remote(encoder_ref, chunk))
             if len(pending) >= window:
                 yield ray.get(pending.popleft())
         while pending:
             yield ray.get(pending.popleft())
 
-    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, totals: dict[str, int],
-                     progress: bool) -> list[ShardEntry]:
-        """Write every shard into ``staging`` as parallel Ray tasks; the manifest entries in order (their
-        loss counts are added into ``totals``)."""
+    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, progress: bool) -> Written:
+        """Write every shard into ``staging`` as parallel Ray tasks; the manifest entries in order, and
+        their counts."""
         ray = _ray()
         task = ray.remote(num_cpus=1)(_write_shard)
         plan_ref, lengths_ref = ray.put(plan), ray.put(np.asarray(spill.lengths))
@@ -87,11 +86,8 @@ class RayEngine:
         names = [schema.shard_name(i) for i in range(len(bounds))]
         refs = [task.remote(plan_ref, str(spill.folder), lengths_ref, str(staging / name), lo, hi)
                 for name, (lo, hi) in zip(names, bounds, strict=True)]
-        entries = []
-        for name, counts in zip(names, ray.get(refs), strict=True):
-            add_counts(totals, counts)
-            entries.append(shard_entry(staging / name, counts))
-        return entries
+        return Written.of([(shard_entry(staging / name, counts), counts)
+                           for name, counts in zip(names, ray.get(refs), strict=True)])
 
 
 def _write_shard(plan: Plan, folder: str, lengths: np.ndarray, path: str, lo: int, hi: int) -> dict:

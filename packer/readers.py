@@ -17,7 +17,9 @@ names the file and, for JSON, the line.
 
 from __future__ import annotations
 
+import codecs
 import csv
+import errno
 import gzip
 import itertools
 import json
@@ -56,7 +58,7 @@ def count(builder: str, path: str, need: int) -> int:
             return sum(batch.num_rows for batch in _arrow_batches(builder, path))
     with _json_errors(path), _open(path) as f:
         if _is_document(f):
-            return sum(1 for _ in _document_records(path, f.read()))
+            return sum(1 for _ in itertools.islice(_document_records(path, f), need))
         n = 0
         for _ in _json_lines(f):
             n += 1
@@ -68,7 +70,7 @@ def count(builder: str, path: str, need: int) -> int:
 def _json_records(path: str) -> Iterator[dict[str, Any]]:
     with _json_errors(path), _open(path) as f:
         if _is_document(f):
-            yield from _document_records(path, f.read())
+            yield from _document_records(path, f)
             return
         for number, raw in _json_lines(f):
             yield _record(path, number, raw)
@@ -110,7 +112,18 @@ def _json_errors(path: str):
         raise SourceError(f"{path}: {where} ({e}); check the file is a complete .gz, or drop the .gz suffix if it "
                           "is plain text") from None
     except OSError as e:
-        raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str, e: OSError) -> SourceError:
+    if e.errno == errno.EMFILE or "Too many open files" in str(e):
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return SourceError(f"{path}: cannot be opened: this process has the {limit:,} files it may open in use "
+                           "(ulimit -n), and a mix keeps one open for each part; raise the limit or merge parts into "
+                           "fewer sources")
+    return SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file")
 
 
 def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
@@ -135,16 +148,10 @@ def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
     return record
 
 
-def _document_records(path: str, data: bytes) -> Iterator[dict[str, Any]]:
-    try:
-        document = json.loads(data.decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise SourceError(f"{path}:{e.lineno}: malformed JSON ({e.msg}); fix the document") from None
-    except RecursionError:
-        raise SourceError(f"{path}: JSON nested too deeply to read (over ~1,000 levels); flatten its records") from None
-    for k, item in enumerate(document):
+def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
+    """The items of a top-level JSON array, parsed one at a time from ``f`` (so ``--limit 10`` of a
+    large array reads about 10 items' bytes, and no item is held after it is yielded)."""
+    for k, item in enumerate(_array_items(path, f)):
         if isinstance(item, str):  # an array of texts is read as records {"text": ...}, as `datasets` reads it
             item = {"text": item}
         if not isinstance(item, dict):
@@ -154,6 +161,84 @@ def _document_records(path: str, data: bytes) -> Iterator[dict[str, Any]]:
             raise SourceError(f"{path}: item {k + 1} holds a \\uXXXX escape of half a surrogate pair (not a "
                               "character); fix that text")
         yield item
+
+
+_READ = 1 << 20  # bytes read at a time from a JSON array; doubled while one item does not fit
+_TAIL = 32  # characters at the end of the text read where a value or an error may be cut short, not end
+
+
+def _array_items(path: str, f) -> Iterator[Any]:
+    """Each value of the top-level array in ``f``, decoded by the stdlib's ``raw_decode`` from a text buffer
+    that holds the current item (not the file). A value that reaches the buffer's end may be incomplete
+    (a number, a string cut in two): it is decoded again with more text."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8-sig")()
+    buf, pos, lines_before, read, eof, want = "", 0, 0, 0, False, _READ
+
+    def more() -> bool:
+        nonlocal buf, pos, lines_before, read, eof
+        if eof:
+            return False
+        data = f.read(want)
+        try:
+            text = utf8.decode(data, final=not data)
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {read + e.start}); re-encode the file as "
+                              "UTF-8") from None
+        read += len(data)
+        eof = not data
+        lines_before += buf.count("\n", 0, pos)
+        buf, pos = buf[pos:] + text, 0
+        return True
+
+    def malformed(message: str, at: int) -> SourceError:
+        return SourceError(f"{path}:{lines_before + buf.count(chr(10), 0, at) + 1}: malformed JSON ({message}); "
+                           "fix the document")
+
+    def skip_space() -> str:
+        """The next character that is not white space ("" at the end of the file)."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or not more():
+                return buf[pos] if pos < len(buf) else ""
+
+    skip_space()
+    pos += 1  # the "[" that _is_document saw
+    if skip_space() == "]":
+        pos += 1
+    else:
+        while True:
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except RecursionError:
+                    raise SourceError(f"{path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
+                                      "records") from None
+                except json.JSONDecodeError as e:
+                    # an error well before the text's end is one (a string may be longer than the text read)
+                    final = len(buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
+                    if not final and more():
+                        want *= 2
+                        continue
+                    raise malformed(e.msg, e.pos) from None
+                if eof or len(buf) - end > _TAIL:
+                    break
+                want *= 2
+                more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
+            pos = end
+            yield value
+            want = _READ
+            after = skip_space()
+            pos += 1
+            if after == "]":
+                break
+            if after != ",":
+                raise malformed("expecting ',' or ']' after an item" if after else "the array is not closed", pos - 1)
+            skip_space()
+    if skip_space():
+        raise malformed("extra data after the array", pos)
 
 
 def _refuse_one_object(path: str) -> None:
@@ -203,7 +288,8 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     except csv.Error as e:
         raise SourceError(f"{path}:1: the header line is not CSV ({e}); fix it") from None
     except OSError as e:
-        raise SourceError(f"{path}: cannot be read ({e.strerror or e}); check the file") from None
+        raise _unreadable(path, e) from None
+    _refuse_duplicates(path, names, "the header line")
     convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
                                   null_values=[""])
     with _arrow_errors("csv", path):
@@ -226,10 +312,22 @@ def _arrow_errors(builder: str, path: str):
     try:
         yield
     except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and (e.errno == errno.EMFILE or "Too many open files" in str(e)):
+            raise _unreadable(path, e) from None
         if "invalid UTF8" in str(e):
             raise SourceError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "check the file is complete and of that type") from None
+
+
+def _refuse_duplicates(path: str, names: list[str], where: str) -> None:
+    """A record is a mapping: of two columns of one name only the last would be kept, silently."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise SourceError(f"{path}: {where} names the column {name!r} twice, and a record keeps only one of "
+                              "them; rename or remove one")
+        seen.add(name)
 
 
 def _arrow_batches(builder: str, path: str):
@@ -239,6 +337,7 @@ def _arrow_batches(builder: str, path: str):
         import pyarrow.parquet as pq
 
         with pq.ParquetFile(path) as f:
+            _refuse_duplicates(path, f.schema_arrow.names, "the Parquet schema")
             yield from f.iter_batches(batch_size=1000)
         return
     with pa.memory_map(path) as source:  # Arrow IPC: the stream format (`datasets`' .arrow files), or the file format
@@ -247,7 +346,9 @@ def _arrow_batches(builder: str, path: str):
         except pa.ArrowInvalid:
             source.seek(0)
             reader = pa.ipc.open_file(source)
+            _refuse_duplicates(path, reader.schema.names, "the Arrow schema")
             for i in range(reader.num_record_batches):
                 yield reader.get_batch(i)
             return
+        _refuse_duplicates(path, reader.schema.names, "the Arrow schema")
         yield from reader

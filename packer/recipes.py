@@ -2,17 +2,21 @@
 
 A recipe is data, not code paths: its Hub id, split and fields, and the templates that turn a record
 into a prompt (not trained on by default) and a completion (trained on). ``flan`` reads the bundled
-synthetic FLAN-style sample in ``data/`` unless ``--from-hub`` asks for the real collection.
+synthetic FLAN-style sample in ``packer/data/`` (package data, so a wheel carries it) unless
+``--from-hub`` asks for the real collection.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from .errors import ConfigError
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+# Found as package data, where an editable install and a wheel both put it. packer is a regular package
+# on disk (never imported from a zip), so the resource is a real folder that a tokenizer can load from.
+DATA_DIR = Path(resources.files(__package__) / "data")
 BUNDLED_SAMPLE = DATA_DIR / "flan_sample.jsonl.gz"
 BUNDLED_TOKENIZER = DATA_DIR / "tokenizer"
 

@@ -8,7 +8,9 @@ import re
 import click
 
 from .pipeline import BuildResult
-from .verify import Report
+from .report import Report
+from .schema import Stats
+from .views import Elided, Example, MixPart, Mode, Row, Summary
 
 # One colour per segment of a drawn row, in turn.
 PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
@@ -23,6 +25,14 @@ def truncation_text(left: int, too_long: int) -> str:
     """What --overlong truncate-left did, in words."""
     return (f"{left:,} at the prompt's start (answer and EOS whole) · {too_long:,} whose answer alone exceeds "
             "--max-len, cut at the end")
+
+
+def padding_text(s, cfg) -> str:
+    """What a padded build's padding (packer.context_parallel) costs, and what it was for."""
+    why = [f"a CP group of {cfg.cp_size} ({cfg.cp_layout})"] if cfg.cp_size > 1 else []
+    why += [f"segments to a multiple of {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
+    return (f"{s.pad_tokens:,} tokens, {s.pad_tokens / max(1, s.tokens + s.pad_tokens):.1%} of the rows, for "
+            f"{' and '.join(why)} (token id {s.pad_token_id}, untrained, in the budget)")
 
 
 def disk_cost_text(epochs: int, size: int) -> str:
@@ -40,7 +50,7 @@ def build_lines(result: BuildResult) -> list[str]:
         lines.append(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
     if m.note:
         lines.append(f"note: {m.note}")
-    mode = f"batch of {cfg['batch_size']}" if cfg["pack"] == "batch" else f"{cfg['pack']}, ≤ {cfg['max_tokens']:,} tokens"
+    mode = f"batch of {cfg.batch_size}" if cfg.pack == "batch" else f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
     dropped = ", ".join(f"{k} {v:,}" for k, v in s.dropped_by_reason.items()) or "none"
     size = sum(sh.bytes for sh in m.shards)
     lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
@@ -51,17 +61,23 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"tokens    {s.tokens:,} in rows{over} ({s.loss_tokens:,} trained) · "
                  f"{s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.segments_without_loss:
-        lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token (prompts cut before their "
-                     "completion): they cost compute and teach nothing; raise --max-len or use --overlong drop")
+        cut = cfg.pack == "wrap" or cfg.overlong == "split"
+        why = ("pieces of cut examples: all prompt, or a lone token, a segment's first, which is never trained" if cut
+               else "prompts cut before their completion")
+        fix = "raise --max-tokens" if cfg.pack == "wrap" else "raise --max-len or use --overlong drop"
+        lines.append(f"warning   {s.segments_without_loss:,} segments hold no trained token ({why}): they cost "
+                     f"compute and teach nothing; {fix}")
     if s.epochs:
         mode += f"; {s.epochs} epochs × {s.rows // s.epochs:,} rows, each its own shuffle"
-    if cfg["pack"] == "batch":
+    if cfg.pack == "batch":
         # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
         lines.append(f"rows      {s.rows:,} ({mode}) · padded batches would hold {s.padded_tokens:,} tokens: "
                      f"packing removes {padding_removed(s.tokens, s.padded_tokens):.1%} of them")
     else:
         lines.append(f"rows      {s.rows:,} ({mode}) · fill {s.fill:.1%} · "
                      f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
+    if s.padded:
+        lines.append(f"padding   {padding_text(s, cfg)}")
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s")
@@ -78,95 +94,99 @@ def verify_lines(report: Report) -> list[str]:
     return [report.verdict(), *(f"  {problem}" for problem in report.problems)]
 
 
-def summary_lines(view: dict, color: bool) -> list[str]:
+def summary_lines(view: Summary, color: bool) -> list[str]:
     """The summary of ``packer inspect DIR``: the build's numbers, then the modes compared on it."""
     lines: list[str] = []
-    s = view["stats"]
-    if view.get("note"):
-        lines.append(f"note: {view['note']}")
-    budget = f"{view['pack']}" + (f" of {view['batch_size']}" if view["pack"] == "batch" else f", ≤ {view['max_tokens'] or view['max_len']:,} tokens")
-    lines.append(click.style(f"{view['directory']}: {s['rows']:,} rows ({budget}), tokenizer {view['tokenizer']}", bold=True))
-    lines.append(f"  examples     {s['examples_read']:,} read · {s['examples_packed']:,} whole · {s['examples_split']:,} split · "
-          f"{s['examples_truncated']:,} truncated · {sum((s.get('dropped_by_reason') or {}).values()):,} dropped "
-          f"· {s['segments']:,} segments in rows")
-    lines.append(f"  tokens       {s['tokens']:,} in rows ({s['loss_tokens']:,} trained, {s['loss_tokens'] / max(1, s['tokens']):.1%})"
-          f" · {s['tokens_truncated']:,} truncated · {s['tokens_dropped']:,} dropped")
-    if s.get("examples_truncated_left") is not None:
-        lines.append(f"  truncated    {truncation_text(s['examples_truncated_left'], s['examples_answer_too_long'])}")
-    lines.append(f"  fill         {s['fill']:.1%} of {s['row_budget']:,}-token rows; rows / lower bound "
-          f"{s['rows'] / max(1, s['lower_bound']):.3f} ({s['lower_bound']:,})")
-    if s.get("epochs"):
-        size = sum(sh["bytes"] for sh in view["shards"])
-        lines.append(f"  epochs       {s['epochs']} planned, each its own shuffle: {s['rows']:,} rows = {s['epochs']} × "
-                     f"{s['rows'] // s['epochs']:,} · {size / 1e6:,.1f} MB on disk = {disk_cost_text(s['epochs'], size)}")
-    if view.get("mix"):
-        lines.extend(mix_lines(view["mix"]))
-    for sh in view["shards"]:
-        lines.append(f"  {sh['file']}  {sh['rows']:,} rows  {sh['tokens']:,} tokens  {sh['bytes'] / 1e6:,.1f} MB  sha256 {sh['sha256'][:12]}")
-    modes = view.get("modes")
-    if not modes:
-        return _plain(lines, color)
-    world = s.get("world_size", 1)
-    lines.append("")
-    lines.append(click.style(f"  the modes on these {s['segments']:,} segments ({s['tokens']:,} tokens"
-                      + (f", all {s['epochs']} epochs" if s.get("epochs") else "") + "), "
-                      f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True))
-    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
-    lines.append(click.style(head, dim=True))
-    for m in modes:
-        mark = "▸" if m["built"] else " "
-        line = (f"  {mark} {m['mode']:<8}{m['rows']:>7,}{m['optimizer_steps']:>12,}{m['examples_per_step']:>15.1f}"
-                f"{m['computed_tokens']:>11,}{m['padding']:>9.1%}{m['peak_row_tokens']:>10,}{m['fill']:>7.1%}"
-                f"   {m['note']}")
-        lines.append(click.style(line, bold=True) if m["built"] else line)
-    by = {m["mode"]: m for m in modes}
-    pad, batch, bfd, opt = by["padded"], by["batch"], by["bfd"], by["optimal"]
-    fewer = 1 - bfd["rows"] / max(1, batch["rows"])  # negative where the batch rows are larger than bfd's budget
-    lines.append(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad['padding']:.0%} fewer "
-          f"tokens computed. bfd: {abs(fewer):.0%} {'fewer' if fewer >= 0 else 'more'} rows, but "
-          f"{bfd['examples_per_step']:.1f} examples per step instead of {batch['examples_per_step']:.1f} "
-          f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt['rows']:,} rows, "
-          f"{bfd['rows'] - opt['rows']:,} fewer.")
+    s, cfg = view.stats, view.config
+    if view.note:
+        lines.append(f"note: {view.note}")
+    budget = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", ≤ {cfg.max_tokens:,} tokens")
+    lines.append(click.style(f"{view.directory}: {s.rows:,} rows ({budget}), tokenizer {view.tokenizer}", bold=True))
+    lines.append(f"  examples     {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_split:,} split · "
+                 f"{s.examples_truncated:,} truncated · {sum(s.dropped_by_reason.values()):,} dropped "
+                 f"· {s.segments:,} segments in rows")
+    lines.append(f"  tokens       {s.tokens:,} in rows ({s.loss_tokens:,} trained, {s.loss_tokens / max(1, s.tokens):.1%})"
+                 f" · {s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
+    if s.examples_truncated_left is not None:
+        lines.append(f"  truncated    {truncation_text(s.examples_truncated_left, s.examples_answer_too_long)}")
+    lines.append(f"  fill         {s.fill:.1%} of {s.row_budget:,}-token rows; rows / lower bound "
+                 f"{s.rows / max(1, s.lower_bound):.3f} ({s.lower_bound:,})")
+    if s.padded:
+        lines.append(f"  padding      {padding_text(s, cfg)}")
+    if s.epochs:
+        lines.append(f"  epochs       {s.epochs} planned, each its own shuffle: {s.rows:,} rows = {s.epochs} × "
+                     f"{s.rows // s.epochs:,} · {view.bytes / 1e6:,.1f} MB on disk = {disk_cost_text(s.epochs, view.bytes)}")
+    if view.mix:
+        lines.extend(mix_lines(view.mix))
+    for sh in view.shards:
+        lines.append(f"  {sh.file}  {sh.rows:,} rows  {sh.tokens:,} tokens  {sh.bytes / 1e6:,.1f} MB  sha256 {sh.sha256[:12]}")
+    if view.modes:
+        lines.extend(modes_lines(view.modes, s))
     return _plain(lines, color)
 
 
-def mix_lines(parts: list[dict]) -> list[str]:
+def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
+    """The modes compared on the build's segments: a table, then what it means."""
+    world = s.world_size
+    lines = ["", click.style(f"  the modes on these {s.segments:,} segments ({s.tokens:,} tokens"
+                             + (f", all {s.epochs} epochs" if s.epochs else "") + "), "
+                             f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True)]
+    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
+    lines.append(click.style(head, dim=True))
+    for m in modes:
+        mark = "▸" if m.built else " "
+        line = (f"  {mark} {m.mode:<8}{m.rows:>7,}{m.optimizer_steps:>12,}{m.examples_per_step:>15.1f}"
+                f"{m.computed_tokens:>11,}{m.padding:>9.1%}{m.peak_row_tokens:>10,}{m.fill:>7.1%}   {m.note}")
+        lines.append(click.style(line, bold=True) if m.built else line)
+    by = {m.mode: m for m in modes}
+    pad, batch, bfd, opt = by["padded"], by["batch"], by["bfd"], by["optimal"]
+    fewer = 1 - bfd.rows / max(1, batch.rows)  # negative where the batch rows are larger than bfd's budget
+    lines.append(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad.padding:.0%} fewer "
+                 f"tokens computed. bfd: {abs(fewer):.0%} {'fewer' if fewer >= 0 else 'more'} rows, but "
+                 f"{bfd.examples_per_step:.1f} examples per step instead of {batch.examples_per_step:.1f} "
+                 f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt.rows:,} rows, "
+                 f"{bfd.rows - opt.rows:,} fewer.")
+    return lines
+
+
+def mix_lines(parts: tuple[MixPart, ...]) -> list[str]:
     """A mix's sources, one line each: what was asked (weight or records) and what each gave."""
     lines = [click.style(f"  {'mix':<13}{'asked':>9}{'read':>9}{'whole':>9}{'split':>7}{'trunc.':>8}{'dropped':>9}"
                          f"{'tokens':>12}{'share':>7}", dim=True)]
     for p in parts:
-        asked = f"w {p['weight']:g}" if p.get("weight") is not None else f"{p['records']:,}"
-        name = p["source"] if len(p["source"]) <= 12 else "…" + p["source"][-11:]
-        lines.append(f"  {name:<13}{asked:>9}{p['records_read']:>9,}{p['examples_packed']:>9,}{p['examples_split']:>7,}"
-                     f"{p['examples_truncated']:>8,}{sum(p['dropped_by_reason'].values()):>9,}{p['tokens']:>12,}"
-                     f"{p['token_share']:>7.1%}")
+        c = p.counts
+        asked = f"w {p.weight:g}" if p.weight is not None else f"{p.records:,}"
+        name = p.source if len(p.source) <= 12 else "…" + p.source[-11:]
+        lines.append(f"  {name:<13}{asked:>9}{c['records_read']:>9,}{c['examples_packed']:>9,}{c['examples_split']:>7,}"
+                     f"{c['examples_truncated']:>8,}{sum(c['dropped_by_reason'].values()):>9,}{c['tokens']:>12,}"
+                     f"{p.token_share:>7.1%}")
     return lines
 
 
-def example_lines(view: dict, directory: str, color: bool) -> list[str]:
+def example_lines(view: Example, directory: str, color: bool) -> list[str]:
     """Where ``packer inspect DIR --example ID`` found the example."""
     lines: list[str] = []
-    ex = view["example_id"]
-    if not view["found"]:
-        lines.append(f"example {ex}: in no row; {view['why_missing']}")
+    ex = view.example_id
+    if not view.found:
+        lines.append(f"example {ex}: in no row; {view.why_missing}")
         return _plain(lines, color)
-    pieces = view["pieces"]
+    pieces = view.pieces
     what = []
-    if view["split"]:
-        what.append(f"split into {len(pieces)} pieces (--overlong {view['overlong']}, --max-len {view['max_len']})"
-                    if view["pack"] != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
-    if view["truncated"]:
-        what.append(f"truncated to --max-len {view['max_len']} " + (
-            "(its last token is not EOS)" if view["overlong"] == "truncate" else "(--overlong truncate-left)"))
-    epochs = view.get("epochs", 1)
-    per_epoch = [p for p in pieces if p.get("epoch", 0) == 0]
-    lines.append(click.style(f"example {ex}: {view['tokens']:,} tokens in {len(per_epoch)} segment{'s' if len(per_epoch) > 1 else ''}"
-                      + (f" in each of {epochs} epochs" if epochs > 1 else "")
-                      + (f", {'; '.join(what)}" if what else ", whole"), bold=True))
+    if view.split:
+        what.append(f"split into {len(pieces)} pieces (--overlong {view.overlong}, --max-len {view.max_len})"
+                    if view.pack != "wrap" else f"cut into {len(pieces)} pieces at row ends (--pack wrap)")
+    if view.truncated:
+        what.append(f"truncated to --max-len {view.max_len} " + (
+            "(its last token is not EOS)" if view.overlong == "truncate" else "(--overlong truncate-left)"))
+    epochs = view.epochs
+    per_epoch = [p for p in pieces if not p.epoch]
+    lines.append(click.style(f"example {ex}: {view.tokens:,} tokens in {len(per_epoch)} segment{'s' if len(per_epoch) > 1 else ''}"
+                             + (f" in each of {epochs} epochs" if epochs > 1 else "")
+                             + (f", {'; '.join(what)}" if what else ", whole"), bold=True))
     for p in pieces:
-        lines.append(f"  row {p['row']:>6,}  segment {p['segment']:>3}  tokens {p['offset']:,}..{p['offset'] + p['length']:,} "
-              f"({p['length']:,})  {p['shard']}" + (f"  epoch {p['epoch']}" if epochs > 1 else ""))
-    lines.append(click.style(f"  see it: packer inspect {directory} --row {pieces[0]['row']}", dim=True))
+        lines.append(f"  row {p.row:>6,}  segment {p.segment:>3}  tokens {p.offset:,}..{p.offset + p.length:,} "
+                     f"({p.length:,})  {p.shard}" + (f"  epoch {p.epoch}" if epochs > 1 else ""))
+    lines.append(click.style(f"  see it: packer inspect {directory} --row {pieces[0].row}", dim=True))
     return _plain(lines, color)
 
 
@@ -175,12 +195,12 @@ def _flow(text: str) -> str:
     return text.replace("\r", "").replace("\t", "    ").replace("\n", "↵\n")
 
 
-def row_lines(view: dict, *, show_ids: bool, color: bool, width: int) -> list[str]:
+def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str]:
     """One row drawn segment by segment in lines of at most ``width`` characters."""
     lines: list[str] = []
-    segs = view["segments"]
-    lines.append(click.style(f"row {view['row']} · {view['shard']} · {view['tokens']:,} tokens in {len(segs)} segments · "
-                      f"{view['num_loss_tokens']:,} trained · longest {view['max_seqlen']:,}", bold=True))
+    segs = view.segments
+    lines.append(click.style(f"row {view.row} · {view.shard} · {view.tokens:,} tokens in {len(segs)} segments · "
+                             f"{view.num_loss_tokens:,} trained · longest {view.max_seqlen:,}", bold=True))
     if color:
         legend = (click.style("dim", dim=True) + " = masked (no loss) · " + click.style("bright", bold=True)
                   + " = trained · ⋯ = elided · one colour per segment")
@@ -191,27 +211,27 @@ def row_lines(view: dict, *, show_ids: bool, color: bool, width: int) -> list[st
         hue = PALETTE[k % len(PALETTE)]
         bar = click.style("▌", fg=hue) if color else "│"
         if k:
-            lines.append(click.style(f"  ╞═ boundary at token {seg['offset']:,}: position_ids restart at 0, label -100 " + "═" * 8,
+            lines.append(click.style(f"  ╞═ boundary at token {seg.offset:,}: position_ids restart at 0, label -100 " + "═" * 8,
                               dim=True))
-        head = (f"segment {seg['segment']} · example {seg['example_id']} · tokens {seg['offset']:,}.."
-                f"{seg['offset'] + seg['length']:,} ({seg['length']:,}) · {seg['trained_tokens']:,} trained")
+        head = (f"segment {seg.segment} · example {seg.example_id} · tokens {seg.offset:,}.."
+                f"{seg.offset + seg.length:,} ({seg.length:,}) · {seg.trained_tokens:,} trained")
         lines.append(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head))
         pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
-        for run in seg.get("runs", []):
-            if "elided" in run:
+        for run in seg.runs or ():
+            if isinstance(run, Elided):
                 if pieces:
                     pieces[-1] = (pieces[-1][0].rstrip(), pieces[-1][1])
-                pieces.append((f" ⋯ {run['elided']:,} tokens ({run['trained']:,} trained) ⋯ ", "elided"))
+                pieces.append((f" ⋯ {run.elided:,} tokens ({run.trained:,} trained) ⋯ ", "elided"))
                 continue
             if show_ids:
-                text = (" " if pieces and pieces[-1][1] != "elided" else "") + " ".join(map(str, run["ids"]))
+                text = (" " if pieces and pieces[-1][1] != "elided" else "") + " ".join(map(str, run.ids))
             else:
-                text = _flow(run["text"])
+                text = _flow(run.text)
             if pieces and pieces[-1][1] == "elided":
                 text = text.lstrip()
-            if not color and run["trained"]:
+            if not color and run.trained:
                 text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
-            pieces.append((text, "trained" if run["trained"] else "masked"))
+            pieces.append((text, "trained" if run.trained else "masked"))
         for line in _wrap(pieces, width):
             merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
             for t, kind in line:

@@ -33,7 +33,7 @@ bound on work, not on time, so the result is the same on any machine.
 
 Cost. O(n) numpy to gather the rows' items and map the new rows back, plus the rows built; at 1M
 lengths less than BFD's own time, at 10M under a second more (``benchmarks/bench_plan.py``; the
-figures: README, Planning).
+figures: docs/benchmarks.md, Planning).
 """
 
 from __future__ import annotations

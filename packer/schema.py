@@ -15,11 +15,25 @@ Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are w
 ``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
 are written before the manifest and derived from it alone (no times), so builds stay byte-identical.
 
-An output folder also holds, while a build runs, ``LOCK`` (the build's flock) and ``STAGING`` (shards
-being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`is_owned` says which names of a
-folder are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
-``from_json``/``to_json`` keep its keys and bytes). Readers take a local path or an fsspec URL
-(:mod:`packer.fs`).
+An output folder also holds, while a build runs, ``STAGING`` (the build's flock ``STAGING/LOCK``, shards
+being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`listed_files` says which files of
+a folder a manifest proves are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
+``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.config.BuildConfig`,
+so a reader never re-derives a default). Readers take a local path or an fsspec URL (:mod:`packer.fs`).
+
+Changing the manifest (docs/design.md says the same):
+
+- *A new field a build does not always use* (a config option, a count that applies to some builds)
+  gets a default and is recorded only when set: ``BuildConfig.identity()`` leaves out a field of
+  ``config._RECORDED_WHEN_SET`` at its default, :meth:`Stats.to_json` a ``Stats`` field that is None.
+  A build that does not use it keeps its bytes, its identity (a rerun reuses it) and the digests
+  ``tests/test_digests.py`` pins; a reader of an older manifest gets the default. No version change.
+- *Anything else* (a field renamed, removed or meaning something new, the row schema, the file
+  layout) is a new ``FORMAT_VERSION``, with the pinned digests updated in the same commit. A reader
+  refuses a manifest of another version in one line (rebuild with this packer, or read it with the
+  packer that wrote it); there is no reading of older versions.
+- Types come from the dataclasses' annotations (``typing.get_type_hints``): a new field is checked
+  as it is declared, ``float | None`` included.
 """
 
 from __future__ import annotations
@@ -27,13 +41,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from . import fs
-from .errors import ShardFormatError
+from .config import BuildConfig
+from .errors import ConfigError, ShardFormatError
 
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 1
@@ -61,6 +78,14 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(ROW_SCHEMA.names)
+# A padded build (--cp-size, --pad-to-multiple-of; packer.context_parallel) has one more column: the
+# padding tokens at the end of each segment, which its seq_lens include.
+PAD_COLUMN = "pad_lens"
+PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
+
+
+def row_schema(padded: bool) -> pa.Schema:
+    return PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
 
 
 def shard_name(index: int) -> str:
@@ -68,21 +93,34 @@ def shard_name(index: int) -> str:
 
 
 # -- what packer owns in an output folder ----------------------------------------------------------
+#
+# A name proves nothing: packer owns only the files a manifest it wrote lists (:func:`listed_files`,
+# proven by the manifest's content hash) and its staging folder, proven by the lock file inside it
+# (``LOCK`` holding exactly ``LOCK_BYTES``). Everything else in a folder is someone else's.
 
-LOCK = ".packer-lock"  # flock'd by a running build; removed when it ends
-STAGING = ".packer-staging"  # shards being written, and the token spill; gone once a build commits
+STAGING = ".packer-staging"  # the lock, shards being written, the token spill; gone once a build ends
+LOCK = "lock"  # inside STAGING: the build's flock, and the proof that the folder is packer's
+LOCK_BYTES = b"packer: this folder is a packer build's staging area; packer removes it\n"
 TOKENS_DIR = "tokens"  # the token spill, inside STAGING
-MANIFEST_TMP = MANIFEST_NAME + ".tmp"  # the manifest before its atomic rename
+PENDING = "pending-manifest.json"  # inside STAGING: the manifest being committed (then renamed into place)
+PREVIOUS = "previous-manifest.json"  # inside STAGING: the manifest of the build being cleared
 
 
 def is_shard_name(name: str) -> bool:
     return name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)
 
 
-def is_owned(name: str) -> bool:
-    """Whether packer writes an entry of this name in an output folder (anything else is foreign: a
-    build refuses the folder, verify reports it, and nothing of packer's ever deletes it)."""
-    return is_shard_name(name) or name in (MANIFEST_NAME, MANIFEST_TMP, STAGING, LOCK, *DATASETS_FILES)
+def listed_files(data: Any) -> frozenset[str] | None:
+    """The files of a folder that the manifest ``data`` (parsed JSON) proves packer wrote: itself, its
+    shards and the ``datasets`` files; None when its content hash does not prove packer wrote it (any
+    other tool's JSON, an edited or damaged manifest). A version this packer cannot read still proves it."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME or not isinstance(data.get("shards"), list):
+        return None
+    if data.get(CONTENT_HASH) != content_sha256(data):
+        return None
+    shards = {e.get("file") for e in data["shards"] if isinstance(e, dict)}
+    return frozenset({MANIFEST_NAME, *DATASETS_FILES, *(f for f in shards if isinstance(f, str) and is_shard_name(f)
+                                                         and "/" not in f)})
 
 
 # -- the manifest, typed ----------------------------------------------------------------------------
@@ -125,47 +163,77 @@ class Stats:
     dropped_by_reason: dict  # reason -> examples or records, only the non-zero ones
     loss_tokens: int
     segments_without_loss: int  # segments that hold no trained token (a completion cut away)
+    # Optional fields (see "Changing the manifest" above): None, and absent from the JSON, where they do
+    # not apply
     padded_tokens: int | None = None  # batch mode only: the tokens padded batches would hold
-    # Added later, so absent (None) where they do not apply, which keeps older builds' bytes:
     epochs: int | None = None  # the epochs the rows hold (--epochs E > 1): rows, tokens, segments, loss
     # tokens and padded_tokens then count all of them; the examples' accounting is one epoch's
     examples_truncated_left: int | None = None  # --overlong truncate-left: of examples_truncated, those
     # cut at the start of the prompt (the answer whole) ...
     examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
+    pad_tokens: int | None = None  # a padded build: the padding tokens in the rows (not in tokens; in max_row_tokens)
+    pad_token_id: int | None = None  # ... and their id: the tokenizer's pad id, else its eos id
 
     # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
     # dropped by reason, tokens
     sources: list | None = None
 
     def to_json(self) -> dict[str, Any]:
-        # the optional fields are absent where they do not apply, as padded_tokens always was outside batch mode
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     @property
     def epoch_count(self) -> int:
         return self.epochs or 1
 
+    @property
+    def padded(self) -> bool:
+        """Whether the shards have the ``pad_lens`` column (``PADDED_ROW_SCHEMA``)."""
+        return self.pad_tokens is not None
+
 
 # Types the parser checks each manifest key against (bool is not an int here).
 _TOP = {"format": str, "format_version": int, "created_by": str, "config": dict, "tokenizer": dict, "source": dict,
         "stats": dict, "shards": list}
-_NUMBER = (int, float)
 
 
-def _typed(value: Any, kind) -> bool:
+def _typed(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the annotated type: ``X | None`` is either, an int is a float, a bool is
+    only a bool, ``dict[str, int]`` is a dict."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return any(_typed(value, h) for h in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return value is None
+    kind = typing.get_origin(hint) or hint
     if isinstance(value, bool):
         return kind is bool
     if kind is float:
-        return isinstance(value, _NUMBER)
-    if isinstance(kind, tuple):
-        return any(_typed(value, k) for k in kind)
+        return isinstance(value, (int, float))
     return isinstance(value, kind)
 
 
 def _field_types(cls) -> dict[str, Any]:
-    kinds = {"int": int, "float": float, "str": str, "dict": dict, "int | None": (int, type(None)),
-             "list | None": (list, type(None))}
-    return {f.name: kinds[f.type] for f in dataclasses.fields(cls)}
+    """Each field's type, resolved from its annotation (``typing.get_type_hints``)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def recorded_config(recorded: dict[str, Any]) -> BuildConfig:
+    """The :class:`BuildConfig` a manifest records (``BuildConfig.identity()``): a field not recorded
+    takes its default, which is what "recorded only when set" means; ``out`` and the fields that do
+    not decide the bytes (``num_proc``, ``engine``, ``overwrite``) are not recorded and are left at
+    theirs (``out`` empty). A ConfigError names the first key that is mistyped or that BuildConfig
+    refuses."""
+    types_ = _field_types(BuildConfig)
+    values = {**recorded, "out": ""}
+    if isinstance(values.get("mix"), list):
+        values["mix"] = tuple(values["mix"])
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ConfigError(f"unknown keys {', '.join(unknown)}")
+    bad = [k for k, v in values.items() if not _typed(v, types_[k])]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} mistyped")
+    return BuildConfig(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +242,7 @@ class Manifest:
 
     created_by: str
     note: str | None
-    config: dict  # BuildConfig.identity(): every field that decides the bytes
+    config: BuildConfig  # recorded as its identity(): every field that decides the bytes
     tokenizer: dict  # tokenization.tokenizer_info()
     source: dict  # build.source_info(); a mix: {"kind": "mix", "parts": [{"source": name, ...source_info}]}
     stats: Stats
@@ -188,7 +256,7 @@ class Manifest:
             "format_version": self.format_version,
             "created_by": self.created_by,
             "note": self.note,
-            "config": self.config,
+            "config": self.config.identity(),
             "tokenizer": self.tokenizer,
             "source": self.source,
             "stats": self.stats.to_json(),
@@ -234,7 +302,7 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     else:
         edited = []
     problems = [(key, f"missing or not a {kind.__name__}") for key, kind in _TOP.items() if not _typed(data.get(key), kind)]
-    if not _typed(data.get("note"), (str, type(None))):
+    if not _typed(data.get("note"), str | None):
         problems.append(("note", "not a string or null"))
     unknown = sorted(set(data) - {*_TOP, "note", CONTENT_HASH})
     if unknown:
@@ -259,12 +327,16 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     names = [e.get("file") for e in data["shards"] if isinstance(e, dict) and isinstance(e.get("file"), str)]
     if len(set(names)) != len(names):
         problems.append(("shards", "lists a shard twice"))
+    try:
+        config = recorded_config(data["config"])
+    except (ConfigError, TypeError) as e:
+        problems.append(("config", f"not a valid build config ({e})"))
     if problems:
         return None, edited + problems
     manifest = Manifest(
         created_by=data["created_by"],
         note=data["note"],
-        config=data["config"],
+        config=config,
         tokenizer=data["tokenizer"],
         source=data["source"],
         stats=Stats(**data["stats"]),
@@ -312,9 +384,28 @@ def open_shard(path: fs.PathLike) -> pa.Table:
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
-    if not table.schema.remove_metadata().equals(ROW_SCHEMA):
+    if not any(table.schema.remove_metadata().equals(s) for s in (ROW_SCHEMA, PADDED_ROW_SCHEMA)):
         raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
     return table
+
+
+def shard_file_problems(directory: fs.PathLike, entry: ShardEntry, *, sha256: bool = True) -> list[str]:
+    """What is wrong with a listed shard's file against its manifest entry (an empty list: nothing):
+    missing, another size, other bytes (``sha256``: hash it, which reads every byte). The one check of
+    a shard file: a rerun's reuse (``output.damage``), ``verify`` and the loader call it."""
+    path = fs.join(directory, entry.file)
+    try:
+        size = fs.file_size(path)
+        if size is None:
+            return ["missing, the manifest lists it; copy the whole folder or rebuild it"]
+        problems = []
+        if size != entry.bytes:
+            problems.append(f"{size:,} bytes, the manifest records {entry.bytes:,} (truncated or from another build)")
+        if sha256 and fs.file_sha256(path) != entry.sha256:
+            problems.append("sha256 differs from the manifest's: the bytes changed")
+        return problems
+    except OSError as e:
+        return [f"unreadable ({e.strerror or e})"]
 
 
 def _datasets_feature(t: pa.DataType) -> Any:
@@ -333,7 +424,7 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     info = {
         "citation": "",
         "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
-        "features": {f.name: _datasets_feature(f.type) for f in ROW_SCHEMA},
+        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded)},
         "homepage": "",
         "license": "",
     }
@@ -347,3 +438,19 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
         "_split": None,
     }
     return {DATASETS_INFO_NAME: dump_manifest(info), DATASETS_STATE_NAME: dump_manifest(state)}
+
+
+def datasets_file_problems(directory: fs.PathLike, manifest: Manifest) -> list[tuple[str, str]]:
+    """``(name, problem)`` for each file ``datasets.load_from_disk`` reads that is missing or differs
+    from what the manifest implies (:func:`datasets_files`)."""
+    problems = []
+    for name, expected in datasets_files(manifest).items():
+        path = fs.join(directory, name)
+        try:
+            if fs.file_size(path) is None:
+                problems.append((name, "missing: `datasets.load_from_disk` needs it; rebuild the folder"))
+            elif fs.read_bytes(path) != expected:
+                problems.append((name, "differs from what the manifest implies; rebuild the folder"))
+        except OSError as e:
+            problems.append((name, f"unreadable ({e.strerror or e})"))
+    return problems

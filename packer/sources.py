@@ -353,6 +353,20 @@ def open_stream(source: Source, *, limit: int | None = None) -> Stream:
     return Stream(source, (), limit, hub_revision(source.hub_id))
 
 
+def holds(source: Source, n: int) -> bool:
+    """Whether SOURCE has at least ``n`` records, read no further than that (counted without making
+    them where the format allows)."""
+    if n <= 0:
+        return True
+    if source.kind == "local" and source.builder in readers.OWN:
+        for f in source.files:
+            n -= readers.count(source.builder, f, n)
+            if n <= 0:
+                return True
+        return False
+    return open_stream(source, limit=n).count() >= n
+
+
 def _reached(source: Source, limit: int | None) -> tuple[str, ...]:
     """The files that hold the first ``limit`` records: counted by reading each in turn until they are
     found (so a later file is never opened, let alone hashed)."""

@@ -1,8 +1,9 @@
 """The token spill: records → flat token files in the staging folder, resumable, and read back by the writer.
 
-Records are read from the source's stream (:class:`packer.sources.Stream`) in chunks of ``CHUNK``, so
-the input is never all in memory nor converted to a cache on disk, formatted and tokenized by
-:class:`packer.tokenization.Encoder`, and appended *in source order* to four flat files::
+Records are read from the source's stream (a :class:`packer.mix.MixStream`, of one part for a
+one-source build) in chunks of ``CHUNK``, so the input is never all in memory nor converted to a cache
+on disk, formatted and tokenized by :class:`packer.mix.MixEncoder` (each part's
+:class:`packer.tokenization.Encoder`), and appended *in source order* to four flat files::
 
     <out>/.packer-staging/tokens/
         identity.json     what the tokens were made from (source, tokenizer, config); else discarded
@@ -10,7 +11,7 @@ the input is never all in memory nor converted to a cache on disk, formatted and
         trained.bin       uint8[tokens]     1 where the token is a target
         lengths.bin       int32[examples]   tokens per example
         example_ids.bin   int64[examples]   index of the example's record in the source
-        progress.json     the commit marker: records, examples and tokens done, skip counts
+        progress.json     the commit marker: records, examples and tokens done, skip counts per part
 
 Every ``GROUP`` chunks the files are flushed and fsynced, then ``progress.json`` is replaced
 atomically: it is the completion marker of every chunk before it. A rerun after a crash with the same
@@ -38,11 +39,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from .tokenization import Encoder
+from .mix import MixEncoder, MixStream
+from .tokenization import Skipped
 
 CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
 GROUP = 8  # chunks per commit marker (one fsync per GROUP * CHUNK records)
-STAGE_VERSION = 1  # bump when the spill layout or the chunking changes
+STAGE_VERSION = 2  # bump when the spill layout, progress.json or the chunking changes: another version is tokenized again
 _FILES = {"ids": ("ids.bin", np.int32), "trained": ("trained.bin", np.uint8),
           "lengths": ("lengths.bin", np.int32), "example_ids": ("example_ids.bin", np.int64)}
 IDENTITY, PROGRESS = "identity.json", "progress.json"
@@ -65,7 +67,7 @@ class Spill:
     folder: Path
     lengths: np.ndarray  # int32[examples]
     example_ids: np.ndarray  # int64[examples], memory-mapped
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped
+    skipped: Skipped = field(default_factory=Skipped)
     records: int = 0  # records read (kept + skipped)
     reused_records: int = 0  # of those, how many a previous, interrupted run had already done
 
@@ -105,7 +107,7 @@ def _memmap(path: Path, dtype, count: int) -> np.ndarray:
 def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start)."""
     stamp = json.dumps({"stage_version": STAGE_VERSION, "chunk": CHUNK, **identity}, sort_keys=True, default=str)
-    fresh = {"records": 0, "examples": 0, "tokens": 0, "skipped": {}}
+    fresh = {"records": 0, "examples": 0, "tokens": 0, "skipped": []}
     progress = None
     if (folder / IDENTITY).is_file() and (folder / IDENTITY).read_text() == stamp:
         try:
@@ -142,13 +144,12 @@ def _commit(folder: Path, files: dict[str, Any], progress: dict[str, Any]) -> No
 
 
 def tokenize(
-    stream,
-    encoder: Encoder,
+    stream: MixStream,
+    encoder: MixEncoder,
     folder: Path,
     identity: dict[str, Any],
     *,
     engine,
-    where: str = "record",
     progress: bool = False,
 ) -> Spill:
     """Tokenize every record of ``stream`` into ``folder`` (resuming a matching earlier run), the
@@ -159,8 +160,9 @@ def tokenize(
     folder = Path(folder)
     done = _open_spill(folder, identity)
     start = int(done["records"])
-    chunks = engine.encode_chunks(stream, encoder, start, where=where) if not done.get("finished") else iter(())
-    bar = tqdm(total=getattr(stream, "limit", None), initial=start, desc="tokenize", unit="ex", disable=not progress,
+    skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
+    chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
+    bar = tqdm(total=stream.limit, initial=start, desc="tokenize", unit="ex", disable=not progress,
                dynamic_ncols=True)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     pending = 0
@@ -174,8 +176,8 @@ def tokenize(
             done["records"] += consumed
             done["examples"] += len(chunk.lengths)
             done["tokens"] += len(chunk.ids)
-            for reason, n in chunk.skipped.items():
-                done["skipped"][reason] = done["skipped"].get(reason, 0) + n
+            skipped += chunk.skipped
+            done["skipped"] = list(skipped.by_part)
             bar.update(consumed)
             pending += 1
             if pending >= GROUP:
@@ -197,7 +199,7 @@ def tokenize(
         folder=folder,
         lengths=lengths,
         example_ids=_memmap(folder / "example_ids.bin", np.int64, examples),
-        skipped=dict(sorted(done["skipped"].items())),
+        skipped=skipped,
         records=total,
         reused_records=start,
     )

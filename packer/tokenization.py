@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"--chat-template {chat_template}: cannot be read ({getattr(e, 'strerror', None) or e}); "
                                  "give a Jinja template file") from None
+        if not tokenizer.chat_template.strip():
+            raise TokenizerError(f"--chat-template {chat_template}: the file is empty; give a Jinja chat template")
         tokenizer.chat_template_name = f"--chat-template {chat_template}"
     return tokenizer
 
@@ -177,6 +180,36 @@ def tokenizer_info(tokenizer, name_or_path: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class Skipped(Mapping[str, int]):
+    """Records skipped under ``--on-error skip``: reason -> count over the whole source, and each part's
+    own counts in ``by_part`` (a source that is not a mix is one part)."""
+
+    by_part: tuple[dict[str, int], ...] = ({},)
+
+    @classmethod
+    def none(cls, parts: int) -> Skipped:
+        return cls(tuple({} for _ in range(parts)))
+
+    def __getitem__(self, reason: str) -> int:
+        if not any(reason in part for part in self.by_part):
+            raise KeyError(reason)
+        return sum(part.get(reason, 0) for part in self.by_part)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(set().union(*self.by_part)))
+
+    def __len__(self) -> int:
+        return len(set().union(*self.by_part))
+
+    def __add__(self, other: Skipped) -> Skipped:
+        return Skipped(tuple({r: a.get(r, 0) + b.get(r, 0) for r in sorted(a.keys() | b.keys())}
+                             for a, b in zip(self.by_part, other.by_part, strict=True)))
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 @dataclass(slots=True)
 class Encoded:
     """One chunk of tokenized examples, flat."""
@@ -185,7 +218,7 @@ class Encoded:
     trained: np.ndarray  # uint8[tokens]: 1 where the token is a target
     lengths: np.ndarray  # int64[examples]
     example_ids: np.ndarray  # int64[examples]: index of the record in the source
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped (--on-error skip)
+    skipped: Skipped = field(default_factory=Skipped)
 
 
 class Encoder:
@@ -237,7 +270,8 @@ class Encoder:
             kept.append(first_index + i)
         example_ids = np.asarray(kept, dtype=np.int64)
         if not texts:
-            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), example_ids, skipped)
+            return Encoded(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), example_ids,
+                           Skipped((skipped,)))
         encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
         id_lists = [enc.ids for enc in encodings]
         eos = self.eos
@@ -268,8 +302,23 @@ class Encoder:
                 trained[base + first : base + last + 1] = 1
         ends = starts[1:][add_eos] - 1
         trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
-        return Encoded(flat, trained, lengths, example_ids, skipped)
+        return Encoded(flat, trained, lengths, example_ids, Skipped((skipped,)))
 
+
+    def offsets_and_spans(self, records: list[dict]) -> list[tuple[np.ndarray, list[tuple[int, int]], bool, bool]]:
+        """Per record: its tokens' character offsets (int64 ``[tokens, 2]``), the trained character
+        spans of its text, the last segment's flag, and whether ``encode`` appends EOS. What a loss mask
+        is recomputed from apart from ``encode``'s span mapping (``packer.verify_source``)."""
+        texts, spans, last = [], [], []
+        for record in records:
+            segments = self.formatter(record)
+            bounds = np.cumsum([0] + [len(text) for text, _ in segments]).tolist()
+            texts.append("".join(text for text, _ in segments))
+            spans.append([(bounds[j], bounds[j + 1]) for j, (_, flag) in enumerate(segments) if flag])
+            last.append(segments[-1][1])
+        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+        return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), sp, flag, not enc.ids or enc.ids[-1] != self.eos)
+                for enc, sp, flag in zip(encodings, spans, last, strict=True)]
 
 # The Rust tokenizer keeps alignments and offsets for every byte and token of a text: about 140 bytes
 # of memory a character (a 10 MB record took 1.4 GB, a 50 MB one 6.9 GB), in every worker at once.

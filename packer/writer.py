@@ -13,12 +13,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from . import fs, schema
+from .context_parallel import padding_positions
 from .plan import Plan
 from .spill import TokenStore
 
@@ -35,14 +37,20 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     seg_len = plan.length[s_lo:s_hi]
     seg_ex = plan.example[s_lo:s_hi]
     seg_src = store.offsets[seg_ex] + plan.start[s_lo:s_hi]
+    seg_pad = None if plan.pad is None else plan.pad[s_lo:s_hi]
     seg_out = np.zeros(len(seg_len) + 1, dtype=np.int64)
-    np.cumsum(seg_len, out=seg_out[1:])
+    np.cumsum(seg_len if seg_pad is None else seg_len + seg_pad, out=seg_out[1:])
     total = int(seg_out[-1])
     input_ids = np.empty(total, dtype=np.int32)
     position = np.empty(total, dtype=np.int32)
     labels = np.empty(total, dtype=np.int32)
     target = np.empty(total, dtype=bool)
     _read_segments(store, seg_src, seg_out, seg_len, input_ids, target)
+    if seg_pad is not None:  # padding (packer.context_parallel): after each segment's tokens, trained nowhere
+        at = padding_positions(seg_out[1:], seg_pad)
+        input_ids[at] = plan.pad_id
+        target[at] = False
+        seg_len = seg_len + seg_pad
     # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
     position.fill(1)
     if total:
@@ -75,7 +83,9 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
         _arrow(num_loss),
         _arrow(max_seqlen),
     ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA)
+    if seg_pad is not None:
+        columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
+    return pa.RecordBatch.from_arrays(columns, schema=schema.row_schema(seg_pad is not None))
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
@@ -143,7 +153,7 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
     ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
     with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
-          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer):
+          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.row_schema(plan.pad is not None)) as writer):
         for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts):
             if stop is not None and stop.is_set():
                 break
@@ -178,16 +188,26 @@ def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:
                              bytes=path.stat().st_size, sha256=fs.file_sha256(path))
 
 
-def add_counts(totals: dict[str, int], counts: dict[str, int]) -> None:
-    """Add one shard's loss counts into the build's ``totals``."""
-    for key in ("loss_tokens", "segments_without_loss"):
-        totals[key] = totals.get(key, 0) + counts[key]
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What writing a plan's shards gave: their manifest entries in order, and what the stats count
+    from the rows written."""
+
+    shards: tuple[schema.ShardEntry, ...]
+    loss_tokens: int
+    segments_without_loss: int  # a completion-only example truncated before its completion trains on nothing
+
+    @classmethod
+    def of(cls, done: list[tuple[schema.ShardEntry, dict[str, int]]]) -> Written:
+        """From each shard's entry and its counts (:func:`write_shard`)."""
+        return cls(tuple(entry for entry, _ in done), sum(c["loss_tokens"] for _, c in done),
+                   sum(c["segments_without_loss"] for _, c in done))
 
 
-def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int, totals: dict[str, int],
-                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> list[schema.ShardEntry]:
-    """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order (their
-    loss counts are added into ``totals``). Threads, not processes: assembling is numpy, and writing
+def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int,
+                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> Written:
+    """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order, and
+    their counts. Threads, not processes: assembling is numpy, and writing
     and hashing are pyarrow's and hashlib's, which release the GIL; each thread writes whole shards, so
     the bytes do not depend on ``threads``."""
     bounds = shard_bounds(plan, shard_bytes)
@@ -210,6 +230,4 @@ def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: i
                 for future in futures:
                     future.cancel()
                 raise
-    for _, counts in done:
-        add_counts(totals, counts)
-    return [entry for entry, _ in done]
+    return Written.of(done)

@@ -10,7 +10,7 @@ from packer import BuildConfig, build
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
-BUNDLED_TOKENIZER = ROOT / "data" / "tokenizer"
+BUNDLED_TOKENIZER = ROOT / "packer" / "data" / "tokenizer"
 
 
 def rewrite_column(path: Path, column: str, change) -> None:

@@ -1,5 +1,5 @@
 """The architecture sweep as a test: a causal LM type is refused (and left unchanged) or exact (logits
-and gradients against each example alone through eager attention), never accepted and wrong.
+and gradients against each example alone through eager attention) and guarded, never accepted and wrong.
 
 The whole sweep (every causal-LM type of the installed transformers, ~10 min on two cores) is
 ``python benchmarks/sweep_architectures.py``; here the cases of the issue plus a fixed, seeded sample
@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from benchmarks.sweep_architectures import causal_lm_types, judge
+from benchmarks.sweep_architectures import VARIANTS, causal_lm_types, judge
 
 EXPECTED = {
     # the old probe's false accepts
     "phimoe": "refused",  # sliding window only in its mask
-    "doge": "refused",  # dynamic mask (keep_window_size)
+    "doge": "refused",  # dynamic mask (keep_window_size), refused by the probe
     "lfm2": "refused",  # short-convolution layers
     "llama4_text": "refused",  # chunked attention, row-offset temperature tuning
     # crashed inside the old prepare (non-contiguous output), exact now
@@ -28,7 +28,15 @@ EXPECTED = {
     "gemma3_text": "exact",
     # falsely refused before (attention through the interface without the class flag)
     "stablelm": "exact",
+    # issue 22: accepted and wrong before
+    "phimoe+mscale": "refused",  # long/short mscale picked from the row
+    "phimoe+bf16-window": "refused",  # a window under bf16's tolerance
+    "fuyu": "exact",  # composite: a sub-config switched after prepare() must be caught (judge checks)
+    # issue 22: falsely refused before
+    "ctrl": "exact",  # scales its input embeddings in place
+    "llama+unused-keys": "exact",  # attention_chunk_size / keep_window_size that Llama never reads
 }
+assert set(VARIANTS) <= set(EXPECTED)
 SAMPLE = sorted(random.Random(12).sample(sorted(set(causal_lm_types()) - set(EXPECTED)), 4))
 
 

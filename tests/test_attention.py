@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from packer.attention import ATTN_IMPLEMENTATION, backend_for, packed_attention, prepare, register
+from packer.attention import ATTN_IMPLEMENTATION, backend_for, packed_attention, register
 from packer.errors import ConfigError
+from packer.guard import prepare
 
 TOL = 1e-5
 VOCAB = 97

@@ -3,11 +3,16 @@ leaves a refused model as it was, and stays on guard after it accepted. Tiny ran
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CTRLConfig,
     DogeConfig,
+    DynamicCache,
+    FuyuConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GptOssConfig,
@@ -22,8 +27,9 @@ from transformers import (
 
 import packer.attention as attention
 import packer.guard as guard
-from packer.attention import packed_attention, prepare
+from packer.attention import packed_attention
 from packer.errors import ConfigError
+from packer.guard import prepare
 
 VOCAB = 97
 SMALL = dict(
@@ -61,9 +67,10 @@ def assert_refused_unchanged(model, match: str, **kwargs) -> str:
 
 
 def test_refuses_chunked_attention_and_row_offset_temperature_tuning():
+    """Llama 4's chunks are used by its eager attention and not by packer_varlen: the probe sees it."""
     config = Llama4TextConfig(**SMALL, attention_chunk_size=8, attn_temperature_tuning=False, floor_scale=16,
                               num_local_experts=2, intermediate_size_mlp=64)  # fmt: skip
-    assert_refused_unchanged(tiny(config), r"attention_chunk_size=8: chunked attention is not implemented")
+    assert_refused_unchanged(tiny(config), r"gets logits .* away from the ones it gets alone through eager")
     config = Llama4TextConfig(**SMALL, attention_chunk_size=None, attn_temperature_tuning=True, floor_scale=16,
                               no_rope_layers=[1, 0], num_local_experts=2, intermediate_size_mlp=64)  # fmt: skip
     assert_refused_unchanged(tiny(config), r"attn_temperature_tuning scales queries by the token's offset in the row")
@@ -78,7 +85,7 @@ def test_refuses_a_window_that_exists_only_in_the_mask():
 
 
 def test_refuses_dynamic_masks_and_length_dependent_rope():
-    assert_refused_unchanged(tiny(DogeConfig(**SMALL, keep_window_size=8)), r"keep_window_size: a dynamic mask")
+    assert_refused_unchanged(tiny(DogeConfig(**SMALL, keep_window_size=8)), r"gets logits .* away from .* alone")
     dynamic = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     assert_refused_unchanged(tiny(dynamic), r"rope_type='dynamic' takes its frequencies from the longest example")
     longrope = Phi3Config(**{**SMALL, "max_position_embeddings": 64}, rope_parameters={
@@ -184,18 +191,156 @@ def test_guard_raises_when_a_cache_comes_back_on_a_model_prepared_with_sdpa():
 
 
 def test_probe_examples_cross_every_declared_threshold():
-    config = MistralConfig(**SMALL, sliding_window=4096)
-    assert min(guard._probe_lengths(config)) > 4096
+    """One example past every threshold a row can reach, the others below the smallest."""
+
+    def crosses(config, *thresholds, max_tokens=None):
+        short1, longest, short2 = guard.probe_lengths(config, max_tokens)
+        return all(longest > t > max(short1, short2) for t in thresholds)
+
+    assert crosses(MistralConfig(**SMALL, sliding_window=4096), 4096)
     config = Llama4TextConfig(**SMALL, attention_chunk_size=8192, floor_scale=8192, attn_temperature_tuning=True)
-    assert min(guard._probe_lengths(config)) > 8192
-    config = Phi3Config(**SMALL, rope_parameters={
+    assert crosses(config, 8192)
+    config = Phi3Config(**SMALL, sliding_window=20, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 40,
         "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})  # fmt: skip
-    assert min(guard._probe_lengths(config)) > 40
+    assert crosses(config, 20, 40)
+    llama3 = LlamaConfig(**SMALL, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})  # fmt: skip
+    assert crosses(llama3, 8192)
+    # a budget leaves out what no row reaches, and adds the position table's end where it is below it
+    assert guard.probe_lengths(llama3, max_tokens=4096) == [63, 67, 31]  # SMALL's max_position_embeddings=64
+    assert guard.probe_lengths(llama3, max_tokens=60) == [7, 11, 3]
 
 
-def test_tolerance_follows_the_dtype():
-    assert guard.probe_tolerance(torch.float32) == pytest.approx(torch.finfo(torch.float32).eps ** 0.5)
-    assert guard.probe_tolerance(torch.float32) < guard.probe_tolerance(torch.float16) < guard.probe_tolerance(
-        torch.bfloat16
-    )
+
+# --- issue 22: the guard's last gaps, one test each ---------------------------------------------------
+
+
+def test_1_a_scale_picked_from_the_row_is_caught():
+    """PhiMoE picks long_mscale or short_mscale from the row's longest position for any rope type but
+    "default": short examples beside one past original_max_position_embeddings change."""
+    rope = {"rope_type": "linear", "factor": 1.0, "rope_theta": 1e4, "original_max_position_embeddings": 16,
+            "short_mscale": 1.0, "long_mscale": 1.5}  # fmt: skip
+    config = PhimoeConfig(**SMALL, sliding_window=None, num_local_experts=2, rope_parameters=rope)
+    assert_refused_unchanged(tiny(config), r"example 0 \(15 tokens, packed beside .*\) gets logits .* alone")
+
+
+def _fuyu():
+    text = dict(model_type="persimmon", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, use_cache=False)  # fmt: skip
+    return tiny(FuyuConfig(text_config=text, vocab_size=VOCAB, hidden_size=32, patch_size=4))
+
+
+def test_2_a_sub_config_switched_after_prepare_is_caught():
+    model = prepare(_fuyu())
+    with torch.no_grad():
+        model(**row())
+        model.set_attn_implementation({"text_config": "sdpa"})
+        assert model.config._attn_implementation == "packer_varlen", "the top-level config did not change"
+        with pytest.raises(ConfigError, match="PersimmonConfig's attn_implementation changed from 'packer_varlen'"):
+            model(**row())
+
+
+def test_3_a_cache_in_a_packed_forward_is_refused():
+    """A pre-filled cache (what PEFT prefix tuning passes) makes the keys cover prefix + row."""
+    model = prepare(tiny(LlamaConfig(**SMALL)))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]), cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 4
+        for name in ("cache", "past_key_values"):  # the second: its name before transformers 5.40
+            with warnings.catch_warnings(), pytest.raises(ConfigError, match="its cache holds 4 positions"):
+                warnings.simplefilter("ignore", FutureWarning)
+                model(**row(), **{name: cache})
+        # packer_varlen itself, whoever calls it: keys beyond the row's queries are refused
+        q, k = torch.randn(1, 4, 12, 8), torch.randn(1, 4, 16, 8)
+        cu = torch.tensor([0, 7, 12], dtype=torch.int32)
+        with pytest.raises(ConfigError, match="the keys cover 16 positions and the queries 12"):
+            packed_attention(torch.nn.Module(), q, k, k, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                             max_length_q=7, max_length_k=7)  # fmt: skip
+        with pytest.raises(ValueError, match=r"do not span the row's 12 queries"):
+            packed_attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu[:2], cu_seq_lens_k=cu[:2],
+                             max_length_q=7, max_length_k=7)  # fmt: skip
+
+
+def test_3_peft_prefix_tuning_is_refused():
+    peft = pytest.importorskip("peft")
+    model = prepare(tiny(LlamaConfig(**SMALL)))
+    config = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    tuned = peft.get_peft_model(model, config)
+    with pytest.raises(ConfigError, match="its cache holds 4 positions|the keys cover"):
+        tuned(**row())
+
+
+class CapacityMoE(torch.nn.Module):
+    """Top-1 mixture of experts with a Switch-style capacity: in training each expert takes at most
+    ceil(tokens / experts) tokens of the batch, first come first served; the rest pass on the residual."""
+
+    def __init__(self, hidden: int, experts: int = 2):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        choice = self.router(flat).argmax(-1)
+        capacity = -(-len(flat) // len(self.experts)) if self.training else len(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = torch.nonzero(choice == e).reshape(-1)[:capacity]
+            out = out.index_put((idx,), expert(flat[idx]))
+        return out.view_as(x)
+
+
+def test_4_a_capacity_limit_applied_only_in_training_is_caught():
+    model = tiny(LlamaConfig(**SMALL))
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.mlp = CapacityMoE(SMALL["hidden_size"])
+    model.eval()
+    assert_refused_unchanged(model, r"gets logits .* away from the ones it gets alone through eager")
+    assert not model.training, "the probe's train mode is on a copy"
+
+
+def test_5_the_base_model_is_guarded_too():
+    model = prepare(tiny(LlamaConfig(**SMALL)))
+    with torch.no_grad():
+        model.model(**row())
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ConfigError, match="LlamaModel: a packed row after prepare.*changed from 'packer_varlen'"):
+            model.model(**row())
+        model(input_ids=row()["input_ids"])  # unpacked: left alone
+
+
+def test_6_a_bf16_model_is_probed_in_float32():
+    """A window only in PhiMoE's mask, crossed by a few tokens, hides under a bf16 tolerance."""
+    config = PhimoeConfig(**SMALL, sliding_window=16, num_local_experts=2)  # accepted in bf16 before
+    model = tiny(config).to(torch.bfloat16)
+    assert_refused_unchanged(model, r"gets logits .* away from the ones it gets alone through eager")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_7_no_false_refusals_in_place_embeddings_and_unused_keys():
+    """CTRL scales its input embeddings in place; a Llama config may carry keys its model never reads."""
+    ctrl = CTRLConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64)
+    model, rng = tiny(ctrl, "eager"), torch.get_rng_state()
+    prepare(model)
+    assert torch.equal(torch.get_rng_state(), rng), "the probe's draws leave the caller's generator alone"
+    assert not model.training and next(model.parameters()).requires_grad, "the probe ran on a copy"
+    prepare(tiny(LlamaConfig(**SMALL, attention_chunk_size=4)))
+    prepare(tiny(LlamaConfig(**SMALL, keep_window_size=4)))
+
+
+def test_a_model_that_cannot_be_copied_for_the_probe_is_refused_with_the_way_out():
+    model = tiny(LlamaConfig(**SMALL))
+    model.stream = (x for x in [])  # a generator: deepcopy refuses it, as it refuses some quantized weights
+    assert_refused_unchanged(model, r"the probe runs on a float32 copy .* which failed: TypeError.*probe=False")
+    prepare(model, probe=False)
+
+
+def test_a_row_longer_than_the_vetted_budget_is_refused():
+    model = prepare(tiny(LlamaConfig(**SMALL)), max_tokens=12)
+    with torch.no_grad():
+        model(**row((7, 5)))
+        with pytest.raises(ConfigError, match="the row has 13 tokens, more than max_tokens=12"):
+            model(**row((8, 5)))

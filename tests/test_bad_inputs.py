@@ -205,9 +205,8 @@ def test_output_with_foreign_files(tmp_path):
     (tmp_path / "out" / "thesis.tex").write_text("keep me")
     line = one_line(build_cli("flan", "--limit", "5", "--out", str(tmp_path / "out")))
     assert "thesis.tex" in line and "choose an empty or new folder" in line
-    line = one_line(build_cli("flan", "--limit", "5", "--overwrite", "--out", str(tmp_path / "out")))
-    assert "refusing to delete them even with --overwrite" in line
-    assert (tmp_path / "out" / "thesis.tex").read_text() == "keep me"
+    assert build_cli("flan", "--limit", "5", "--overwrite", "--out", str(tmp_path / "out")).exit_code == 0
+    assert (tmp_path / "out" / "thesis.tex").read_text() == "keep me"  # built beside it, not over it
 
 
 def test_verify_of_a_foreign_folder_is_a_problem_not_a_crash(tmp_path):

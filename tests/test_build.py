@@ -48,7 +48,7 @@ def segments_of(directory: Path):
 
 def test_segments_decode_to_the_formatted_examples(flan_batch, tokenizer, records):
     manifest = schema.read_manifest(flan_batch)
-    max_len = manifest.config["max_len"]
+    max_len = manifest.config.max_len
     checked = 0
     for example_id, ids, labels, _ in segments_of(flan_batch):
         record = records[example_id]
@@ -144,7 +144,7 @@ def test_datasets_opens_a_shard(flan_batch):
 
 def test_manifest_records_config_tokenizer_and_shards(flan_batch):
     m = schema.read_manifest(flan_batch)
-    assert m.config["pack"] == "batch" and m.config["batch_size"] == 4
+    assert m.config.pack == "batch" and m.config.batch_size == 4
     assert "synthetic" in m.note
     assert m.tokenizer["name_or_path"] == "bundled" and len(m.tokenizer["fingerprint"]) == 64
     assert m.stats.lower_bound == -(-m.stats.tokens // m.stats.row_budget)
@@ -202,7 +202,7 @@ def test_contradictory_options_are_refused():
 
 
 def test_split_pieces_tile_the_example(flan_bfd, tokenizer, records):
-    max_len = schema.read_manifest(flan_bfd).config["max_len"]
+    max_len = schema.read_manifest(flan_bfd).config.max_len
     pieces: dict[int, list[list[int]]] = {}
     for example_id, ids, labels, _ in segments_of(flan_bfd):
         pieces.setdefault(example_id, []).append(ids.tolist())

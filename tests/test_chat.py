@@ -139,7 +139,7 @@ def test_qwen3_untagged_mask_equals_the_tagged_twins(tmp_path):
     assert differ == ["\n"]  # the twin also trains the newline after <|im_end|>: whitespace, allowed to differ
     manifest = schema.read_manifest(tmp_path / "tagged")
     assert manifest.tokenizer["chat_template_sha256"] == hashlib.sha256(twin.read_bytes()).hexdigest()
-    assert manifest.config["chat_template"] == str(twin)
+    assert manifest.config.chat_template == str(twin)
 
 
 def test_llama31_multi_turn_and_train_on(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -84,6 +85,9 @@ def _ctrl_c_at_numpy_import(out, *args: str, **popen):
         "sys.argv = ['packer', 'build', 'flan', *sys.argv[2:], '--out', sys.argv[1]]\n"
         "from packer.__main__ import main\nmain()\n"
     )
+    # Ctrl-C reaches Python only where it is not ignored, and a test run started as a background job
+    # (`pytest &`, CI) has it ignored, which the child inherits: start the child as a terminal would
+    popen.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.run([sys.executable, "-c", code, str(out), *args], capture_output=True, text=True, **popen)
 
 
@@ -103,8 +107,6 @@ def test_console_entry_runs_the_command(tmp_path):
 
 def test_ctrl_c_inherited_ignored_stays_ignored(tmp_path):
     """A shell starts a background job with SIGINT ignored; Python keeps it so, and so does the command."""
-    import signal
-
     done = _ctrl_c_at_numpy_import(tmp_path / "o", "--limit", "30", "-q",
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert done.returncode == 0, done.stderr

@@ -60,7 +60,7 @@ def _examples(config: BuildConfig) -> list[dict]:
     tokenizer = load_tokenizer(str(BUNDLED_TOKENIZER))
     opened = open_source(config, tokenizer, skip_errors=False)
     out = []
-    for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0, where=opened.where):
+    for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0):
         ends = np.cumsum(chunk.lengths)
         for ids, trained in zip(np.split(chunk.ids, ends[:-1]), np.split(chunk.trained, ends[:-1]), strict=True):
             out.append({"input_ids": ids.tolist(), "labels": np.where(trained == 1, ids, -100).tolist()})
@@ -80,7 +80,7 @@ def _split_row(row: dict) -> list[tuple[list[int], list[int]]]:
 
 def test_batch_epochs_are_the_minibatches_of_reshuffling_padded_training(epochs_build):
     manifest = schema.read_manifest(epochs_build)
-    config = BuildConfig(**{**manifest.config, "out": "unused"})
+    config = manifest.config
     assert manifest.stats.examples_truncated == 0  # so padded training sees the very same examples
     examples = _examples(config)
     hf = PreTrainedTokenizerFast(tokenizer_file=str(BUNDLED_TOKENIZER / "tokenizer.json"), pad_token="<pad>")
@@ -100,8 +100,8 @@ def test_batch_epochs_are_the_minibatches_of_reshuffling_padded_training(epochs_
 
 def test_epoch_0_is_the_one_epoch_build_and_the_manifest_counts_every_epoch(epochs_build, one_epoch_build):
     one, many = schema.read_manifest(one_epoch_build), schema.read_manifest(epochs_build)
-    assert "epochs" not in one.config and one.stats.epochs is None  # a default build keeps its manifest keys
-    assert many.config["epochs"] == E and many.stats.epochs == E
+    assert "epochs" not in one.to_json()["config"] and one.stats.epochs is None  # a default build keeps its keys
+    assert many.config.epochs == E and many.stats.epochs == E
     rows = one.stats.rows
     assert many.stats.rows == E * rows and many.stats.tokens == E * one.stats.tokens
     assert many.stats.loss_tokens == E * one.stats.loss_tokens and many.stats.segments == E * one.stats.segments
@@ -164,17 +164,17 @@ def test_bfd_epochs_are_plans_of_their_own(tmp_path):
 def test_disk_cost_is_stated_by_inspect(epochs_build, one_epoch_build):
     view = inspect_.summary(epochs_build)
     one = sum(s.bytes for s in schema.read_manifest(one_epoch_build).shards)
-    disk = view["disk"]
-    assert disk["epochs"] == E and disk["bytes"] == sum(s["bytes"] for s in view["shards"])
+    disk = view.to_json()["disk"]
+    assert disk["epochs"] == E and disk["bytes"] == sum(s.bytes for s in view.shards)
     assert abs(disk["bytes"] - E * one) < 0.01 * E * one  # E epochs cost E times the disk
     text = "\n".join(render.summary_lines(view, color=False))
     assert f"{E} planned, each its own shuffle" in text and f"written {E} times" in text
     # the per-example figures are of one epoch; --example lists the example once per epoch
-    assert np.array_equal(inspect_.plot_data(epochs_build)["example_tokens"],
-                          inspect_.plot_data(one_epoch_build)["example_tokens"])
+    assert np.array_equal(inspect_.plot_data(epochs_build).example_tokens,
+                          inspect_.plot_data(one_epoch_build).example_tokens)
     found = inspect_.find_example(epochs_build, 5)
-    assert [p["epoch"] for p in found["pieces"]] == list(range(E)) and not found["split"]
-    assert found["tokens"] == inspect_.find_example(one_epoch_build, 5)["tokens"]
+    assert [p.epoch for p in found.pieces] == list(range(E)) and not found.split
+    assert found.tokens == inspect_.find_example(one_epoch_build, 5).tokens
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -12,11 +13,12 @@ import pytest
 from click.testing import CliRunner
 from conftest import make_build
 
-from packer import inspect_, schema
+from packer import BuildConfig, inspect_, schema
 from packer.cli import main
 from packer.pipeline import tokenizer_path
 from packer.plan import plan
 from packer.tokenization import load_tokenizer
+from packer.views import Elided, Piece, Run
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -69,10 +71,11 @@ def test_optimal_line_counts_the_rows_of_a_refill_that_wins():
     16, and the last 16 alone: 3 rows; 47 + 37 + 16 twice fills 2 rows exactly, the lower bound."""
     lengths = np.array([47, 47, 37, 37, 16, 16])
     bfd = plan(lengths, mode="bfd", max_len=100)
-    modes = {m["mode"]: m for m in inspect_.compare_modes(bfd.length, bfd.row_splits,
-                                                           {"pack": "bfd", "max_tokens": 100, "max_len": 100})}
-    assert modes["bfd"]["rows"] == 3 and modes["bfd"]["built"]
-    assert modes["optimal"] == {"mode": "optimal", "rows": 2, "tokens": 200, "computed_tokens": 200, "padding": 0.0,
+    modes = {m.mode: m for m in inspect_.compare_modes(bfd.length, bfd.row_splits,
+                                                           BuildConfig(source="flan", out="", pack="bfd", max_tokens=100,
+                                                                       max_len=100))}
+    assert modes["bfd"].rows == 3 and modes["bfd"].built
+    assert dataclasses.asdict(modes["optimal"]) == {"mode": "optimal", "rows": 2, "tokens": 200, "computed_tokens": 200, "padding": 0.0,
                                 "peak_row_tokens": 100, "fill": 1.0, "optimizer_steps": 2, "examples_per_step": 3.0,
                                 "built": False, "note": "bfd's rows refilled: 1 fewer"}
 
@@ -93,26 +96,26 @@ def test_row_plain_is_readable_without_colour(flan_batch, tok):
     out = run(flan_batch, "--row", 0)
     assert not ANSI.search(out)
     view = inspect_.row(flan_batch, 0, tok)
-    assert out.count("╞═ boundary") == len(view["segments"]) - 1
-    for seg in view["segments"]:
-        assert f"example {seg['example_id']} · tokens {seg['offset']:,}..{seg['offset'] + seg['length']:,}" in out
+    assert out.count("╞═ boundary") == len(view.segments) - 1
+    for seg in view.segments:
+        assert f"example {seg.example_id} · tokens {seg.offset:,}..{seg.offset + seg.length:,}" in out
     assert "«" in out and "»" in out  # trained runs are marked when colour cannot mark them
-    trained_text = "".join(r["text"] for s in view["segments"] for r in s["runs"] if r.get("trained"))
+    trained_text = "".join(r.text for s in view.segments for r in s.runs if isinstance(r, Run) and r.trained)
     assert trained_text.strip().split()[0] in out
 
 
 def test_row_elides_long_segments_with_a_count(flan_batch, tok):
     view = inspect_.row(flan_batch, 0, tok)
-    long = [s for s in view["segments"] if s["length"] > 3 * inspect_.ELIDE_KEEP]
+    long = [s for s in view.segments if s.length > 3 * inspect_.ELIDE_KEEP]
     assert long, "the fixture has 512-token segments"
     for seg in long:
-        elided = [r for r in seg["runs"] if "elided" in r]
-        assert len(elided) == 1 and elided[0]["elided"] == seg["length"] - 2 * inspect_.ELIDE_KEEP
-        kept = sum(r["tokens"] for r in seg["runs"] if "elided" not in r)
-        assert kept + elided[0]["elided"] == seg["length"]
-        assert len(seg["ids"]) == seg["length"]  # --json keeps the whole segment
+        elided = [r for r in seg.runs if isinstance(r, Elided)]
+        assert len(elided) == 1 and elided[0].elided == seg.length - 2 * inspect_.ELIDE_KEEP
+        kept = sum(r.tokens for r in seg.runs if isinstance(r, Run))
+        assert kept + elided[0].elided == seg.length
+        assert len(seg.ids) == seg.length  # --json keeps the whole segment
     out = run(flan_batch, "--row", 0)
-    assert f"⋯ {long[0]['length'] - 2 * inspect_.ELIDE_KEEP:,} tokens" in out
+    assert f"⋯ {long[0].length - 2 * inspect_.ELIDE_KEEP:,} tokens" in out
     assert not re.search(r"⋯ [\d,]+ tokens", run(flan_batch, "--row", 0, "--full"))
 
 
@@ -121,7 +124,7 @@ def test_row_ids(flan_batch, tok):
     view = inspect_.row(flan_batch, 1, tok, elide=None)
     flat = " ".join(line[2:] for line in out.splitlines() if line.startswith("│ ") and "segment" not in line)
     numbers = [int(t) for t in re.findall(r"-?\d+", flat.replace("«", " ").replace("»", " "))]
-    assert numbers == [i for s in view["segments"] for i in s["ids"]]
+    assert numbers == [i for s in view.segments for i in s.ids]
 
 
 def test_row_colour_one_per_segment_and_no_color(flan_batch):
@@ -146,16 +149,16 @@ def test_row_out_of_range_is_one_line(flan_batch):
 
 def test_example_found_where_the_rows_say(flan_batch, tok):
     view = inspect_.row(flan_batch, 2, tok)
-    for seg in view["segments"]:
-        found = inspect_.find_example(flan_batch, seg["example_id"])
-        assert found["found"] and not found["split"]
-        assert found["pieces"] == [{"row": 2, "shard": view["shard"], "segment": seg["segment"],
-                                    "offset": seg["offset"], "length": seg["length"]}]
+    for seg in view.segments:
+        found = inspect_.find_example(flan_batch, seg.example_id)
+        assert found.found and not found.split
+        assert found.pieces == (Piece(row=2, shard=view.shard, segment=seg.segment, offset=seg.offset,
+                                      length=seg.length),)
 
 
 def test_example_truncated_count_matches_manifest(flan_batch):
     stats = schema.read_manifest(flan_batch).stats.to_json()
-    flags = [inspect_.find_example(flan_batch, i)["truncated"] for i in range(stats["examples_read"])]
+    flags = [inspect_.find_example(flan_batch, i).truncated for i in range(stats["examples_read"])]
     assert sum(flags) == stats["examples_truncated"] > 0
 
 
@@ -169,11 +172,11 @@ def test_example_split_pieces(flan_bfd):
     assert (counts > 1).sum() == manifest.stats.examples_split > 0
     split_id = int(uniq[counts > 1][0])
     found = inspect_.find_example(flan_bfd, split_id)
-    assert found["split"] and len(found["pieces"]) == counts[counts > 1][0]
-    assert all(p["length"] <= manifest.config["max_len"] for p in found["pieces"])
+    assert found.split and len(found.pieces) == counts[counts > 1][0]
+    assert all(p.length <= manifest.config.max_len for p in found.pieces)
     out = run(flan_bfd, "--example", split_id)
-    assert f"split into {len(found['pieces'])} pieces" in out
-    assert out.count("  row ") == len(found["pieces"])
+    assert f"split into {len(found.pieces)} pieces" in out
+    assert out.count("  row ") == len(found.pieces)
 
 
 def test_example_errors(flan_batch):
@@ -198,10 +201,10 @@ def test_plot_writes_a_png(which, request, tmp_path):
 
 def test_plot_data_is_consistent(flan_batch):
     data = inspect_.plot_data(flan_batch)
-    stats = data["stats"]
-    assert data["row_tokens"].sum() == stats["tokens"] == data["example_tokens"].sum()
-    assert data["row_examples"].sum() == stats["segments"]
-    assert data["row_padded"].sum() == stats["padded_tokens"]
+    stats = data.stats
+    assert data.row_tokens.sum() == stats.tokens == data.example_tokens.sum()
+    assert data.row_examples.sum() == stats.segments
+    assert data.row_padded.sum() == stats.padded_tokens
 
 
 def test_every_view_has_json(flan_batch):
@@ -223,7 +226,7 @@ def test_inspect_reads_fsspec_urls(flan_batch):
             assert remote["stats"] == local["stats"] and remote["modes"] == local["modes"]
             assert json.loads(run(url, "--row", 3, "--json"))["segments"] == \
                 json.loads(run(flan_batch, "--row", 3, "--json"))["segments"]
-            assert inspect_.find_example(url, 7)["pieces"] == inspect_.find_example(flan_batch, 7)["pieces"]
+            assert inspect_.find_example(url, 7).pieces == inspect_.find_example(flan_batch, 7).pieces
         bad = CliRunner().invoke(main, ["inspect", "memory://no-such-build"])
         assert bad.exit_code == 2 and "no such directory" in bad.output
     finally:

@@ -14,7 +14,7 @@ from conftest import make_build, rewrite_column
 
 from packer import schema
 from packer.errors import ShardFormatError
-from packer.loader import PackedDataset, make_dataloader
+from packer.loader import PackedDataset, Position, make_dataloader
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def _shift_boundary(values, offsets):
 
 
 CASES = {
-    "seq_len 10^9": ("seq_lens", lambda v, o: v.__setitem__(0, 10**9), "seq_lens sum to"),
+    "seq_len 10^9": ("seq_lens", lambda v, o: v.__setitem__(0, 10**9), "seq_lens do not sum"),
     "seq_len 0": ("seq_lens", lambda v, o: v.__setitem__(0, 0), "segment length ≤ 0"),
     "seq_len negative": ("seq_lens", lambda v, o: v.__setitem__(0, -5), "segment length ≤ 0"),
     "seq_lens shifted": ("seq_lens", _shift_boundary, "position_ids|max_seqlen"),
@@ -74,6 +74,29 @@ def test_damaged_row_is_refused_when_read(copy, case):
             pass
     assert "shard-00000.arrow row " in str(caught.value) and "rebuild" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loader_verify_and_inspect_apply_the_one_row_checker(copy, case):
+    """One statement of the row invariants (packer.rows): the loader raises the first problem verify
+    reports, and inspect, which reads only offsets and the small columns, refuses a broken layout alike."""
+    from packer import inspect_
+    from packer.verify import verify
+
+    column, change, _ = CASES[case]
+    damage(copy, column, change)
+    with pytest.raises(ShardFormatError) as caught:
+        for _ in make_dataloader(copy, shuffle=False):
+            pass
+    found = [p.message for p in verify(copy).problems if p.check == "rows"]
+    assert found and f": {found[0]}; " in str(caught.value), (found, str(caught.value))
+    layout = {"seq_len 10^9", "seq_len 0", "seq_len negative", "max_seqlen", "max_seqlen huge", "seq_lens shifted"}
+    if case in layout:
+        with pytest.raises(ShardFormatError) as seen:
+            inspect_.summary(copy)
+        assert f": {found[0]}; " in str(seen.value)
+    else:
+        inspect_.summary(copy)
 
 
 def test_label_moved_to_another_row_is_refused_at_open(copy):
@@ -153,14 +176,17 @@ def _tamperings(state: dict) -> dict[str, object]:
         "no epoch": {k: v for k, v in state.items() if k != "epoch"},
         "epoch -1": {**state, "epoch": -1}, "epoch 2**70": {**state, "epoch": 2**70},
         "epoch 1.0": {**state, "epoch": 1.0}, "epoch '1'": {**state, "epoch": "1"},
-        "no steps_done": {k: v for k, v in state.items() if k != "steps_done"},
-        "steps_done -1": {**state, "steps_done": -1}, "steps_done past the epoch": {**state, "steps_done": 10**6},
-        "steps_done 2.5": {**state, "steps_done": 2.5}, "steps_done True": {**state, "steps_done": True},
-        "steps_done None": {**state, "steps_done": None},
-        "other world size": {**state, "world_size": 4}, "world_size '2'": {**state, "world_size": "2"},
-        "other rank": {**state, "rank": 1}, "other seed": {**state, "seed": 1},
+        "no rows_done": {k: v for k, v in state.items() if k != "rows_done"},
+        "rows_done -1": {**state, "rows_done": -1}, "rows_done past the epoch": {**state, "rows_done": 10**6},
+        "rows_done 2.5": {**state, "rows_done": 2.5}, "rows_done True": {**state, "rows_done": True},
+        "rows_done None": {**state, "rows_done": None},
+        "micro_done -1": {**state, "micro_done": -1}, "micro_done = grad_accum": {**state, "micro_done": 1},
+        "order_world_size 0": {**state, "order_world_size": 0}, "order_grad_accum True": {**state, "order_grad_accum": True},
+        "world_size '2'": {**state, "world_size": "2"}, "grad_accum 0": {**state, "grad_accum": 0},
+        "other seed": {**state, "seed": 1},
         "shuffle 1": {**state, "shuffle": 1}, "other shuffle": {**state, "shuffle": not state["shuffle"]},
-        "other grad_accum": {**state, "grad_accum": 3}, "other remainder": {**state, "remainder": "drop"},
+        "other remainder": {**state, "remainder": "drop"},
+        "a version 1 state without steps_done": {**{k: v for k, v in state.items() if k != "rows_done"}, "version": 1},
         "other num_rows": {**state, "num_rows": state["num_rows"] + 1},
         "an unknown key": {**state, "extra": 1},
     }
@@ -182,10 +208,10 @@ def test_every_tampered_resume_state_is_refused_with_one_clear_error(built):
             fresh.load_state_dict(bad)
         message = str(caught.value)
         assert "\n" not in message and "loader state" in message, (name, message)
-        assert fresh.dataset.resume_at == 0, name  # nothing was half-applied
+        assert fresh.dataset.position == Position(0, order=(2, 1)), name  # nothing was half-applied
     resumed = make_dataloader(built, rank=0, world_size=2, seed=3)
     resumed.load_state_dict(state)
-    assert resumed.dataset.resume_at == 2
+    assert resumed.dataset.position == Position(0, rows=4, order=(2, 1))
 
 
 # -- remainder="drop" ---------------------------------------------------------------------------------

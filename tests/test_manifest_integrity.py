@@ -1,8 +1,9 @@
 """The manifest's content hash, and a rerun that re-checks what it would reuse.
 
 Any edit of the manifest is found by verify and refused by the loader at open; the same build command
-run again on a damaged folder (a shard deleted or changed, the manifest edited, a datasets file gone)
-rebuilds it, byte-identical, instead of saying "nothing to do".
+run again on a damaged folder (a shard deleted or changed, a datasets file gone) rebuilds it,
+byte-identical, instead of saying "nothing to do"; an edited manifest or an unlisted shard is refused
+(packer cannot prove them its own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from conftest import make_build
 
 from packer import BuildConfig, build, schema, verify
-from packer.errors import ShardFormatError
+from packer.errors import OutputError, ShardFormatError
 from packer.loader import PackedDataset
 
 OPTIONS = dict(limit=60, pack="bfd", max_len=512, shard_size_mb=1, num_proc=1)
@@ -67,8 +68,28 @@ def _leftover_shard(out):
     shutil.copy(out / schema.shard_name(0), out / schema.shard_name(99))
 
 
-@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _edit_manifest, _delete_datasets_info,
-                                    _leftover_shard])
+def _truncate_shard(out):
+    path = out / schema.shard_name(0)
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _truncate_shard])
+def test_one_shard_file_check_for_rerun_verify_and_loader(copy, damage):
+    """A rerun's reuse (output.damage), verify and the loader (verify=True) say the same of a damaged
+    shard file: one check of size and sha256 against the manifest (schema.shard_file_problems)."""
+    from packer import output
+
+    damage(copy)
+    entry = schema.read_manifest(copy).shards[0]
+    first = schema.shard_file_problems(copy, entry)[0]
+    assert output.damage(copy, json.loads((copy / schema.MANIFEST_NAME).read_text())) == f"{entry.file}: {first}"
+    assert first in [p.message for p in verify.verify(copy).problems if p.check == "files"]
+    with pytest.raises(ShardFormatError) as caught:
+        PackedDataset(copy, verify=True)
+    assert f"{entry.file}: {first}; " in str(caught.value)
+
+
+@pytest.mark.parametrize("damage", [_delete_shard, _flip_shard_byte, _delete_datasets_info])
 def test_rerun_rebuilds_a_damaged_folder(small, copy, damage):
     damage(copy)
     assert not verify.verify(copy).ok
@@ -76,6 +97,17 @@ def test_rerun_rebuilds_a_damaged_folder(small, copy, damage):
     assert not result.reused
     assert digests(copy) == digests(small)
     assert verify.verify(copy).ok
+
+
+@pytest.mark.parametrize("damage", [_edit_manifest, _leftover_shard])
+def test_rerun_refuses_what_it_cannot_prove_is_its_own(copy, damage):
+    """An edited manifest proves nothing (its content hash fails), and a shard no manifest lists is not
+    packer's: the rerun refuses the folder and changes nothing in it."""
+    damage(copy)
+    before = digests(copy)
+    with pytest.raises(OutputError, match="not a manifest packer wrote|cannot prove it wrote"):
+        rerun(copy)
+    assert digests(copy) == before
 
 
 def test_rerun_reuses_an_intact_folder(small, copy):
@@ -189,7 +221,7 @@ def test_a_huge_seq_len_allocates_nothing_in_inspect_or_verify(copy):
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from packer import inspect_, verify
-from packer.errors import ShardFormatError
+from packer.errors import OutputError, ShardFormatError
 report = verify.verify({str(copy)!r})
 assert any("seq_lens" in p.message for p in report.problems), report.problems
 for view in (lambda: inspect_.summary({str(copy)!r}), lambda: inspect_.row({str(copy)!r}, 0),
@@ -201,3 +233,56 @@ for view in (lambda: inspect_.summary({str(copy)!r}), lambda: inspect_.row({str(
         assert "seq_lens" in str(e), e
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- the typed manifest: config is the BuildConfig, types from the annotations ----------------------------
+
+
+def _rewrite_config(out, change) -> None:
+    path = out / schema.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    change(manifest["config"])
+    manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
+    path.write_bytes(schema.dump_manifest(manifest))
+
+
+def test_config_is_the_build_config_and_round_trips_to_its_bytes(small):
+    manifest = schema.read_manifest(small)
+    assert manifest.config == BuildConfig(source="flan", out="", **{k: v for k, v in OPTIONS.items() if k != "num_proc"})
+    assert manifest.dumps() == (small / schema.MANIFEST_NAME).read_bytes()
+
+
+def test_a_field_recorded_only_when_set_reads_as_its_default(copy):
+    _rewrite_config(copy, lambda c: c.pop("epochs", None))  # as a manifest from before --epochs holds it
+    assert schema.read_manifest(copy).config.epochs == 1
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [
+    ("max_len", "512", "max_len mistyped"), ("seed", True, "seed mistyped"), ("pack", "zigzag", "--pack must be"),
+    ("max_lenn", 5, "unknown keys max_lenn"), ("max_len", 10**12, "more than a row can hold"),
+])
+def test_a_config_build_config_refuses_is_a_manifest_problem_everywhere(copy, key, value, needle):
+    from packer import inspect_
+
+    _rewrite_config(copy, lambda c: c.update({key: value}))
+    problems = [p for p in verify.verify(copy).problems if p.check == "manifest"]
+    assert any("config" in p.where and needle in p.message for p in problems), problems
+    for read in (lambda: PackedDataset(copy), lambda: inspect_.summary(copy)):
+        with pytest.raises(ShardFormatError, match=f"config: not a valid build config.*{needle}"):
+            read()
+
+
+def test_field_types_come_from_the_annotations():
+    """A ``float | None`` field (the parser once looked types up from a table of annotation strings)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Later:
+        ratio: float | None = None
+        count: int = 0
+        reasons: dict[str, int] | None = None
+
+    kinds = schema._field_types(Later)
+    assert all(schema._typed(v, kinds["ratio"]) for v in (None, 0.5, 1))
+    assert not schema._typed("0.5", kinds["ratio"]) and not schema._typed(True, kinds["count"])
+    assert schema._typed({"a": 1}, kinds["reasons"]) and not schema._typed([], kinds["reasons"])

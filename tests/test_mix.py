@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from packer import mix, schema
+from packer import mix, pipeline, schema, spill
 from packer.cli import main
 
 
@@ -159,3 +159,54 @@ def test_bad_mix_is_one_line_and_writes_nothing(srcs, tmp_path, make, needle):
     line, = result.stderr.splitlines()
     assert needle in line, line
     assert not (out / schema.MANIFEST_NAME).exists() and not list(out.glob("shard-*"))
+
+
+def test_skipped_records_are_counted_per_source_and_resumed(srcs, tmp_path, monkeypatch):
+    """--on-error skip in a mix: each part's skips by reason in its own counts, their sums in the totals,
+    the same after a resume from the spill, and verify --source agrees."""
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in srcs["qa"].read_text().splitlines()[:60]]
+    rows[3]["answer"], rows[10]["answer"], rows[20]["question"] = "", None, ""
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mixfile = _file(tmp_path, f"- {{source: {bad}, recipe: gsm8k, records: 60}}\n"
+                              f"- {{source: {srcs['chat']}, messages_field: messages, records: 40}}\n")
+    out = tmp_path / "out"
+    args = ["build", "--mix", mixfile, "--on-error", "skip", "-q", "-j", "1", "--out", str(out)]
+    assert cli(*args).exit_code == 0
+    stats = manifest(out)["stats"]
+    first, second = stats["sources"]
+    assert first["dropped_by_reason"] == {"empty_text": 2, "null_field": 1} and second["dropped_by_reason"] == {}
+    assert stats["dropped_by_reason"] == first["dropped_by_reason"] and stats["records_skipped"] == 3
+    assert first["records_read"] == 60 and first["examples"] == 57 and stats["examples_read"] == 100
+    ok = cli("verify", str(out), "--source", mixfile)
+    assert ok.exit_code == 0, ok.output
+
+
+    resumed = tmp_path / "resumed"  # killed after tokenizing; the rerun takes the skip counts from the spill
+    real_plan = pipeline.make_plan
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed after tokenizing")
+
+    monkeypatch.setattr(pipeline, "make_plan", killed)
+    assert cli(*args[:-1], str(resumed)).exit_code != 0
+    assert json.loads((resumed / ".packer-staging" / schema.TOKENS_DIR / spill.PROGRESS).read_text())["finished"]
+    monkeypatch.setattr(pipeline, "make_plan", real_plan)
+    tokenized = []
+    monkeypatch.setattr(spill, "tokenize", lambda *a, t=spill.tokenize, **k: tokenized.append(t(*a, **k)) or tokenized[-1])
+    assert cli(*args[:-1], str(resumed)).exit_code == 0
+    assert tokenized[0].reused_records == 100
+    assert manifest(resumed) == manifest(out)
+
+
+def test_skipped_is_a_mapping_of_totals_that_keeps_each_part():
+    from packer.tokenization import Skipped
+
+    a = Skipped(({"empty_text": 2}, {"null_field": 1, "empty_text": 1}))
+    assert a == {"empty_text": 3, "null_field": 1} and sum(a.values()) == 4 and list(a) == ["empty_text", "null_field"]
+    both = a + Skipped(({}, {"null_field": 2}))
+    assert both.by_part == ({"empty_text": 2}, {"empty_text": 1, "null_field": 3}) and dict(both) == {"empty_text": 3,
+                                                                                                       "null_field": 3}
+    assert Skipped.none(2) == {} and "x" not in a
+    with pytest.raises(ValueError):  # counts of another number of parts are not this source's
+        a + Skipped.none(3)

@@ -7,9 +7,10 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from packer import BuildConfig, RecordError, build, engines, pipeline, schema, sources, spill
+from packer import BuildConfig, RecordError, build, engines, mix, pipeline, schema, sources, spill
 from packer.engines import LocalEngine
 from packer.formatting import make_spec
 from packer.pipeline import tokenizer_path
@@ -53,13 +54,17 @@ class _CountingEncoder(Encoder):
         return super().encode(records, first_index, where=where)
 
 
+def _one(encoder: Encoder) -> mix.MixEncoder:
+    return mix.MixEncoder([encoder], ["record"])
+
+
 @pytest.fixture(scope="module")
 def flan_700():
     source = sources.resolve("flan")
     stream = sources.open_stream(source, limit=700)
     tokenizer = load_tokenizer(tokenizer_path(None))
     spec = make_spec(recipe=source.recipe, config=BuildConfig(source="flan", out="-"), columns=stream.columns())
-    return stream, tokenizer, spec
+    return mix.MixStream(({"source": "flan", "weight": 1.0},), (stream,), 0, 700), tokenizer, spec
 
 
 def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_700):
@@ -68,20 +73,20 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
     stream, tokenizer, spec = flan_700
     identity = {"test": 1}
 
-    fresh = spill.tokenize(stream, Encoder(tokenizer, spec), tmp_path / "fresh", identity, engine=LocalEngine())
+    fresh = spill.tokenize(stream, _one(Encoder(tokenizer, spec)), tmp_path / "fresh", identity, engine=LocalEngine())
     assert fresh.records == 700 and fresh.reused_records == 0
 
     folder = tmp_path / "resumed"
     crashing = _CountingEncoder(tokenizer, spec, crash_at=6)  # chunks 1-5 encoded, marker after chunk 4
     with pytest.raises(_Crash):
-        spill.tokenize(stream, crashing, folder, identity, engine=LocalEngine())
+        spill.tokenize(stream, _one(crashing), folder, identity, engine=LocalEngine())
     progress = json.loads((folder / spill.PROGRESS).read_text())
     assert progress["records"] == 400
     with open(folder / "ids.bin", "ab") as f:  # a torn write after the marker is dropped on resume
         f.write(b"\x01\x02\x03")
 
     counting = _CountingEncoder(tokenizer, spec)
-    resumed = spill.tokenize(stream, counting, folder, identity, engine=LocalEngine())
+    resumed = spill.tokenize(stream, _one(counting), folder, identity, engine=LocalEngine())
     assert resumed.reused_records == 400 and counting.calls == 3  # only the chunks after the marker
     for name in SPILL_FILES:
         assert filecmp.cmp(fresh.folder / name, folder / name, shallow=False), name
@@ -90,7 +95,7 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
 
     # Another identity: the old tokens are discarded, everything is redone.
     other = _CountingEncoder(tokenizer, spec)
-    again = spill.tokenize(stream, other, folder, {"test": 2}, engine=LocalEngine())
+    again = spill.tokenize(stream, _one(other), folder, {"test": 2}, engine=LocalEngine())
     assert again.reused_records == 0 and other.calls == 7
 
 
@@ -135,6 +140,13 @@ def _chunks(records: list[dict], size: int = 1000):
         yield lo, {k: [r[k] for r in batch] for k in batch[0]}
 
 
+def _mix_chunks(records: list[dict], size: int = 1000):
+    """The chunks as a one-part mix hands them to the engine."""
+    for lo, batch in _chunks(records, size):
+        n = len(next(iter(batch.values())))
+        yield mix.MixChunk(((0, lo, batch, np.arange(lo, lo + n)),), n)
+
+
 def test_workers_finishing_out_of_order_hand_on_in_source_order():
     """A slow chunk holds nothing up (the other worker keeps going), and the results still come in source
     order, and of errors, the first in source order is the one raised (as with one process)."""
@@ -143,7 +155,7 @@ def test_workers_finishing_out_of_order_hand_on_in_source_order():
     spec = make_spec(recipe=None, config=BuildConfig(source="x", out="-", prompt_field="prompt",
                                                      completion_field="completion"), columns=["prompt", "completion"])
     slow, plain = _SlowChunk(tokenizer, spec), Encoder(tokenizer, spec)
-    got = list(engines._pool_chunks(_chunks(records), slow, 2, "record"))
+    got = list(engines._pool_chunks(_mix_chunks(records), _one(slow), 2))
     want = [plain.encode(c, lo) for lo, c in _chunks(records)]
     assert [e.example_ids.tolist() for e in got] == [e.example_ids.tolist() for e in want]
     assert all((g.ids == w.ids).all() and (g.trained == w.trained).all() for g, w in zip(got, want, strict=True))
@@ -151,4 +163,4 @@ def test_workers_finishing_out_of_order_hand_on_in_source_order():
     records[1500]["completion"] = None  # chunk 1, the slow one
     records[2100]["completion"] = 7  # chunk 2, done a second earlier on the other worker
     with pytest.raises(RecordError, match=r"record 1501: field 'completion' is null"):
-        list(engines._pool_chunks(_chunks(records), slow, 2, "record"))
+        list(engines._pool_chunks(_mix_chunks(records), _one(slow), 2))

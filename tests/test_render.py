@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer import inspect_, render, schema
+from packer import BuildConfig, inspect_, render, schema
 from packer.pipeline import BuildResult, tokenizer_path
 from packer.plan import plan
 from packer.tokenization import load_tokenizer
@@ -21,9 +21,12 @@ STATS = dict(
     records_skipped=1, dropped_by_reason={"empty_text": 1, "overlong": 1}, loss_tokens=600, segments_without_loss=0,
 )
 
+BFD_100 = BuildConfig(source="flan", out="", pack="bfd", max_tokens=100, max_len=100)
+
 
 def _result(config: dict, **stats) -> BuildResult:
-    manifest = schema.Manifest(created_by="test", note=None, config=config, tokenizer={}, source={},
+    manifest = schema.Manifest(created_by="test", note=None, config=BuildConfig(source="flan", out="", **config),
+                               tokenizer={}, source={},
                                stats=schema.Stats(**{**STATS, **stats}),
                                shards=(schema.ShardEntry(file="shard-00000.arrow", rows=13, tokens=1_500,
                                                          bytes=2_500_000, sha256="0" * 64),))
@@ -62,8 +65,7 @@ def test_summary_lines_without_colour_carry_no_escapes(flan_batch):
     plain, styled = render.summary_lines(view, color=False), render.summary_lines(view, color=True)
     assert [line for line in plain if "\x1b[" in line] == []
     assert any("\x1b[" in line for line in styled) and len(plain) == len(styled)
-    s = view["stats"]
-    assert plain[1] == (f"{flan_batch}: {s['rows']:,} rows (batch of 4), tokenizer bundled")
+    assert plain[1] == (f"{flan_batch}: {view.stats.rows:,} rows (batch of 4), tokenizer bundled")
 
 
 def test_row_lines_fit_the_width(flan_batch):
@@ -72,7 +74,7 @@ def test_row_lines_fit_the_width(flan_batch):
     body = [line for line in lines if line.startswith("│ ") and not line.startswith("│ segment")]
     assert body and max(len(line) for line in body) <= 2 + 60  # the bar and a space, then at most `width`
     numbers = [int(t) for line in body for t in line[2:].replace("«", " ").replace("»", " ").split()]
-    assert numbers == [i for seg in view["segments"] for i in seg["ids"]]
+    assert numbers == [i for seg in view.segments for i in seg.ids]
 
 
 def test_verify_lines_are_the_verdict_then_each_problem(flan_batch):
@@ -86,8 +88,8 @@ def test_summary_modes_table_has_an_optimal_line(flan_bfd):
     """47, 47, 37, 37, 16, 16 into rows of 100: bfd 3 rows, optimal 2 (tests/test_inspect.py says why)."""
     lengths = np.array([47, 47, 37, 37, 16, 16])
     bfd = plan(lengths, mode="bfd", max_len=100)
-    view = {**inspect_.summary(flan_bfd, compare=False),
-            "modes": inspect_.compare_modes(bfd.length, bfd.row_splits, {"pack": "bfd", "max_tokens": 100})}
+    view = dataclasses.replace(inspect_.summary(flan_bfd, compare=False),
+                               modes=tuple(inspect_.compare_modes(bfd.length, bfd.row_splits, BFD_100)))
     lines = render.summary_lines(view, color=False)
     assert lines[-3:-1] == [
         "  ▸ bfd           3           3            2.0        200     0.0%       100  66.7%   rows filled up to 100 tokens",

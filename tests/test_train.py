@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from packer import schema
-from packer.attention import prepare
+from packer import prepare, schema
 from packer.loader import make_dataloader
 from train import bench, measure, report
 from train.bench import BenchError, check_cuda
@@ -40,7 +39,7 @@ def shards(tmp_path_factory) -> Path:
         "--max-len",
         "128",
         "--tokenizer",
-        str(ROOT / "data/tokenizer"),
+        str(ROOT / "packer/data/tokenizer"),
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
     return out

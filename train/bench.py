@@ -195,8 +195,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.shards:
         manifest = schema.read_manifest(args.shards)
-        if manifest.config.get("pack") != "batch":
-            raise BenchError(f"{args.shards}: built with --pack {manifest.config.get('pack')}; this needs batch")
+        if manifest.config.pack != "batch":
+            raise BenchError(f"{args.shards}: built with --pack {manifest.config.pack}; this needs batch")
         targets = {f"{args.shards}": Path(args.shards)}
     else:
         targets = {}

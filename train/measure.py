@@ -63,7 +63,7 @@ def run(
     lr: float = 1e-3,
 ) -> dict[str, Any]:
     """Train ``warmup + steps`` optimizer steps on one side; figures cover the last ``steps``."""
-    from packer.attention import prepare
+    from packer import prepare
 
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -73,7 +73,7 @@ def run(
     pad_id = int(manifest.tokenizer.get("pad_token_id") or 0)
     model = random_llama(manifest, size, seed=0, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
     if mode == "packed":
-        prepare(model)
+        prepare(model, max_tokens=manifest.stats.max_row_tokens)  # probe only what a row can reach
     else:
         model.set_attn_implementation("flash_attention_2" if cuda else "sdpa")
     model.train()

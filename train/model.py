@@ -56,7 +56,7 @@ def llama_config(manifest: schema.Manifest, size: str = "tiny"):
         eos_token_id=tok.get("eos_token_id"),
         pad_token_id=tok.get("pad_token_id"),
         tie_word_embeddings=True,
-        use_cache=False,  # training: no KV cache (and packer.attention.prepare refuses one)
+        use_cache=False,  # training: no KV cache (and packer.prepare refuses one)
     )
 
 

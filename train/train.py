@@ -1,11 +1,11 @@
 """Train a causal LM on packer shards: the loader's rows straight into the model, no collation.
 
-    python -m packer.cli build flan --out shards --pack batch --batch-size 4 --tokenizer data/tokenizer
+    python -m packer.cli build flan --out shards --pack batch --batch-size 4 --tokenizer packer/data/tokenizer
     python -m train.train --shards shards --steps 20 [--grad-accum 2] [--model PATH] [--save DIR]
 
 By default a tiny randomly initialised Llama sized to the build's tokenizer (the manifest's vocab size
 and special ids; ``--size`` picks another shape from train/model.py); ``--model`` takes any local
-Hugging Face causal LM directory. The model is switched to ``packer_varlen`` attention by ``packer.attention.prepare`` (flash-attn / torch varlen on CUDA,
+Hugging Face causal LM directory. The model is switched to ``packer_varlen`` attention by ``packer.prepare`` (flash-attn / torch varlen on CUDA,
 per-segment SDPA on CPU), which refuses a model that would let examples see each other.
 
 One optimizer step is ``--grad-accum`` micro-batches (rows) per rank. Every micro-batch carries
@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from packer import schema
-from packer.attention import prepare
+from packer import prepare, schema
 from packer.loader import make_dataloader
 from train.model import SIZES, random_llama
 
@@ -93,7 +92,8 @@ def train(
     """Run ``steps`` optimizer steps; returns {"losses": [...], "tokens_per_s": ..., "tokens": ...}."""
     dev, rank, world = _setup_distributed(device)
     manifest = schema.read_manifest(shards)
-    model = prepare(load_model(manifest, model_path, dev, seed, size))
+    # the build's longest row bounds what the probe must reach (a real Llama 3's 8K threshold otherwise)
+    model = prepare(load_model(manifest, model_path, dev, seed, size), max_tokens=manifest.stats.max_row_tokens)
     if lr is None:
         lr = 3e-3 if model_path is None else 2e-5
     loader = make_dataloader(

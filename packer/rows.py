@@ -1,0 +1,301 @@
+"""The row invariants of the on-disk contract (:mod:`packer.schema`), stated once and checked vectorised.
+
+A row holds segments (examples, or pieces of one) one after another. For every row of a batch:
+
+- **layout** (``LAYOUT_RULES``; a row that breaks one is skipped by every rule after them):
+  ``example_ids`` has one entry per ``seq_lens`` entry; the row has a segment, every ``seq_lens``
+  entry is > 0, and they sum to the row's length;
+- **row** (``ROW_RULES``, from the list offsets and the small columns only): ``max_seqlen`` is
+  ``max(seq_lens)``; example ids are ≥ 0; and, when :class:`Limits` are given, the row keeps to the
+  build's budget;
+- **tokens** (``TOKEN_RULES``): ``position_ids`` run ``0..len-1`` inside each segment; ``labels``
+  are -100 at every segment start (labels are unshifted: this is what keeps a label from crossing an
+  example boundary) and elsewhere -100 or the input id; ``num_loss_tokens`` counts the labels
+  ≠ -100; token ids are in ``[0, vocab)``.
+
+Before all of them, the three token columns (``input_ids``, ``position_ids``, ``labels``) must have
+one length per row, or nothing else can be read.
+
+Each rule is one small function in one of the three tuples; a new rule, or a change to one (padding
+segments, say), is made there and every reader follows: the loader raises the first problem
+(:func:`packer.loader.check_rows`), ``verify`` reports them all, ``inspect`` checks the layout of
+what it reads. :func:`packer.writer.assemble` is what makes rows this way.
+
+Cost: a few numpy passes over the batch's columns, no Python per row; the layout and row rules never
+touch the token values, so checking them alone (``tokens=False``) reads only offsets and the small
+columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from .context_parallel import padding_positions
+from .schema import COLUMNS, IGNORE_INDEX, PAD_COLUMN
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One list column of a batch: its flat values and its offsets (int64, starting at 0)."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray, offsets: np.ndarray) -> Column:
+        """From a list array's child values and offsets as Arrow holds them (a slice's offsets need not
+        start at 0): zero copy for the values."""
+        offsets = np.asarray(offsets, np.int64)
+        return cls(values[offsets[0] : offsets[-1]], offsets - offsets[0])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class RowBatch:
+    """A batch of rows as numpy arrays. ``example_ids`` may be None (the loader does not read them)."""
+
+    input_ids: Column
+    position_ids: Column
+    labels: Column
+    seq_lens: Column
+    example_ids: Column | None
+    num_loss_tokens: np.ndarray
+    max_seqlen: np.ndarray
+    pad_lens: Column | None = None  # a padded build's (packer.context_parallel): padding ending each segment
+
+    @classmethod
+    def from_arrow(cls, batch: pa.RecordBatch) -> RowBatch:
+        """Zero copy where Arrow allows; the token values are not read until a token rule needs them."""
+        names = ["input_ids", "position_ids", "labels", "seq_lens", "example_ids"]
+        names += [PAD_COLUMN] if PAD_COLUMN in batch.schema.names else []
+        lists = {name: Column.of(batch.column(name).values.to_numpy(zero_copy_only=False), batch.column(name).offsets)
+                 for name in names}
+        return cls(**lists, num_loss_tokens=batch.column("num_loss_tokens").to_numpy(),
+                   max_seqlen=batch.column("max_seqlen").to_numpy())
+
+    def padding(self) -> np.ndarray | None:
+        """Per token, whether it is padding (None: the build has none); the layout must hold."""
+        if self.pad_lens is None:
+            return None
+        mask = np.zeros(self.input_ids.values.size, bool)
+        mask[padding_positions(np.cumsum(self.seq_lens.values.astype(np.int64)), self.pad_lens.values)] = True
+        return mask
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.offsets.size - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A build's budget, from its config: ``None`` where the mode sets no such limit."""
+
+    max_segments: int | None = None  # batch: batch_size
+    max_row_tokens: int | None = None  # bfd, optimal, wrap: max_tokens
+    max_segment_tokens: int | None = None  # not wrap: max_len
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Problem:
+    """One rule broken: the rows of the batch that break it (sorted, at least one) and what is wrong."""
+
+    rows: np.ndarray
+    message: str
+
+
+class _Layout:
+    """What the rules share, computed once per batch: row and segment lengths, each segment's row and
+    first token, and ``bad``: the rows whose layout is broken (the token rules skip them)."""
+
+    def __init__(self, batch: RowBatch, vocab: int | None, limits: Limits | None) -> None:
+        self.batch, self.vocab, self.limits = batch, vocab, limits or Limits()
+        self.n = batch.num_rows
+        self.row_len = batch.input_ids.lengths
+        self.seq = batch.seq_lens.values.astype(np.int64)
+        self.nseg = batch.seq_lens.lengths
+        self.seg_row = np.repeat(np.arange(self.n), self.nseg)
+        self.bad = np.zeros(self.n, bool)
+        self._starts: np.ndarray | None = None
+
+    def rows_of_segments(self, mask: np.ndarray) -> np.ndarray:
+        """The rows holding a segment where ``mask`` (one entry per segment) is set."""
+        rows = np.zeros(self.n, bool)
+        rows[self.seg_row[mask]] = True
+        return rows
+
+    def rows_of_tokens(self, mask: np.ndarray) -> np.ndarray:
+        """The rows holding a token where ``mask`` (one entry per token) is set, among those whose layout holds."""
+        rows = np.zeros(self.n, bool)
+        if mask.any():
+            rows[np.searchsorted(self.batch.input_ids.offsets, np.flatnonzero(mask), side="right") - 1] = True
+        return rows & ~self.bad
+
+    @property
+    def starts(self) -> np.ndarray:
+        """The flat token index of every segment start of the rows whose layout holds (sorted)."""
+        if self._starts is None:
+            cs = np.zeros(self.seq.size + 1, np.int64)
+            np.cumsum(self.seq, out=cs[1:])
+            seg_off = self.batch.seq_lens.offsets
+            # a segment's start: its row's first token plus the lengths before it in the row
+            start = self.batch.input_ids.offsets[self.seg_row] + cs[:-1] - cs[seg_off[self.seg_row]]
+            self._starts = start[~self.bad[self.seg_row]]
+        return self._starts
+
+    @property
+    def good_tokens(self) -> np.ndarray | None:
+        """Per token, whether its row's layout holds; None when every row's does (the common case)."""
+        return None if not self.bad.any() else np.repeat(~self.bad, self.row_len)
+
+
+Rule = Callable[[_Layout], Iterator[tuple[np.ndarray, str]]]  # yields (rows broken, message)
+
+
+# -- layout: offsets and the small columns ------------------------------------------------------------
+
+
+def _segment_lengths(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    lists = lay.batch.example_ids
+    if lists is not None:
+        yield lists.lengths != lay.nseg, "example_ids has another length than seq_lens"
+    yield lay.nseg == 0, "no segments (an empty row)"
+    yield lay.rows_of_segments(lay.seq <= 0), "a segment length ≤ 0 in seq_lens"
+    cs = np.zeros(lay.seq.size + 1, np.int64)
+    np.cumsum(lay.seq, out=cs[1:])
+    seg_off = lay.batch.seq_lens.offsets
+    yield cs[seg_off[1:]] - cs[seg_off[:-1]] != lay.row_len, \
+        "seq_lens do not sum to the row's length (len(input_ids)): the segment boundaries are wrong"
+
+
+def _max_seqlen(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    longest = np.zeros(lay.n, np.int64)
+    held = lay.nseg > 0
+    if lay.seq.size:
+        longest[held] = np.maximum.reduceat(lay.seq, lay.batch.seq_lens.offsets[:-1][held])
+    yield ~lay.bad & (longest != lay.batch.max_seqlen), "max_seqlen differs from max(seq_lens)"
+
+
+def _example_ids(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    lists = lay.batch.example_ids
+    if lists is not None and lists.values.size == lay.seq.size:
+        yield lay.rows_of_segments(lists.values < 0), "a negative example id"
+
+
+def _budget(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    limit = lay.limits
+    if limit.max_segments is not None:
+        yield lay.nseg > limit.max_segments, f"more than batch_size={limit.max_segments} segments"
+    if limit.max_row_tokens is not None:
+        yield lay.row_len > limit.max_row_tokens, f"more than max_tokens={limit.max_row_tokens:,} tokens"
+    if limit.max_segment_tokens is not None:  # max_len counts the examples' tokens, not their padding
+        pads = 0 if lay.batch.pad_lens is None else lay.batch.pad_lens.values
+        yield lay.rows_of_segments(lay.seq - pads > limit.max_segment_tokens), \
+            f"a segment longer than max_len={limit.max_segment_tokens:,}"
+
+
+# A padded build (packer.context_parallel): each segment's last pad_lens tokens are padding, which leaves
+# at least one real token and is trained nowhere; its positions continue, so the rules above hold as they are.
+def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    pads = lay.batch.pad_lens
+    if pads is not None:
+        yield (pads.lengths != lay.nseg) | lay.rows_of_segments((pads.values < 0) | (pads.values >= lay.seq)), \
+            "pad_lens is not one count per segment, each below the segment's length"
+
+
+def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    padding = lay.batch.padding()
+    if padding is not None:
+        yield lay.rows_of_tokens(padding & (lay.batch.labels.values != IGNORE_INDEX)), "a padding token is trained"
+
+
+# -- tokens: the rows whose layout holds ------------------------------------------------------------
+
+
+def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    pos, starts = lay.batch.position_ids.values, lay.starts
+    # 0 at every segment start and +1 everywhere else: the steps into a start are set to 1 first
+    step = pos[1:] - pos[:-1]
+    step[starts[starts > 0] - 1] = 1
+    if (step == 1).all() and not pos[starts].any():
+        return
+    wrong = np.zeros(pos.size, bool)
+    wrong[1:] = step != 1
+    wrong[starts] = pos[starts] != 0
+    if lay.good_tokens is not None:
+        wrong &= lay.good_tokens
+    yield lay.rows_of_tokens(wrong), ("position_ids do not run 0..len-1 inside each segment (they must restart "
+                                      "at 0 exactly at the seq_lens boundaries)")
+
+
+def _labels(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    labels, ids, starts = lay.batch.labels.values, lay.batch.input_ids.values, lay.starts
+    trained = labels != IGNORE_INDEX
+    if trained[starts].any():
+        at_start = np.zeros(labels.size, bool)
+        at_start[starts] = trained[starts]
+        yield lay.rows_of_tokens(at_start), ("a label is not -100 at a segment start: a label crosses an example "
+                                             "boundary")
+    other = labels != ids
+    other &= trained
+    yield lay.rows_of_tokens(other), "a label is neither -100 nor the input id at its position"
+    loss = np.zeros(lay.n, np.int64)
+    held = lay.row_len > 0
+    if labels.size:  # int32 sums: a row holds < 2**31 tokens, and they take half the time of int64's
+        loss[held] = np.add.reduceat(trained.view(np.uint8), lay.batch.input_ids.offsets[:-1][held], dtype=np.int32)
+    yield ~lay.bad & (loss != lay.batch.num_loss_tokens), "num_loss_tokens differs from the count of labels ≠ -100"
+
+
+def _vocab(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    ids = lay.batch.input_ids.values
+    if lay.vocab is not None and ids.size and int(ids.view(np.uint32).max()) >= lay.vocab:  # a negative id is huge
+        yield lay.rows_of_tokens(ids.view(np.uint32) >= lay.vocab), \
+            f"token ids outside [0, {lay.vocab:,}) (the tokenizer's vocab size)"
+
+
+LAYOUT_RULES: tuple[Rule, ...] = (_segment_lengths, _pad_lens)  # a row they break is skipped by every rule after
+ROW_RULES: tuple[Rule, ...] = (_max_seqlen, _example_ids, _budget)
+TOKEN_RULES: tuple[Rule, ...] = (_positions, _labels, _vocab, _padding)
+
+
+def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None, *,
+               tokens: bool = True) -> list[Problem]:
+    """Every rule a batch's rows break, in rule order (an empty list: the rows are sound).
+
+    ``vocab``: token ids must be below it (None: not checked). ``limits``: the build's budget.
+    ``tokens=False`` checks the layout and the small columns only, never reading the token values."""
+    problems: list[Problem] = []
+    ids_len = batch.input_ids.lengths
+    for name in ("position_ids", "labels"):
+        off = getattr(batch, name).offsets
+        wrong = ids_len != np.diff(off) if off.size == ids_len.size + 1 else np.ones(batch.num_rows, bool)
+        if wrong.any():  # the flat token columns no longer line up: no other rule can be read
+            problems.append(Problem(np.flatnonzero(wrong), f"{name} has another length than input_ids"))
+    if problems:
+        return problems
+    lay = _Layout(batch, vocab, limits)
+    for rule in LAYOUT_RULES:
+        for broken, message in rule(lay):
+            if broken.any():
+                problems.append(Problem(np.flatnonzero(broken), message))
+                lay.bad |= broken
+    for rule in ROW_RULES + (TOKEN_RULES if tokens else ()):
+        for broken, message in rule(lay):
+            if broken.any():
+                problems.append(Problem(np.flatnonzero(broken), message))
+    return problems
+
+
+def check_arrow(batch: pa.RecordBatch, vocab: int | None, limits: Limits | None = None, *,
+                tokens: bool = True) -> list[Problem]:
+    """:func:`check_rows` of an Arrow record batch of the row schema; nulls are a problem of their own."""
+    nulls = [name for name in COLUMNS if batch.column(name).null_count]
+    if nulls:
+        return [Problem(np.arange(batch.num_rows), f"null values in {', '.join(nulls)}")]
+    return check_rows(RowBatch.from_arrow(batch), vocab, limits, tokens=tokens)

@@ -1,0 +1,126 @@
+"""``packer verify``'s third step: every shard's rows, then their totals against the manifest.
+
+Each shard is opened by the contract (:func:`packer.schema.open_shard`: an Arrow IPC stream of the
+row schema), each record batch checked by the row invariants (:func:`packer.rows.check_rows`, every
+problem reported) within the build's budget (:func:`limits`), and the counts the rows hold (rows,
+tokens, loss tokens, segments, the longest row, the distinct and split examples) compared with the
+shard entries and the stats. Cost: O(tokens) numpy, no Python per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import rows, schema
+from .config import BuildConfig
+from .errors import ShardFormatError
+from .report import Report, rows_text
+from .schema import Manifest
+
+
+@dataclass(slots=True)
+class Totals:
+    """What the rows hold, summed over every batch read; the per-segment arrays in row order."""
+
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    pad_tokens: int = 0  # a padded build's (packer.context_parallel); tokens counts them too
+    segments: int = 0
+    max_row_tokens: int = 0
+    example_ids: list[np.ndarray] = field(default_factory=list)
+    seq_lens: list[np.ndarray] = field(default_factory=list)
+    input_ids: list[np.ndarray] = field(default_factory=list)  # only when the source check needs them
+    labels: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, batch: rows.RowBatch, keep_tokens: bool) -> None:
+        self.rows += batch.num_rows
+        self.tokens += int(batch.input_ids.values.size)
+        self.loss_tokens += int((batch.labels.values != schema.IGNORE_INDEX).sum())
+        self.segments += int(batch.seq_lens.values.size)
+        if batch.num_rows:
+            self.max_row_tokens = max(self.max_row_tokens, int(batch.input_ids.lengths.max()))
+        self.example_ids.append(batch.example_ids.values.astype(np.int64))
+        # a padded build: the examples' own tokens and lengths, which the source speaks of
+        padding, pads = batch.padding(), 0 if batch.pad_lens is None else batch.pad_lens.values
+        self.pad_tokens += int(np.sum(pads))
+        self.seq_lens.append((batch.seq_lens.values - pads).astype(np.int64))
+        if keep_tokens:
+            self.input_ids.append(batch.input_ids.values if padding is None else batch.input_ids.values[~padding])
+            self.labels.append(batch.labels.values if padding is None else batch.labels.values[~padding])
+
+
+def limits(config: BuildConfig) -> rows.Limits:
+    """The budget a build's rows keep to, by its mode."""
+    return rows.Limits(max_segments=config.batch_size if config.pack == "batch" else None,
+                       max_row_tokens=config.max_tokens if config.pack != "batch" else None,
+                       max_segment_tokens=config.max_len if config.pack != "wrap" else None)
+
+
+def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
+               report: Report, keep_tokens: bool) -> Totals | None:
+    """Every shard's rows against the row invariants and its manifest entry; the totals, or None when
+    a shard could not be read whole (its totals would be wrong)."""
+    budget = limits(manifest.config)
+    totals = Totals()
+    complete = len(entries) == len(manifest.shards)
+    for entry in entries:
+        path = directory / entry.file
+        try:
+            table = schema.open_shard(path)
+        except ShardFormatError as e:
+            report.add("rows", str(path), str(e).removeprefix(f"{path}: "))
+            complete = False
+            continue
+        if table.num_rows != entry.rows:
+            report.add("rows", str(path), f"{table.num_rows:,} rows, the manifest records {entry.rows:,}")
+        tokens_before = totals.tokens
+        for batch in table.to_batches():
+            problems = rows.check_arrow(batch, vocab, budget)
+            for problem in problems:
+                report.add("rows", f"{entry.file} {rows_text(totals.rows + problem.rows)}", problem.message)
+            if problems and problems[0].message.startswith("null values"):  # no numbers to count
+                complete = False
+                totals.rows += batch.num_rows
+                continue
+            totals.add(rows.RowBatch.from_arrow(batch), keep_tokens)
+        if totals.tokens - tokens_before != entry.tokens:
+            report.add("rows", str(path), f"{totals.tokens - tokens_before:,} tokens, the manifest records "
+                       f"{entry.tokens:,}")
+    return totals if complete else None
+
+
+def check_totals(manifest: Manifest, totals: Totals, report: Report) -> None:
+    """The rows' totals against the stats and the shard entries; the examples they hold against the
+    examples the stats account for."""
+    s = manifest.stats
+    where = f"{schema.MANIFEST_NAME} stats"
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens - totals.pad_tokens),
+                        ("loss_tokens", totals.loss_tokens), ("segments", totals.segments),
+                        ("max_row_tokens", totals.max_row_tokens),
+                        ("pad_tokens", totals.pad_tokens if s.padded else None)):
+        if getattr(s, key) != actual:
+            report.add("stats", where, f"{key} = {getattr(s, key)!r}, the shards hold {actual:,}")
+    for key, actual in (("rows", totals.rows), ("tokens", totals.tokens)):
+        listed = sum(getattr(e, key) for e in manifest.shards)
+        if listed != actual:
+            report.add("stats", f"{schema.MANIFEST_NAME} shards", f"{key} of the shard entries sum to {listed:,}, "
+                       f"the shards hold {actual:,}")
+    if not totals.example_ids:
+        return
+    exid = np.concatenate(totals.example_ids)
+    if exid.size and int(exid.max()) >= s.examples_read:
+        report.add("stats", where, f"example id {int(exid.max()):,} is beyond examples_read {s.examples_read:,}")
+    unique, counts = np.unique(exid, return_counts=True)
+    expected = s.examples - s.examples_dropped
+    if unique.size != expected:
+        report.add("stats", where, f"the rows hold {unique.size:,} distinct examples, the stats account for "
+                   f"{expected:,} (examples − examples_dropped)")
+    if manifest.config.pack != "wrap":
+        split = int((counts > s.epoch_count).sum())  # a whole example appears once per epoch
+        if split != s.examples_split:
+            report.add("stats", where, f"{split:,} examples appear in pieces, examples_split says "
+                       f"{s.examples_split!r}")

@@ -1,0 +1,40 @@
+"""BuildConfig: the mode/budget rule is plan.row_size's, so a config is accepted exactly when its plan
+can be made, and normalisation fills what the mode takes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from packer import BuildConfig
+from packer.config import DEFAULT_BATCH_SIZE
+from packer.errors import ConfigError
+from packer.plan import MODES, plan_epochs
+
+
+def _outcome(make, **kwargs):
+    try:
+        return make(**kwargs)
+    except ConfigError:
+        return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_config_is_accepted_exactly_when_its_plan_can_be_made(mode):
+    for max_len, max_tokens, batch_size, epochs in itertools.product((8, 16), (None, 4, 8, 16), (None, 2), (1, 2)):
+        config = _outcome(BuildConfig, source="flan", out="-", pack=mode, max_len=max_len, max_tokens=max_tokens,
+                          batch_size=batch_size, epochs=epochs)
+        planned = _outcome(plan_epochs, lengths=[3, 9, 5], epochs=epochs, mode=mode, max_len=max_len,
+                           max_tokens=max_tokens,
+                           batch_size=DEFAULT_BATCH_SIZE if mode == "batch" and batch_size is None else batch_size)
+        assert (config is None) == (planned is None), (mode, max_len, max_tokens, batch_size, epochs)
+        if config is not None:  # the one that applies is filled in, the other stays unset
+            assert (config.batch_size is None) == (mode != "batch") and (config.max_tokens is None) == (mode == "batch")
+            assert planned.stats["row_budget"] == (config.max_tokens or planned.stats["max_row_tokens"])
+
+
+def test_normalising_is_its_own_step_and_a_replace_keeps_it():
+    config = BuildConfig(source="flan", out="-", train_on_prompt=True, pack="bfd", max_len=64)
+    assert (config.train_on, config.train_on_prompt, config.max_tokens, config.batch_size) == ("all", True, 64, None)
+    assert config.replace(seed=3).identity() == {**config.identity(), "seed": 3}
