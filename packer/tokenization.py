@@ -304,21 +304,15 @@ class Encoder:
         trained[ends] = np.asarray(last_trained, dtype=np.uint8)[add_eos]
         return Encoded(flat, trained, lengths, example_ids, Skipped((skipped,)))
 
-
     def offsets_and_spans(self, records: list[dict]) -> list[tuple[np.ndarray, list[tuple[int, int]], bool, bool]]:
         """Per record: its tokens' character offsets (int64 ``[tokens, 2]``), the trained character
         spans of its text, the last segment's flag, and whether ``encode`` appends EOS. What a loss mask
         is recomputed from apart from ``encode``'s span mapping (``packer.verify_source``)."""
-        texts, spans, last = [], [], []
-        for record in records:
-            segments = self.formatter(record)
-            bounds = np.cumsum([0] + [len(text) for text, _ in segments]).tolist()
-            texts.append("".join(text for text, _ in segments))
-            spans.append([(bounds[j], bounds[j + 1]) for j, (_, flag) in enumerate(segments) if flag])
-            last.append(segments[-1][1])
-        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
-        return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), sp, flag, not enc.ids or enc.ids[-1] != self.eos)
-                for enc, sp, flag in zip(encodings, spans, last, strict=True)]
+        examples = [self.example(record) for record in records]
+        encodings = self.backend.encode_batch([text for text, _, _ in examples], add_special_tokens=self.add_special_tokens)
+        return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans, flag, not enc.ids or enc.ids[-1] != self.eos)
+                for enc, (_, spans, flag) in zip(encodings, examples, strict=True)]
+
 
 # The Rust tokenizer keeps alignments and offsets for every byte and token of a text: about 140 bytes
 # of memory a character (a 10 MB record took 1.4 GB, a 50 MB one 6.9 GB), in every worker at once.
