@@ -5,13 +5,14 @@ its config, so the folder's tokenizer.json alone tokenizes differently), against
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, SHARED_DATA, make_build
+from conftest import SHARED_DATA, make_build
 from test_chat import MULTI, built, need, trained_text, write_jsonl
 
+from packer.recipes import BUNDLED_TOKENIZER
 from packer.tokenization import load_tokenizer
 
 LLAMA2 = SHARED_DATA / "llama2-tokenizer"
-FOLDERS = [ROOT / "data" / "tokenizer", LLAMA2, SHARED_DATA / "tokenizers" / "qwen3", SHARED_DATA / "tokenizers" / "llama3_1"]
+FOLDERS = [BUNDLED_TOKENIZER, LLAMA2, SHARED_DATA / "tokenizers" / "qwen3", SHARED_DATA / "tokenizers" / "llama3_1"]
 TEXTS = ["Hello world", " leading space", "two  spaces\nand a line\n\n", "<|user|>\nHi there\n<|assistant|>\nHello!</s>",
          "<|user|> \nHi <|assistant|> Hello  x", "unicode: こんにちは — مرحبا 👋", "\n", "tab\tand trailing "]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}"
