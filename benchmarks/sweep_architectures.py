@@ -57,7 +57,7 @@ OVERRIDES = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=6),
     "ctrl": dict(dff=64),
 }
-# Configs that tried to fool the guard (issue 22): name -> (model type, config overrides, dtype prepared in).
+# Configs made to fool the guard: name -> (model type, config overrides, dtype prepared in).
 VARIANTS = {
     # a scale picked from the row's longest position (long/short mscale), no window to give it away
     "phimoe+mscale": ("phimoe", dict(sliding_window=None, rope_parameters={

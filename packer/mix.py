@@ -1,5 +1,5 @@
-"""Mixtures: several sources in one build, each formatted by its own recipe or fields, interleaved
-deterministically for the seed.
+"""Every build's source as a mix of parts (one, or several), each formatted by its own recipe or fields,
+interleaved deterministically for the seed.
 
 A mix is a list of parts, from the command line (``packer build flan gsm8k.jsonl chat.jsonl --mix
 0.5,0.3,0.2``) or a YAML/JSON file (``--mix mix.yaml``)::

@@ -342,13 +342,19 @@ def remove_stale_staging(out: Path) -> None:
         pass
 
 
+def staging_left(local: Path) -> str | None:
+    """What a staging folder of packer's in ``local`` is, and what removes it; None when there is none
+    (a foreign one is not packer's to remove: a build refuses it)."""
+    if not _staging_is_ours(local / STAGING):
+        return None
+    return f"a build is writing there now, or one was stopped; the next `packer build` into {local} resumes or removes it"
+
+
 def staging_note(directory) -> str | None:
     """For the read-only commands: a line about a staging folder in ``directory``, which they leave alone."""
     local = fs.local_path(directory)
-    if local is None or not (local / STAGING).is_dir():
-        return None
-    return (f"{local / STAGING}: a build is writing there now, or one was stopped; the next `packer build` into "
-            f"{local} resumes or removes it")
+    left = None if local is None else staging_left(local)
+    return None if left is None else f"{local / STAGING}: {left}"
 
 
 # -- the build's steps ----------------------------------------------------------------------------

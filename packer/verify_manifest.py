@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import schema
+from . import output, schema
 from .errors import ShardFormatError
 from .report import Report
 from .schema import Manifest
@@ -69,8 +69,12 @@ def check_folder_contents(directory: Path, manifest: Manifest | None, report: Re
             continue
         if manifest is None and schema.is_shard_name(name):
             continue  # no manifest: already reported; the shards are not "extra"
+        if name == schema.STAGING and (left := output.staging_left(directory)):
+            report.add("files", str(path), left)
+            continue
+        # a build refuses to write beside another's file under one of its names, so rebuilding is no fix
         report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
-                   "file); remove it or rebuild the folder")
+                   "file); move it away")
     if manifest is None:
         return
     for name, problem in schema.datasets_file_problems(directory, manifest):  # what datasets.load_from_disk reads

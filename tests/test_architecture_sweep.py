@@ -15,24 +15,24 @@ import pytest
 from benchmarks.sweep_architectures import VARIANTS, causal_lm_types, judge
 
 EXPECTED = {
-    # the old probe's false accepts
+    # accepted by a probe that compares packed against alone through the same attention
     "phimoe": "refused",  # sliding window only in its mask
     "doge": "refused",  # dynamic mask (keep_window_size), refused by the probe
     "lfm2": "refused",  # short-convolution layers
     "llama4_text": "refused",  # chunked attention, row-offset temperature tuning
-    # crashed inside the old prepare (non-contiguous output), exact now
+    # attention output that is not contiguous: prepare must not crash on it
     "jetmoe": "exact",
     "afmoe": "exact",
     "dory": "exact",
     # the model's own scaling (query_pre_attn_scalar; Granite's multiplier in test_attention_guard.py)
     "gemma3_text": "exact",
-    # falsely refused before (attention through the interface without the class flag)
+    # attention through the interface without the class flag: a check of the flag would refuse it
     "stablelm": "exact",
-    # issue 22: accepted and wrong before
+    # made to fool the guard: wrong unless caught
     "phimoe+mscale": "refused",  # long/short mscale picked from the row
     "phimoe+bf16-window": "refused",  # a window under bf16's tolerance
     "fuyu": "exact",  # composite: a sub-config switched after prepare() must be caught (judge checks)
-    # issue 22: falsely refused before
+    # made to fool a guard of key names: refusing them would be a false refusal
     "ctrl": "exact",  # scales its input embeddings in place
     "llama+unused-keys": "exact",  # attention_chunk_size / keep_window_size that Llama never reads
 }

@@ -63,7 +63,7 @@ def assert_refused_unchanged(model, match: str, **kwargs) -> str:
     return str(e.value)
 
 
-# --- the false accepts of the old self-comparing probe --------------------------------------------------
+# --- what packed vs alone through the same attention misses, and eager as the reference catches ----------
 
 
 def test_refuses_chunked_attention_and_row_offset_temperature_tuning():
@@ -213,7 +213,8 @@ def test_probe_examples_cross_every_declared_threshold():
 
 
 
-# --- issue 22: the guard's last gaps, one test each ---------------------------------------------------
+# --- a guard's possible gaps, one test each: scales from the row, sub-configs, caches, training-only limits,
+# the base model, bf16, false refusals ---------------------------------------------------------------------
 
 
 def test_1_a_scale_picked_from_the_row_is_caught():

@@ -1,5 +1,5 @@
-"""Bad input that used to end in a traceback, a blow-up or a wrong message (issue 11): each is one line
-on stderr naming the place and the fix, exit code 2, through the real CLI."""
+"""Bad input that could end in a traceback, a blow-up or a wrong message: each is one line on stderr
+naming the place and the fix, exit code 2, through the real CLI."""
 
 from __future__ import annotations
 

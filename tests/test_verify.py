@@ -203,6 +203,16 @@ def test_extra_file(copy, name):
     assert_caught(copy, f"{name}: not listed in the manifest", check="files")
 
 
+def test_staging_folder_is_left_to_the_next_build(copy):
+    """A staging folder of packer's is reported, and the report says what removes it: the next build,
+    not the user (removing it by hand could pull the lock from under a build writing there now)."""
+    (copy / schema.STAGING).mkdir()
+    (copy / schema.STAGING / schema.LOCK).write_bytes(schema.LOCK_BYTES)
+    [problem] = verify(copy).problems
+    assert problem.check == "files" and "the next `packer build`" in problem.message
+    assert "remove it" not in problem.message
+
+
 # -- rows written by hand (sha and bytes re-recorded, so only the row checks see it) ------------------------
 
 
