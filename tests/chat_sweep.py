@@ -200,6 +200,11 @@ def offset_reference(text: str, messages: list[dict], offsets: list[tuple[int, i
     eos = len(trained) > len(offsets)  # the EOS packer appends where the render does not end with it
     problems, allowed = [], set()
     for k, (role, found) in enumerate(located):
+        if role == "assistant" and not found:  # a turn the template renders empty (calls it leaves out): its
+            prev = max((b for _, f in located[:k] for _, b in f), default=0)  # header's end of turn may be trained
+            nxt = min((a for _, f in located[k + 1:] for a, _ in f if a >= prev), default=len(text))
+            if (role_ := ROLE.search(text, prev, nxt)) and (eot := END_OF_TURN.search(text, role_.end(), nxt)):
+                allowed |= set(tokens(role_.end(), eot.end()) + after(role_.end(), eot.end()))
         if role != "assistant" or not found:
             continue
         first, last = min(a for a, _ in found), max(b for _, b in found)
