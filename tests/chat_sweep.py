@@ -18,11 +18,13 @@ Used whole by tests/test_chat_templates.py.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -447,6 +449,7 @@ def _with_tokens(markup: tuple[str, ...], base: Path) -> Path:
     hf = AutoTokenizer.from_pretrained(str(base))
     hf.add_tokens(list(markup), special_tokens=True)
     folder = Path(tempfile.mkdtemp(prefix="packer-sweep-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     hf.save_pretrained(str(folder))
     return folder
 

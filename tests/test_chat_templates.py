@@ -1,26 +1,18 @@
-"""TRL's chat templates against transformers: a deterministic sample of tests/chat_sweep.py here (every
-template pair with a ``_training`` twin on three conversations that cover reasoning, tool calls and multi-turn;
-the templates without a twin on the offset reference, each with a tokenizer that holds its markup tokens);
-``python tests/chat_sweep.py`` runs the whole set (every TRL template x every conversation, ~15 minutes)."""
+"""TRL's chat templates against transformers: a sample of tests/chat_sweep.py here (every template pair with a
+``_training`` twin on three conversations that cover reasoning, tool calls and multi-turn; the templates without
+a twin on the offset reference), each template with the bundled tokenizer plus the template's markup tokens (a
+small tokenizer: saving and loading one per template is quick); ``python tests/chat_sweep.py`` runs the whole set
+with Qwen3's tokenizer (every TRL template x every conversation, ~15 minutes)."""
 
 from __future__ import annotations
 
 import pytest
-from chat_sweep import QWEN3, check_pair, check_template, conversations, originals, own_tokenizer, templates
+from chat_sweep import check_pair, check_template, conversations, originals, own_tokenizer, templates
 from conftest import SHARED_DATA
 
+from packer.recipes import BUNDLED_TOKENIZER
+
 SAMPLE = ("system_three_turns", "reasoning_content", "tool_call_object_args")
-
-
-@pytest.fixture(scope="module")
-def hf():
-    if not (QWEN3 / "tokenizer.json").is_file():
-        pytest.skip("../shared/data/tokenizers/qwen3 is absent")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(QWEN3))
-
-
 PAIRS = templates()
 
 
@@ -29,15 +21,15 @@ def test_the_set_is_the_trl_set():
 
 
 def own(*sources):
-    """The Qwen3 tokenizer with the templates' markup as added tokens (see chat_sweep.own_tokenizer)."""
+    """The bundled tokenizer with the templates' markup as added tokens (see chat_sweep.own_tokenizer)."""
     from transformers import AutoTokenizer
 
-    folder = own_tokenizer("".join(p.read_text() for p in sources), QWEN3)
+    folder = own_tokenizer("".join(p.read_text() for p in sources), BUNDLED_TOKENIZER)
     return AutoTokenizer.from_pretrained(str(folder)), folder
 
 
 @pytest.mark.parametrize(("name", "original", "twin"), PAIRS, ids=[p[0] for p in PAIRS])
-def test_template_pair(hf, name, original, twin):
+def test_template_pair(name, original, twin):
     cases = [c for c in conversations() if c[0] in SAMPLE]
     untagged, tagged = check_pair(*own(original, twin), name, original, twin, cases)
     assert not tagged.failures, tagged.failures  # tagged: exactly return_assistant_tokens_mask
@@ -46,7 +38,7 @@ def test_template_pair(hf, name, original, twin):
 
 
 @pytest.mark.parametrize("name", ["glm4moe", "gptoss"])
-def test_turn_ends_and_reasoning_channels_on_every_conversation(hf, name):
+def test_turn_ends_and_reasoning_channels_on_every_conversation(name):
     """GLM-4-MoE closes no turn (the next header, <|observation|> after a tool call, ends it) and gpt-oss
     ends a call with <|call|> and renders reasoning as an analysis message before the final one: the
     originals give their twin's mask on the whole set, each conversation compared with the twin."""
@@ -74,12 +66,11 @@ def test_llama3_pair_on_the_llama_tokenizer():
 # TRL's templates that have no tagged twin (and the multimodal ones, on text), on the offset reference: each
 # assistant piece located in transformers' render by character offsets, tokens against apply_chat_template
 NO_TWIN = [(n, p) for n, p in originals() if not p.with_name(f"{n}_training.jinja").is_file()]
-REFERENCE_SAMPLE = ("system_three_turns", "tool_call_object_args", "reasoning_tool_call_empty_content")
 
 
 @pytest.mark.parametrize(("name", "path"), NO_TWIN, ids=[n for n, _ in NO_TWIN])
-def test_template_without_a_twin_on_the_offset_reference(hf, name, path):
-    cases = [c for c in conversations() if c[0] in REFERENCE_SAMPLE]
+def test_template_without_a_twin_on_the_offset_reference(name, path):
+    cases = conversations()
     tokenizer, folder = own(path)
     checked = check_template(tokenizer, folder, path, cases)
     assert not checked.wrong and not checked.refused, (checked.wrong, checked.refused)
