@@ -417,10 +417,11 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
         user_closing = one[user_end: _common(bare, one, control)].rstrip() if _PROBE in one else ""
         if user_closing and then_user is not None and then_user[then_user.find(said) + len(said):].startswith(user_closing):
             ends.append(user_closing)  # the closing every turn gets (<|im_end|>, <turn|>, <|end|>)
-    for render in (one, then_user, then_tool):  # the first of the tokenizer's own tokens after the turn's text
-        if control and render is not None and said in render:
-            found = control.search(render, render.find(said) + len(said))
-            if found:
+    for render in (one, then_user, then_tool):  # the tokenizer's own token that the template writes right after the
+        if control and render is not None and said in render:  # turn's text (after it only the next message's own)
+            after = render.find(said) + len(said)
+            found = control.search(render, after)
+            if found and not render[after:found.start()].strip():
                 ends.append(found.group())
     # a turn that ends in a tool call may close with a token of its own (gpt-oss's <|call|>): the last of the
     # tokenizer's tokens in a conversation whose last turn is a call, where nothing but whitespace follows it;
