@@ -53,6 +53,23 @@ def test_gemma4_turns_and_the_tool_result_inside_the_model_turn(gemma4):
     assert not any("-3}" in r or "09:12<|" in r for r in runs) and "Checking both.<turn|>" in runs
 
 
+def test_gemma4_with_its_end_of_turn_as_eos_never_trains_the_tool_result(tmp_path):
+    """The issue's case: with EOS <turn|>, the span of a call ran to the <turn|> after the tool result."""
+    from transformers import AutoTokenizer
+
+    source = (TRL_TEMPLATES / "gemma4.jinja").read_text()
+    hf = AutoTokenizer.from_pretrained(str(own_tokenizer(source, need(QWEN3))))
+    hf.eos_token = "<turn|>"
+    hf.save_pretrained(str(tmp_path))
+    enc = encoder(tmp_path, source)
+    for case in ("tool_call_object_args", "tool_call_string_args_null_content", "two_calls_two_replies",
+                 "reasoning_tool_call_empty_content"):
+        runs = trained(enc, CASES[case])
+        # a result is written as response:NAME{value:...}<tool_response|> inside the model turn: never trained
+        assert runs[0].endswith("<|tool_response>") and not any("response:" in run for run in runs), (case, runs)
+        assert runs[-1].endswith("<turn|>")
+
+
 # A community template that closes no turn: a turn ends where the next header begins
 NO_CLOSE = ("{% for m in messages %}{% if m.role == 'user' %}### User:\n{{ m.content }}\n\n{% else %}### Assistant:\n"
             "{{ m.content }}\n\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}")
