@@ -3,8 +3,9 @@
 Each run is started in its own process group and sent SIGINT (as a terminal does to every process of
 its foreground group) after a delay drawn across a clean build's duration. A run passes when it ends
 within 10 s with exactly "packer: interrupted" and exit 130 (or, past its commit point, exit 0 and an
-empty stderr), leaves no lock and no live worker. The last rerun of each -j must give the clean build's
-bytes.
+empty stderr), leaves its lock free and no live worker. A finished run's folder is removed, so the next run builds
+again; an interrupted run's staging stays, and the next run resumes its token spill. The last rerun of
+each -j must give the clean build's bytes.
 
     python benchmarks/interrupt_sweep.py --runs 36 --jobs 1 2
 """
@@ -13,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from packer.schema import LOCK, STAGING
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -44,6 +49,22 @@ def group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def lock_held(out: Path) -> bool:
+    """Whether a process still holds the build's flock (an interrupted build keeps its staging and the
+    lock file in it, for the rerun to resume; the lock itself must be free)."""
+    try:
+        fd = os.open(out / STAGING / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -89,13 +110,14 @@ def main() -> None:
                     what = f"BAD exit {proc.returncode}: {err.strip()[-300:]!r}"
                 if orphans:
                     what += " +ORPHANS"
-                if (out / ".packer-lock").exists():
-                    what += " +LOCK LEFT"
+                if lock_held(out):
+                    what += " +LOCK HELD"
                 if ended > 10:
                     what += " +SLOW"
                 counts[what] = counts.get(what, 0) + 1
                 slowest = max(slowest, ended)
-                (out / "manifest.json").unlink(missing_ok=True)  # so the next run builds again
+                if (out / "manifest.json").exists():  # finished: the next run builds afresh (an interrupted
+                    shutil.rmtree(out)  # one's staging stays, for the next run to resume)
             final = build(out, jobs, a.limit)
             same = final.wait() == 0 and tree(out) == tree(reference)
             print(f"-j {jobs}: clean build {seconds:.1f} s; {a.runs} Ctrl-C: {counts}; slowest end {slowest:.2f} s "

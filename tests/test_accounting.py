@@ -17,8 +17,9 @@ from packer.plan import plan_epochs
 KEYS = ("examples", "examples_packed", "examples_split", "examples_truncated")
 
 
-def _reference(p, lengths, epochs: int) -> dict[str, int]:
-    """Each example's segments looked at one by one, in every epoch; each epoch must agree."""
+def _reference(p, lengths, epochs: int, keep=None) -> dict[str, int]:
+    """Each example's segments looked at one by one, in every epoch; each epoch must agree. ``keep``
+    (bool[n]): count only those examples (one source of a mix)."""
     per_epoch = p.num_rows // epochs
     seen = []
     for e in range(epochs):
@@ -28,6 +29,8 @@ def _reference(p, lengths, epochs: int) -> dict[str, int]:
             pieces.setdefault(ex, []).append((st, ln))
         c = dict(whole=0, split=0, truncated=0, truncated_left=0, dropped=0, tokens=0)
         for ex, n in enumerate(lengths.tolist()):
+            if keep is not None and not keep[ex]:
+                continue
             segs = pieces.get(ex, [])
             covered = sum(ln for _, ln in segs)
             c["tokens"] += covered
@@ -70,7 +73,11 @@ def test_account_matches_a_per_example_reference_and_the_parts_add_up(mode, over
         assert got.tokens + got.tokens_truncated + got.tokens_dropped == got.tokens_in
         assert a.epochs == epochs and got.tokens * epochs == int(p.length.sum())
         for k in range(3):  # each part is the plan of its own examples
-            assert a.parts[k].examples == int((source == k).sum())
+            part, ref_k = a.parts[k], _reference(p, lengths, epochs, keep=source == k)
+            assert part.examples == int((source == k).sum())
+            assert (part.whole, part.split, part.truncated, part.truncated_left, part.dropped, part.tokens) == (
+                ref_k["whole"], ref_k["split"], ref_k["truncated"], ref_k["truncated_left"], ref_k["dropped"],
+                ref_k["tokens"])
         s = p.stats
         assert (s["examples_packed"], s["examples_split"], s["examples_truncated"], s["examples_dropped"]) == (
             got.whole, got.split, got.truncated, got.dropped)

@@ -338,3 +338,86 @@ def test_cli_builds_padded_rows_and_shows_their_cost(tmp_path):
     assert any(x.strip().startswith("padding") and line in x for x in shown.output.splitlines()), shown.output
     bad = CliRunner().invoke(main, ["build", "flan", "--out", str(tmp_path / "bad"), "--cp-layout", "zigzag"])
     assert bad.exit_code == 2 and "give --cp-size" in bad.output
+
+
+# -- where CP meets the rest: a mix over planned epochs, ranks, grad_accum, workers and resume ------
+
+
+@pytest.fixture(scope="module")
+def mixed_epochs(tmp_path_factory):
+    """A zigzag build for a CP group of 4 of a two-source mix over 2 planned epochs, balanced for 2 ranks."""
+    import json
+
+    d = tmp_path_factory.mktemp("cpmix")
+    with open(d / "qa.jsonl", "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"It is {2 * i}."}) + "\n")
+    out = d / "out"
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    result = CliRunner().invoke(main, ["build", "flan", str(d / "qa.jsonl"), "--mix", "0.6,0.4", "--limit", "60",
+                                       "-q", "-j", "1", "--pack", "bfd", "--max-len", "97", "--max-tokens", "600",
+                                       "--overlong", "split", "--epochs", "2", "--cp-size", "4",
+                                       "--pad-to-multiple-of", "3", "--world-size", "2", "--balance", "tokens",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _stream(directory, epoch, cut=None, state=None, **options):
+    """The batches of one pass (to ``cut`` batches, then the state), set at ``epoch`` or resumed."""
+    from packer.loader import make_dataloader
+
+    loader = make_dataloader(directory, seed=3, **options)
+    loader.load_state_dict(state) if state else loader.set_epoch(epoch)
+    got = []
+    for batch in loader:
+        got.append({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        if len(got) == cut:
+            return got, loader.state_dict()
+    return got, None
+
+
+@pytest.mark.filterwarnings("ignore:.*replays planned epoch")
+@pytest.mark.parametrize(("epoch", "static", "workers"), [(1, False, 2), (2, True, 0), (0, True, 2)])
+def test_cp_shares_of_a_mix_over_epochs_resume_on_every_rank_with_workers(mixed_epochs, epoch, static, workers):
+    """Each CP rank's stream is its share of the unsplit stream of its data-parallel rank (same rows,
+    same num_items_in_batch), and a pass cut inside an optimizer step and resumed with workers
+    continues it exactly."""
+    options = {"world_size": 2, "grad_accum": 2, "static_shapes": static}
+    for rank in (0, 1):
+        whole, _ = _stream(mixed_epochs, epoch, rank=rank, **options)
+        for r in range(2):
+            share = {"rank": rank, "cp_rank": r, "cp_size": 2, **options}
+            full, _ = _stream(mixed_epochs, epoch, **share)
+            assert len(full) == len(whole)
+            for row, mine in zip(whole, full, strict=True):
+                cu = np.asarray(row["cu_seq_lens_q"])
+                if not static:
+                    idx = cp.zigzag_indices(cu, 2, r)
+                    assert mine["input_ids"][0] == np.asarray(row["input_ids"][0])[idx].tolist()
+                    assert mine["cu_seq_lens_q"] == (cu // 2).tolist()
+                assert mine["num_items_in_batch"] == row["num_items_in_batch"]
+            head, state = _stream(mixed_epochs, epoch, cut=3, num_workers=workers, **share)
+            assert state["micro_done"] == 1  # cut inside an optimizer step
+            rest, _ = _stream(mixed_epochs, epoch, state=state, num_workers=workers, **share)
+            assert head + rest == full
+
+
+def test_verify_and_inspect_count_a_padded_mix_over_epochs_alike(mixed_epochs):
+    """The modes table of a padded build counts its segments with their padding: its header's tokens
+    are what the ``batch`` mode computes (every segment once, nothing padded to the longest)."""
+    import re
+
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    assert CliRunner().invoke(main, ["verify", str(mixed_epochs)]).exit_code == 0
+    shown = CliRunner().invoke(main, ["inspect", str(mixed_epochs)]).output
+    header = re.search(r"the modes on these [\d,]+ segments \(([\d,]+) tokens", shown)
+    batch = next(line.split() for line in shown.splitlines() if line.split()[:1] == ["batch"])
+    stats = schema.read_manifest(mixed_epochs).stats
+    assert header and header[1] == batch[4] == f"{stats.tokens + stats.pad_tokens:,}", shown
