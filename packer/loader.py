@@ -129,14 +129,7 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                padded = schema.PAD_COLUMN in batch.schema.names  # a padded build (packer.context_parallel)
-                lists = {name: rows.Column.of(batch.column(name).values.to_numpy(zero_copy_only=True),
-                                              batch.column(name).offsets.to_numpy(zero_copy_only=True))
-                         for name in ("input_ids", "position_ids", "labels", "seq_lens") + (schema.PAD_COLUMN,) * padded}
-                row_batch = rows.RowBatch(
-                    **lists, example_ids=None,
-                    num_loss_tokens=batch.column("num_loss_tokens").to_numpy(zero_copy_only=True),
-                    max_seqlen=batch.column("max_seqlen").to_numpy(zero_copy_only=True))
+                row_batch = rows.RowBatch.from_arrow(batch, example_ids=False)  # views of the memory map
                 tokens += int(row_batch.input_ids.offsets[-1])
                 self.batches.append(_Batch(str(path), n, row_batch))
                 self.starts.append(n)

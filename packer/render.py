@@ -128,7 +128,8 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
 def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
-    lines = ["", click.style(f"  the modes on these {s.segments:,} segments ({s.tokens:,} tokens"
+    padding = f", {s.pad_tokens:,} of them padding" if s.pad_tokens else ""  # modes plan the padded segments
+    lines = ["", click.style(f"  the modes on these {s.segments:,} segments ({modes[0].tokens:,} tokens{padding}"
                              + (f", all {s.epochs} epochs" if s.epochs else "") + "), "
                              f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True)]
     head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"

@@ -71,12 +71,14 @@ class RowBatch:
     pad_lens: Column | None = None  # a padded build's (packer.context_parallel): padding ending each segment
 
     @classmethod
-    def from_arrow(cls, batch: pa.RecordBatch) -> RowBatch:
-        """Zero copy where Arrow allows; the token values are not read until a token rule needs them."""
-        names = ["input_ids", "position_ids", "labels", "seq_lens", "example_ids"]
+    def from_arrow(cls, batch: pa.RecordBatch, *, example_ids: bool = True) -> RowBatch:
+        """Zero copy where Arrow allows; the token values are not read until a token rule needs them.
+        ``example_ids=False`` leaves that column out (None), as the loader needs no example ids."""
+        names = ["input_ids", "position_ids", "labels", "seq_lens"] + ["example_ids"] * example_ids
         names += [PAD_COLUMN] if PAD_COLUMN in batch.schema.names else []
         lists = {name: Column.of(batch.column(name).values.to_numpy(zero_copy_only=False), batch.column(name).offsets)
                  for name in names}
+        lists.setdefault("example_ids", None)
         return cls(**lists, num_loss_tokens=batch.column("num_loss_tokens").to_numpy(),
                    max_seqlen=batch.column("max_seqlen").to_numpy())
 

@@ -404,3 +404,20 @@ def test_cp_shares_of_a_mix_over_epochs_resume_on_every_rank_with_workers(mixed_
             assert state["micro_done"] == 1  # cut inside an optimizer step
             rest, _ = _stream(mixed_epochs, epoch, state=state, num_workers=workers, **share)
             assert head + rest == full
+
+
+def test_verify_and_inspect_count_a_padded_mix_over_epochs_alike(mixed_epochs):
+    """The modes table of a padded build counts its segments with their padding: its header's tokens
+    are what the ``batch`` mode computes (every segment once, nothing padded to the longest)."""
+    import re
+
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    assert CliRunner().invoke(main, ["verify", str(mixed_epochs)]).exit_code == 0
+    shown = CliRunner().invoke(main, ["inspect", str(mixed_epochs)]).output
+    header = re.search(r"the modes on these [\d,]+ segments \(([\d,]+) tokens", shown)
+    batch = next(line.split() for line in shown.splitlines() if line.split()[:1] == ["batch"])
+    stats = schema.read_manifest(mixed_epochs).stats
+    assert header and header[1] == batch[4] == f"{stats.tokens + stats.pad_tokens:,}", shown
