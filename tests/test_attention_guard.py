@@ -345,3 +345,19 @@ def test_a_row_longer_than_the_vetted_budget_is_refused():
         model(**row((7, 5)))
         with pytest.raises(ConfigError, match="the row has 13 tokens, more than max_tokens=12"):
             model(**row((8, 5)))
+
+
+def test_the_probe_forwards_the_long_row_once(monkeypatch):
+    """The long example is the probe's cost (its row is thousands of tokens for a real window or RoPE
+    threshold): it is forwarded packed once and alone once; the check for random draws uses the short row."""
+    model = tiny(MistralConfig(**SMALL, sliding_window=16))
+    lengths, forward = [], type(model).forward
+
+    def counted(self, *args, **kwargs):
+        lengths.append(kwargs["input_ids"].shape[1])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counted)
+    prepare(model)
+    short1, longest, short2 = guard.probe_lengths(model.config)
+    assert lengths.count(short1 + longest + short2) == 1 and lengths.count(longest) == 1, lengths
