@@ -37,16 +37,17 @@ class Segments:
     """Every segment of a build in row order: its length and example id, and the rows' splits
     (``row_splits[r]:row_splits[r + 1]`` are row ``r``'s segments)."""
 
-    seq_lens: np.ndarray  # int64
+    seq_lens: np.ndarray  # int64, padding included
     example_ids: np.ndarray  # int64
     row_splits: np.ndarray  # int64[rows + 1]
+    pad_lens: np.ndarray  # int64, the padding ending each segment (zeros: the build has none)
 
 
 def _segments(directory: PathLike, manifest: Manifest) -> Segments:
     """Every segment of every shard, the layout of each row batch checked first by the row invariants
     (:func:`packer.rows.check_rows`, offsets and small columns only), since the views allocate from the
     lengths (a damaged ``seq_len`` of 10^9 must not become a 10^9-slot plan)."""
-    seq_lens, example_ids, counts = [], [], []
+    seq_lens, example_ids, counts, pads = [], [], [], []
     for entry in manifest.shards:
         path = join(directory, entry.file)
         first = 0
@@ -56,11 +57,12 @@ def _segments(directory: PathLike, manifest: Manifest) -> Segments:
             seq_lens.append(rb.seq_lens.values)
             example_ids.append(rb.example_ids.values)
             counts.append(rb.seq_lens.lengths)
+            pads.append(np.zeros(rb.seq_lens.values.size, np.int64) if rb.pad_lens is None else rb.pad_lens.values)
             first += batch.num_rows
     count = _concat(counts)
     splits = np.zeros(count.size + 1, np.int64)
     np.cumsum(count, out=splits[1:])
-    return Segments(_concat(seq_lens), _concat(example_ids), splits)
+    return Segments(_concat(seq_lens), _concat(example_ids), splits, _concat(pads))
 
 
 def _check_layout(path: PathLike, first: int, batch) -> None:
@@ -316,7 +318,7 @@ def plot_data(directory: PathLike) -> PlotData:
         row_max[nonempty] = np.maximum.reduceat(lens, splits[:-1][nonempty])
     # example lengths: pieces of a split example summed back (tokens kept in the rows)
     _, inverse = np.unique(ex, return_inverse=True)
-    example_tokens = np.bincount(inverse, weights=lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
+    example_tokens = np.bincount(inverse, weights=lens - seg.pad_lens).astype(np.int64) if lens.size else np.zeros(0, np.int64)
     stats = manifest.stats
     example_tokens //= stats.epoch_count  # every planned epoch holds each example whole, alike
     return PlotData(directory=str(directory), config=config, stats=stats,

@@ -239,8 +239,13 @@ def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
     """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
     memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
     grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
-    kept = lengths if config.pack == "wrap" or config.overlong == "split" else np.minimum(lengths, config.max_len)
-    epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(lengths)
+    if config.pack == "wrap" or config.overlong == "split":
+        kept = lengths
+    elif config.overlong == "drop":  # a dropped example writes nothing
+        kept = lengths[lengths <= config.max_len]
+    else:
+        kept = np.minimum(lengths, config.max_len)
+    epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(kept)
     free = shutil.disk_usage(out).free
     if config.epochs * epoch > free:
         raise OutputError(

@@ -75,3 +75,20 @@ def test_epochs_the_disk_cannot_hold_are_refused_with_the_figures(tmp_path):
                                               "--epochs", "9000", "-q", "-j", "1", "--out", str(out)]))
     assert line.startswith("packer: error: --epochs 9,000: the shards would take at least ") and " free; " in line
     assert not out.exists()
+
+
+def test_examples_that_overlong_drop_drops_take_no_room(tmp_path):
+    """The disk estimate is a floor: an example ``--overlong drop`` drops writes nothing, so a build whose
+    kept examples fit is not refused for the dropped ones."""
+    out = tmp_path / "out"
+    long = [{"text": "word " * 4200}] * 200  # each over --max-len 4096: dropped
+    data = write_jsonl(tmp_path / "mostly-long.jsonl", [{"text": "a short one"}, *long])
+    free = __import__("shutil").disk_usage(tmp_path).free
+    epochs = 10_000
+    if free > epochs * 12 * 4096 * len(long):
+        pytest.skip(f"the disk has {free / 1e12:.1f} TB free: {epochs:,} epochs of the long examples would fit")
+    result = CliRunner().invoke(main, ["build", str(data), "--text-field", "text", "--max-len", "4096", "--overlong",
+                                       "drop", "--epochs", str(epochs), "-q", "-j", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    stats = schema.read_manifest(out).stats
+    assert (stats.examples_dropped, stats.rows) == (len(long), epochs)

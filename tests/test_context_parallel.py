@@ -421,3 +421,10 @@ def test_verify_and_inspect_count_a_padded_mix_over_epochs_alike(mixed_epochs):
     batch = next(line.split() for line in shown.splitlines() if line.split()[:1] == ["batch"])
     stats = schema.read_manifest(mixed_epochs).stats
     assert header and header[1] == batch[4] == f"{stats.tokens + stats.pad_tokens:,}", shown
+
+
+def test_plot_data_counts_examples_without_their_padding(mixed_epochs):
+    from packer import inspect_
+
+    stats = schema.read_manifest(mixed_epochs).stats
+    assert int(inspect_.plot_data(mixed_epochs).example_tokens.sum()) == stats.tokens // stats.epoch_count

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packer import rows, schema
+from packer.context_parallel import Layout
 from packer.plan import plan
 from packer.spill import TokenStore
 from packer.writer import assemble
@@ -31,7 +32,11 @@ def _store(tmp_path, lengths: np.ndarray, seed: int) -> TokenStore:
     return TokenStore(tmp_path / "ids.bin", tmp_path / "trained.bin", offsets, np.arange(lengths.size) * 3)
 
 
-MODES = [dict(mode="batch", batch_size=3), dict(mode="bfd", max_tokens=64), dict(mode="wrap", max_tokens=40)]
+MODES = [dict(mode="batch", batch_size=3), dict(mode="bfd", max_tokens=64), dict(mode="wrap", max_tokens=40),
+         # padded for context parallelism (packer.context_parallel): the padding keeps every rule too
+         dict(mode="bfd", max_tokens=64, layout=Layout(cp_size=2, multiple=3, pad_id=7)),
+         dict(mode="batch", batch_size=3, layout=Layout(cp_size=3, cp_layout="contiguous", pad_id=7)),
+         dict(mode="wrap", max_tokens=40, layout=Layout(cp_size=4, cp_layout="contiguous", pad_id=7))]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
