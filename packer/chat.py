@@ -287,8 +287,8 @@ class ChatTemplate:
                 end = found + len(end_token)
                 next_pos = after_mark + tail.find(end_token) + len(end_token)
             elif k + 1 == len(turns) and not _rendered_after(messages, i, text, start):
-                end = next_pos = len(text)  # a final turn that nothing closes: its span runs to the end, the EOS ends it
-                next_pos = len(scaffold)
+                end, next_pos = len(text), len(scaffold)  # a final turn that nothing closes: its span runs to the end,
+                # the EOS ends it
             else:  # a turn that nothing closes, followed by more: it ends with its own text, written after its calls
                 visible = _visible(message)
                 found = text.find(visible, start) if visible and anchor == _marker(i) else -1
@@ -473,7 +473,7 @@ def _check_span(message: dict, text: str, start: int, end: int, where: str, *, c
     the template leaves the content out (gpt-oss drops the text beside a tool call when a final answer follows),
     and the names of the tool calls the template renders."""
     span = text[start:end]
-    visible = (message.get("content") or "").split("</think>")[-1].strip()
+    visible = _visible(message)
     if content_rendered and visible and visible not in span:
         raise RecordError(f"{where}: the span found does not hold the assistant's text", "chat_span_not_found")
     for name in _tool_names(message):

@@ -27,8 +27,9 @@ it was: attention implementation of every sub-config, config values, no hook):
      after 40 steps), and with respect to its own equals the gradient it gets alone.
 
    A model whose training forward draws random numbers beyond dropout (PhiMoE's sparsemixer) cannot be
-   compared packed against alone in train mode; it is probed in eval mode. Memory: the model's
-   parameters once more in float32, and one eager forward of the long example; ``max_tokens`` (the
+   compared packed against alone in train mode; it is probed in eval mode. Cost: the model's
+   parameters once more in float32, one eager forward of each example alone (the short ones are just
+   below the smallest threshold) and one of the packed row (docs/training.md); ``max_tokens`` (the
    longest row you will train on) leaves out the thresholds no row can reach.
 
 After ``prepare`` a forward pre-hook stays on every ``PreTrainedModel`` inside the model (the causal LM,
