@@ -120,9 +120,9 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
     tokens. The mode the build used is measured on its actual rows; the others are planned from the
     lengths with ``packer.plan.plan``. ``batch`` and padding group the build's batch size
-    (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` and ``optimal`` pack into the build's
-    ``max_tokens``, or for a batch build into its largest row: the same peak memory per row as the
-    batch rows. Steps assume one row per rank per micro-batch and no gradient accumulation:
+    (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` and ``optimal`` pack into the build's row budget
+    (``max_tokens``, rounded down for a padded build), or for a batch build into its largest row: the
+    same peak memory per row as the batch rows. Steps assume one row per rank per micro-batch and no gradient accumulation:
     ``ceil(rows / world_size)``.
     """
     lengths = np.asarray(seq_lens, np.int64)
@@ -138,8 +138,9 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
         b = DEFAULT_BATCH
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
-    if config.pack in ("bfd", "optimal"):
-        budget = config.max_tokens
+    if config.pack in ("bfd", "optimal"):  # the budget the build packed into: a padded build's is rounded down
+        layout = config.layout()
+        budget = config.max_tokens if layout is None else layout.budget(config.max_tokens)
     else:
         budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger

@@ -428,3 +428,15 @@ def test_plot_data_counts_examples_without_their_padding(mixed_epochs):
 
     stats = schema.read_manifest(mixed_epochs).stats
     assert int(inspect_.plot_data(mixed_epochs).example_tokens.sum()) == stats.tokens // stats.epoch_count
+
+
+def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
+    """A padded build packs into max_tokens rounded down to its padding multiple (610 -> 608 for a zigzag
+    group of 4): ``inspect``'s bfd and optimal rows are planned in that budget too, not in max_tokens."""
+    from packer import inspect_
+
+    out = make_build(tmp_path / "b", limit=30, pack="bfd", max_len=97, max_tokens=610, overlong="split", cp_size=4)
+    budget = schema.read_manifest(out).stats.row_budget
+    assert budget == 608
+    modes = {m.mode: m for m in inspect_.summary(out).modes}
+    assert modes["bfd"].peak_row_tokens == modes["optimal"].peak_row_tokens == budget
