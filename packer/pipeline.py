@@ -233,6 +233,7 @@ _PLAN_BYTES_PER_EXAMPLE, _PLAN_BYTES_PER_EPOCH = 48, 4096
 # Epochs planned and stored: each is a whole copy of the data on disk, so past this many the loader's
 # replay of a build's epochs (set_epoch: epoch e plays planned epoch e mod E, reshuffled) is the way.
 MAX_EPOCHS = 10_000
+_FEWER_EPOCHS = "lower --epochs (the loader can also replay a build's epochs, each reshuffled: set_epoch), "
 
 
 def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
@@ -248,18 +249,20 @@ def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
     epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(kept)
     free = shutil.disk_usage(out).free
     if config.epochs * epoch > free:
+        what = f"--epochs {config.epochs:,}: the shards" if config.epochs > 1 else "the shards"
+        per = f" ({_size(epoch)} an epoch)" if config.epochs > 1 else ""
         raise OutputError(
-            f"--epochs {config.epochs:,}: the shards would take at least {_size(config.epochs * epoch)} "
-            f"({_size(epoch)} an epoch) and {out} has {_size(free)} free; lower --epochs (the loader can also replay "
-            "a build's epochs, each reshuffled: set_epoch) or free space"
+            f"{what} would take at least {_size(config.epochs * epoch)}{per} and {out} has {_size(free)} free; "
+            f"{_FEWER_EPOCHS if config.epochs > 1 else ''}free space, choose an --out on a larger disk or build "
+            "fewer records (--limit)"
         )
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     plan = config.epochs * (_PLAN_BYTES_PER_EXAMPLE * len(lengths) + _PLAN_BYTES_PER_EPOCH)
     if plan > memory // 2:
         raise ConfigError(
-            f"--epochs {config.epochs:,}: planning {config.epochs:,} epochs of {len(lengths):,} examples needs about "
-            f"{_size(plan)} of memory and this machine has {_size(memory)}; lower --epochs (the loader can also "
-            "replay a build's epochs, each reshuffled: set_epoch)"
+            f"planning {config.epochs:,} epoch(s) of {len(lengths):,} examples needs about {_size(plan)} of memory "
+            f"and this machine has {_size(memory)}; {_FEWER_EPOCHS if config.epochs > 1 else ''}build fewer "
+            "records (--limit), or split the source into several builds"
         )
 
 

@@ -92,3 +92,20 @@ def test_examples_that_overlong_drop_drops_take_no_room(tmp_path):
     assert result.exit_code == 0, result.output
     stats = schema.read_manifest(out).stats
     assert (stats.examples_dropped, stats.rows) == (len(long), epochs)
+
+
+def test_one_epoch_the_disk_cannot_hold_is_refused_without_naming_epochs(tmp_path):
+    """At --epochs 1 the message must not tell the user to lower --epochs: the fix is space or --limit.
+    The lengths are the planner's input, as large as no disk holds (12 bytes a token: 120 TB)."""
+    import numpy as np
+
+    from packer.errors import OutputError
+    from packer.pipeline import check_room
+
+    config = BuildConfig(source=str(tmp_path / "x.jsonl"), out=str(tmp_path / "out"), text_field="text",
+                         pack="bfd", max_len=4096, overlong="split")
+    with pytest.raises(OutputError) as e:
+        check_room(config, np.full(10**4, 10**9, dtype=np.int64), tmp_path)
+    message = str(e.value)
+    assert message.startswith("the shards would take at least ") and "--epochs" not in message
+    assert "--limit" in message and "larger disk" in message

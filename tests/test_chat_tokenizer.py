@@ -61,3 +61,16 @@ def test_chat_build_on_a_saved_folder_equals_apply_chat_template(tmp_path, saved
     expected = hf.apply_chat_template(MULTI["messages"], tokenize=True, return_dict=True)["input_ids"]
     assert ids == list(expected) + ([hf.eos_token_id] if expected[-1] != hf.eos_token_id else [])
     assert trained_text(hf, ids, trained) == ["Blue.</s>", "Green.</s>", "White.</s>"]
+
+
+def test_tokens_equal_autotokenizers_on_a_byte_level_folder_that_names_llama(tmp_path):
+    """Llama 3 derivatives often name LlamaTokenizerFast over a byte-level tokenizer.json; that class would
+    force Metaspace, so AutoTokenizer loads the generic backend, and so must packer."""
+    import json
+    import shutil
+
+    folder = tmp_path / "llama3-named-llama"
+    shutil.copytree(need(SHARED_DATA / "tokenizers" / "llama3_1"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizerFast"}))
+    _same_tokens(folder)
