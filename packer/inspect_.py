@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 
 from . import rows, schema
 from .config import BuildConfig
@@ -262,19 +261,20 @@ def _pieces(directory: PathLike, manifest: Manifest, example_id: int) -> list[Pi
     pieces = []
     first_row = 0
     for entry in manifest.shards:
-        table = schema.open_shard(join(directory, entry.file))
-        for chunk_ids, chunk_lens in zip(table.column("example_ids").chunks, table.column("seq_lens").chunks, strict=True):
-            hits = np.flatnonzero(pc.list_flatten(chunk_ids).to_numpy() == example_id)
+        for batch in schema.open_shard(join(directory, entry.file)).to_batches():
+            rb = rows.RowBatch.from_arrow(batch)
+            hits = np.flatnonzero(rb.example_ids.values == example_id)
             if hits.size:
-                parents = pc.list_parent_indices(chunk_ids).to_numpy()
-                lens = pc.list_flatten(chunk_lens).to_numpy().astype(np.int64)
+                lens = rb.seq_lens.values.astype(np.int64)  # padding included: where the next segment starts
+                own = lens if rb.pad_lens is None else lens - rb.pad_lens.values  # the example's own tokens
                 cum = np.concatenate([[0], np.cumsum(lens)])
-                first_seg = np.searchsorted(parents, parents[hits], side="left")  # first segment of the row
-                for h, r, s0 in zip(hits.tolist(), parents[hits].tolist(), first_seg.tolist(), strict=True):
+                parents = np.searchsorted(rb.seq_lens.offsets, hits, side="right") - 1  # each hit's row
+                first_seg = rb.seq_lens.offsets[parents]
+                for h, r, s0 in zip(hits.tolist(), parents.tolist(), first_seg.tolist(), strict=True):
                     at = first_row + int(r)
                     pieces.append(Piece(row=at, shard=entry.file, segment=int(h - s0), offset=int(cum[h] - cum[s0]),
-                                        length=int(lens[h]), epoch=None if epoch_rows is None else at // epoch_rows))
-            first_row += len(chunk_ids)
+                                        length=int(own[h]), epoch=None if epoch_rows is None else at // epoch_rows))
+            first_row += batch.num_rows
     return pieces
 
 

@@ -440,3 +440,21 @@ def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
     assert budget == 608
     modes = {m.mode: m for m in inspect_.summary(out).modes}
     assert modes["bfd"].peak_row_tokens == modes["optimal"].peak_row_tokens == budget
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "split"])
+def test_find_example_gives_a_padded_builds_examples_their_own_lengths(tmp_path, overlong):
+    """``inspect --example`` on a padded build: the same pieces, lengths and truncation as the unpadded
+    build of the same examples (the padding is not the example's)."""
+    from packer import inspect_
+
+    common = dict(limit=30, pack="bfd", max_len=97, max_tokens=610, overlong=overlong)
+    plain = make_build(tmp_path / "plain", **common)
+    padded = make_build(tmp_path / "padded", cp_size=4, **common)
+    seen = set()
+    for example in range(30):
+        want, got = inspect_.find_example(plain, example), inspect_.find_example(padded, example)
+        assert (got.tokens, got.split, got.truncated) == (want.tokens, want.split, want.truncated), example
+        assert sorted(p.length for p in got.pieces) == sorted(p.length for p in want.pieces), example
+        seen.add((want.split, want.truncated))
+    assert (True, False) in seen if overlong == "split" else (False, True) in seen
