@@ -361,3 +361,12 @@ def test_the_probe_forwards_the_long_row_once(monkeypatch):
     prepare(model)
     short1, longest, short2 = guard.probe_lengths(model.config)
     assert lengths.count(short1 + longest + short2) == 1 and lengths.count(longest) == 1, lengths
+
+
+def test_a_model_whose_training_forward_is_random_is_probed_in_eval_mode():
+    """PhiMoE with jitter draws random numbers in training (beyond dropout): packed against alone would differ
+    by the draws, not by the packing. The probe sees the draws on its short row and compares in eval mode."""
+    config = PhimoeConfig(**SMALL, sliding_window=None, num_local_experts=4, router_jitter_noise=0.5,
+                          input_jitter_noise=0.1)
+    model = prepare(tiny(config).train())
+    assert model.config._attn_implementation == attention.ATTN_IMPLEMENTATION and model.training
