@@ -246,6 +246,10 @@ class Encoder:
             cursor += len(piece)
         return "".join(piece for piece, _ in segments), spans, segments[-1][1]
 
+    def appends_eos(self, ids: list[int]) -> bool:
+        """EOS ends every example; a text whose tokens already end with it (chat turns ending in EOS) gets none."""
+        return not ids or ids[-1] != self.eos
+
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
         names = list(records)
         texts: list[str] = []
@@ -276,8 +280,7 @@ class Encoder:
         id_lists = [enc.ids for enc in encodings]
         eos = self.eos
         sizes = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        # EOS ends every example; a template that already ended it (chat turns end in EOS) gets none added
-        add_eos = np.fromiter((not ids or ids[-1] != eos for ids in id_lists), dtype=bool, count=len(id_lists))
+        add_eos = np.fromiter(map(self.appends_eos, id_lists), dtype=bool, count=len(id_lists))
         lengths = sizes + add_eos
         starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
@@ -310,7 +313,7 @@ class Encoder:
         is recomputed from apart from ``encode``'s span mapping (``packer.verify_source``)."""
         examples = [self.example(record) for record in records]
         encodings = self.backend.encode_batch([text for text, _, _ in examples], add_special_tokens=self.add_special_tokens)
-        return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans, flag, not enc.ids or enc.ids[-1] != self.eos)
+        return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans, flag, self.appends_eos(enc.ids))
                 for enc, (_, spans, flag) in zip(encodings, examples, strict=True)]
 
 
