@@ -187,6 +187,15 @@ class BuildConfig:
         return Layout(cp_size=self.cp_size, cp_layout=self.cp_layout or "zigzag", multiple=self.pad_to_multiple_of,
                       pad_id=pad_id)
 
+    def row_budget(self) -> int | None:
+        """The most tokens a row may hold, padding included: ``max_tokens``, rounded down to the padding's
+        multiples in a padded build (``Layout.budget``); None in mode ``batch``, whose rows hold a count of
+        examples instead."""
+        if self.pack == "batch":
+            return None
+        layout = self.layout()
+        return self.max_tokens if layout is None else layout.budget(self.max_tokens)
+
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
 

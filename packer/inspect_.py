@@ -138,8 +138,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
         batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
         batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
     if config.pack in ("bfd", "optimal"):  # the budget the build packed into: a padded build's is rounded down
-        layout = config.layout()
-        budget = config.max_tokens if layout is None else layout.budget(config.max_tokens)
+        budget = config.row_budget()
     else:
         budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger

@@ -56,7 +56,7 @@ class Totals:
 def limits(config: BuildConfig) -> rows.Limits:
     """The budget a build's rows keep to, by its mode."""
     return rows.Limits(max_segments=config.batch_size if config.pack == "batch" else None,
-                       max_row_tokens=config.max_tokens if config.pack != "batch" else None,
+                       max_row_tokens=config.row_budget(),
                        max_segment_tokens=config.max_len if config.pack != "wrap" else None)
 
 
