@@ -74,3 +74,18 @@ def test_tokens_equal_autotokenizers_on_a_byte_level_folder_that_names_llama(tmp
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizerFast"}))
     _same_tokens(folder)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+def test_a_chat_build_with_a_model_specific_tokenizer_class_imports_no_torch(tmp_path, name):
+    """The tokenizer's class (Qwen2Tokenizer, ...) is taken from transformers' namespace, not AutoTokenizer's
+    module, which imports torch."""
+    import subprocess
+    import sys
+
+    folder = need(SHARED_DATA / "tokenizers" / name)
+    src = write_jsonl(tmp_path / "c.jsonl", [MULTI])
+    code = ("import sys; from packer.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\nassert 'torch' not in sys.modules, 'packer build imported torch'")
+    subprocess.run([sys.executable, "-c", code, "build", str(src), "--messages-field", "messages", "--tokenizer",
+                    str(folder), "--out", str(tmp_path / "out"), "-q"], check=True)
