@@ -53,8 +53,9 @@ def peers_build(source: str, recipe: str | None, out: Path, max_tokens: int, num
     from transformers import AutoTokenizer
     from trl.data_utils import pack_dataset
 
-    from packer import BuildConfig, sources
-    from packer.formatting import Formatter, make_spec
+    from packer import BuildConfig
+    from packer.building import sources
+    from packer.building.formatting import Formatter, make_spec
 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()

@@ -39,7 +39,7 @@ def make_data(path: Path, n: int, templates: list[str | None]) -> None:
     from chat_sweep import conversations
     from transformers import AutoTokenizer
 
-    from packer.chat import normalize_messages
+    from packer.building.chat import normalize_messages
 
     tokenizer = AutoTokenizer.from_pretrained(str(QWEN3))
 

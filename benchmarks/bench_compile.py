@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 
-from packer import schema
-from packer.loader import PackedDataset
+from packer.contract import schema
+from packer.training.loader import PackedDataset
 
 
 def masked_varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,

@@ -1,7 +1,7 @@
 """Benchmark of the loader's row checks (a script, not a test): python benchmarks/bench_loader.py
 
 The loader checks each row batch's structure the first time a process reads one of its rows
-(``packer.rows.check_rows``). Prints, on a batch-mode build of the bundled sample (as
+(``packer.contract.rows.check_rows``). Prints, on a batch-mode build of the bundled sample (as
 ``train/bench.py`` builds it: batch of 8, max_len 512; 1,000 records by default, so an epoch is long
 enough to time; made in a temporary folder), tokens per second of:
 - the loader's first epoch in a fresh process state (every row batch checked: the worst case),
@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer.loader import make_dataloader
-from packer.rows import check_rows
+from packer.contract.rows import check_rows
+from packer.training.loader import make_dataloader
 
 clock = time.perf_counter
 

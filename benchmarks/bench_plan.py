@@ -1,4 +1,4 @@
-"""Benchmark of packer.plan (a script, not a test): python benchmarks/bench_plan.py [--quick]
+"""Benchmark of packer.planning.plan (a script, not a test): python benchmarks/bench_plan.py [--quick]
 
 Prints, in one run on the same machine:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.plan import plan, rank_work_ratio
+from packer.planning.plan import plan, rank_work_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -58,10 +58,11 @@ SHAPES = ("lognormal", "uniform", "bimodal", "equal")
 
 def real_data() -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, token ids, lengths) of every example, through packer's own format and tokenize steps."""
-    from packer import BuildConfig, sources
-    from packer.formatting import make_spec
-    from packer.pipeline import tokenizer_path
-    from packer.tokenization import Encoder, load_tokenizer
+    from packer import BuildConfig
+    from packer.building import sources
+    from packer.building.formatting import make_spec
+    from packer.building.pipeline import tokenizer_path
+    from packer.building.tokenization import Encoder, load_tokenizer
 
     cases = [("sample, bundled tokenizer", "flan", None, None)]
     if (LLAMA2 / "tokenizer.json").is_file():

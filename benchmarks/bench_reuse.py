@@ -1,7 +1,7 @@
 """Benchmark of the rerun's re-check (a script, not a test): python benchmarks/bench_reuse.py [--limit N]
 
 A rerun of the same build into its folder re-checks the finished build before it says "nothing to do"
-(``packer.output.damage``: the manifest's content hash, every shard's size and sha256, the datasets
+(``packer.building.output.damage``: the manifest's content hash, every shard's size and sha256, the datasets
 files). Prints, for a build of the bundled FLAN-style sample (one process): the build's seconds, the
 re-check's seconds with and without the shards' sha256, and the shards' size and hash throughput.
 """
@@ -14,7 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer import BuildConfig, build, output, schema
+from packer import BuildConfig, build
+from packer.building import output
+from packer.contract import schema
 
 
 def main() -> None:

@@ -21,9 +21,9 @@ LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
 CHILD = r"""
 import gzip, os, sys, tempfile, time
 from packer import BuildConfig, sources
-from packer.pipeline import open_source, tokenizer_path
-from packer.tokenization import load_tokenizer
-from packer.engines import LocalEngine
+from packer.building.pipeline import open_source, tokenizer_path
+from packer.building.tokenization import load_tokenizer
+from packer.building.engines import LocalEngine
 tok_name, num_proc, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with gzip.open(sources.resolve("flan").files[0], "rb") as f:
     sample = f.read()

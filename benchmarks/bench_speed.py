@@ -68,8 +68,8 @@ peers_build(sys.argv[2], "flan", Path(sys.argv[3]), 4096, 1)
 def formatted_texts(source: Path) -> list[str]:
     """The texts packer tokenizes for ``source`` under the flan recipe, by packer's own Formatter."""
     from packer import BuildConfig
-    from packer.formatting import Formatter, make_spec
-    from packer.recipes import RECIPES
+    from packer.building.formatting import Formatter, make_spec
+    from packer.contract.recipes import RECIPES
 
     records = [json.loads(line) for line in source.open()]
     spec = make_spec(recipe=RECIPES["flan"], config=BuildConfig(source=str(source), out="-"), columns=list(records[0]))

@@ -14,8 +14,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from packer.config import BuildConfig
-from packer.pipeline import build
+from packer.building.pipeline import build
+from packer.contract.config import BuildConfig
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATASETS = {

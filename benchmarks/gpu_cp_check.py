@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packer import context_parallel as cp
-from packer.loader import PackedDataset
+from packer.planning import context_parallel as cp
+from packer.training.loader import PackedDataset
 
 DEVICE, DTYPE = "cuda", torch.float16
 GROUP = 8

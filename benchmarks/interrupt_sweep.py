@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer.schema import LOCK, STAGING
+from packer.contract.schema import LOCK, STAGING
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

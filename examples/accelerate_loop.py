@@ -17,7 +17,7 @@ import argparse
 import torch
 from accelerate import Accelerator
 
-from packer.loader import make_dataloader
+from packer import make_dataloader
 
 try:
     from common import batches_over_epochs, tiny_llama

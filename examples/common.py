@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from packer import prepare, schema
+from packer import prepare
+from packer.contract import schema
 
 try:
     from train.model import random_llama

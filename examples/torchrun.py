@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from packer.loader import make_dataloader
+from packer import make_dataloader
 
 try:
     from common import tiny_llama

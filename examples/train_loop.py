@@ -2,7 +2,7 @@
 
     python examples/train_loop.py shards/ --steps 20 --grad-accum 4
 
-Every batch is one packed row (``packer.loader``); ``model(**batch)`` gets ``num_items_in_batch``, the
+Every batch is one packed row (``packer.training.loader``); ``model(**batch)`` gets ``num_items_in_batch``, the
 loss tokens of the whole optimizer step, so each micro-batch's loss is ``sum of its token losses /
 tokens of the step`` and the accumulated gradient is that of the one big batch: no ``/ grad_accum``.
 """
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from packer.loader import make_dataloader
+from packer import make_dataloader
 
 try:
     from common import batches_over_epochs, tiny_llama

@@ -27,7 +27,7 @@ import argparse
 
 from transformers import Trainer, TrainingArguments
 
-from packer.loader import PackedDataLoader, PackedDataset
+from packer import PackedDataLoader, PackedDataset
 
 try:
     from common import tiny_llama
@@ -36,7 +36,7 @@ except ImportError:  # imported as examples.trainer
 
 
 class PackedTrainer(Trainer):
-    """A Trainer whose training data is a packer shard folder, read by ``packer.loader``."""
+    """A Trainer whose training data is a packer shard folder, read by ``packer.training.loader``."""
 
     def __init__(self, *args, shards: str, seed: int = 0, **kwargs):
         self.shards = shards

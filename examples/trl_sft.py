@@ -24,8 +24,8 @@ import argparse
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-from packer import schema
-from packer.pipeline import tokenizer_path
+from packer.building.pipeline import tokenizer_path
+from packer.contract import schema
 
 try:
     from common import tiny_llama

@@ -3,7 +3,7 @@
 Importing packer imports nothing heavy: every name below is loaded on first use (PEP 562), so the
 ``packer`` command can take Ctrl-C from its first moment (see ``packer/__main__.py``) and
 ``import packer`` never imports torch: the torch side (``PackedDataset``, ``make_dataloader``,
-``prepare``) lives in ``packer.loader``, ``packer.attention`` (the kernels) and ``packer.guard``.
+``prepare``) lives in ``packer.training`` (``loader``, ``attention``: the kernels, ``guard``).
 """
 
 import importlib
@@ -11,10 +11,10 @@ import importlib
 __version__ = "0.1.0"
 
 _WHERE = {
-    "BuildConfig": "config",
-    "BuildResult": "pipeline",
-    "build": "pipeline",
-    "Plan": "plan",
+    "BuildConfig": "contract.config",
+    "BuildResult": "building.pipeline",
+    "build": "building.pipeline",
+    "Plan": "planning.plan",
     "ConfigError": "errors",
     "OutputError": "errors",
     "PackerError": "errors",
@@ -22,10 +22,11 @@ _WHERE = {
     "ShardFormatError": "errors",
     "SourceError": "errors",
     "TokenizerError": "errors",
-    "PackedDataset": "loader",
-    "PackedDataLoader": "loader",
-    "make_dataloader": "loader",
-    "prepare": "guard",
+    "PackedDataset": "training.loader",
+    "PackedDataLoader": "training.loader",
+    "make_dataloader": "training.loader",
+    "prepare": "training.guard",
+    "read_manifest": "contract.schema",
 }
 
 

@@ -14,15 +14,26 @@ import sys
 
 import click
 
-from . import __version__, inspect_, interrupt, output, render, schema
-from .config import BALANCE_BY, ENGINES, ON_ERROR, OVERLONG_POLICIES, PACK_MODES, TRAIN_ON, BuildConfig
-from .context_parallel import LAYOUTS as CP_LAYOUTS
+from . import __version__, interrupt, render
+from .building import output
+from .building.mix import parts_from_cli
+from .building.pipeline import build as run_build
+from .building.pipeline import tokenizer_path
+from .building.tokenization import load_tokenizer
+from .checking import inspect_
+from .checking.verify import verify as run_verify
+from .contract import schema
+from .contract.config import (
+    BALANCE_BY,
+    ENGINES,
+    ON_ERROR,
+    OVERLONG_POLICIES,
+    PACK_MODES,
+    TRAIN_ON,
+    BuildConfig,
+)
 from .errors import PackerError
-from .mix import parts_from_cli
-from .pipeline import build as run_build
-from .pipeline import tokenizer_path
-from .tokenization import load_tokenizer
-from .verify import verify as run_verify
+from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}

@@ -1,4 +1,4 @@
-"""``packer inspect --plot FILE.png``: one figure of a build, from :func:`packer.inspect_.plot_data`.
+"""``packer inspect --plot FILE.png``: one figure of a build, from :func:`packer.checking.inspect_.plot_data`.
 
 Four panels: the example lengths (tokens kept in the rows) against ``--max-len``; the fill of every
 row, sorted; the examples per row (``bfd``/``optimal``/``wrap``); for ``batch`` mode each row's tokens
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checking.views import Mode, PlotData
 from .errors import ConfigError, OutputError
-from .views import Mode, PlotData
 
 TOKENS = "#1f77b4"
 PAD = "#d62728"

@@ -7,10 +7,10 @@ import re
 
 import click
 
-from .pipeline import BuildResult
-from .report import Report
-from .schema import Stats
-from .views import Elided, Example, MixPart, Mode, Row, Summary
+from .building.pipeline import BuildResult
+from .checking.report import Report
+from .checking.views import Elided, Example, MixPart, Mode, Row, Summary
+from .contract.schema import Stats
 
 # One colour per segment of a drawn row, in turn.
 PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
@@ -28,7 +28,7 @@ def truncation_text(left: int, too_long: int) -> str:
 
 
 def padding_text(s, cfg) -> str:
-    """What a padded build's padding (packer.context_parallel) costs, and what it was for."""
+    """What a padded build's padding (packer.planning.context_parallel) costs, and what it was for."""
     why = [f"a CP group of {cfg.cp_size} ({cfg.cp_layout})"] if cfg.cp_size > 1 else []
     why += [f"segments to a multiple of {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
     return (f"{s.pad_tokens:,} tokens, {s.pad_tokens / max(1, s.tokens + s.pad_tokens):.1%} of the rows, for "

@@ -124,7 +124,7 @@ TWIN_TRAINS_HEADER = {
 
 
 # -- the offset reference: what a trained conversation must look like, located in transformers' render by
-# character offsets, apart from packer's span code (it shares no function with packer/chat.py)
+# character offsets, apart from packer's span code (it shares no function with packer/building/chat.py)
 
 # The strings that close a turn in the templates swept here; the first after a turn's output (and any run
 # of them directly after it) is the turn's end. GLM-4 closes no turn: the next header is its end, as in its twin.
@@ -256,7 +256,7 @@ class Outcome:
 
 
 def _reference(hf, record, source, *, tagged):
-    from packer.chat import normalize_messages, normalize_tools
+    from packer.building.chat import normalize_messages, normalize_tools
 
     messages = normalize_messages(record["messages"], "messages")  # text parts joined, as packer renders them
     out = hf.apply_chat_template(messages, tools=normalize_tools(record.get("tools"), "tools"), chat_template=source,
@@ -266,7 +266,7 @@ def _reference(hf, record, source, *, tagged):
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(folder):
-    from packer.tokenization import load_tokenizer
+    from packer.building.tokenization import load_tokenizer
 
     return load_tokenizer(str(folder))
 
@@ -274,8 +274,8 @@ def _tokenizer(folder):
 @functools.lru_cache(maxsize=4)
 def _encoder(folder, template_file):
     """The build's Encoder with the template file as --chat-template (the Rust tokenizer loaded once)."""
-    from packer.formatting import FormatSpec
-    from packer.tokenization import Encoder
+    from packer.building.formatting import FormatSpec
+    from packer.building.tokenization import Encoder
 
     tokenizer = copy.copy(_tokenizer(folder))
     tokenizer.chat_template = Path(template_file).read_text()
@@ -295,7 +295,7 @@ def _packer(folder, template_file, record):
 
 def _outside(hf, record, source, tokens, header):
     """The tokens among ``tokens`` that overlap no match of ``header`` in the rendered conversation."""
-    from packer.chat import normalize_messages, normalize_tools
+    from packer.building.chat import normalize_messages, normalize_tools
 
     text = hf.apply_chat_template(normalize_messages(record["messages"], "messages"), chat_template=source,
                                   tools=normalize_tools(record.get("tools"), "tools"), tokenize=False)
@@ -378,7 +378,7 @@ class Checked:
 
 def check_template(hf, folder, path, cases) -> Checked:
     """Every conversation through packer's build Encoder with the template, against the offset reference."""
-    from packer.chat import normalize_messages, normalize_tools
+    from packer.building.chat import normalize_messages, normalize_tools
 
     out = Checked()
     source = path.read_text()

@@ -18,7 +18,7 @@ def rewrite_column(path: Path, column: str, change) -> None:
     (``offsets`` None for a scalar column); the other columns are written back as they were."""
     import pyarrow as pa
 
-    from packer import schema
+    from packer.contract import schema
 
     table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
     columns = []

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from packer import schema
-from packer.accounting import account
 from packer.cli import main
-from packer.plan import plan_epochs
+from packer.contract import schema
+from packer.planning.accounting import account
+from packer.planning.plan import plan_epochs
 
 KEYS = ("examples", "examples_packed", "examples_split", "examples_truncated")
 

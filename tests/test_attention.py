@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from packer.attention import ATTN_IMPLEMENTATION, backend_for, packed_attention, register
 from packer.errors import ConfigError
-from packer.guard import prepare
+from packer.training.attention import ATTN_IMPLEMENTATION, backend_for, packed_attention, register
+from packer.training.guard import prepare
 
 TOL = 1e-5
 VOCAB = 97
@@ -191,7 +191,7 @@ def test_refuses_model_whose_attention_ignores_the_interface():
 
 def test_refuses_a_registered_function_that_ignores_boundaries(monkeypatch):
     """The probe catches an implementation that runs but treats the row as one sequence."""
-    import packer.attention as attention
+    import packer.training.attention as attention
 
     def whole_row(module, query, key, value, attention_mask, **kwargs):
         kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)

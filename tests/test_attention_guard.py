@@ -25,11 +25,11 @@ from transformers import (
     PhimoeConfig,
 )
 
-import packer.attention as attention
-import packer.guard as guard
-from packer.attention import packed_attention
+import packer.training.attention as attention
+import packer.training.guard as guard
 from packer.errors import ConfigError
-from packer.guard import prepare
+from packer.training.attention import packed_attention
+from packer.training.guard import prepare
 
 VOCAB = 97
 SMALL = dict(

@@ -1,5 +1,5 @@
 """Every packer module imports first in a fresh interpreter: no import cycle hides behind import order
-(attention.py and guard.py once imported each other, and importing packer.guard first failed)."""
+(attention.py and guard.py once imported each other, and importing packer.training.guard first failed)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ sys.exit(1 if failed else 0)
 
 
 def test_each_module_imports_first():
-    names = sorted(f"packer.{m.name}" for m in pkgutil.iter_modules(packer.__path__))
-    assert {"packer.attention", "packer.guard", "packer.loader"} <= set(names)
+    names = sorted(m.name for m in pkgutil.walk_packages(packer.__path__, "packer.") if ".data" not in m.name)
+    assert {"packer.training.attention", "packer.training.guard", "packer.training.loader"} <= set(names)
     root = str(Path(packer.__file__).parent.parent)
     done = subprocess.run([sys.executable, "-c", CHECK, *names], capture_output=True, text=True, cwd=root,
                           env={**os.environ, "PYTHONPATH": root}, timeout=300)  # fmt: skip
@@ -38,6 +38,6 @@ def test_each_module_imports_first():
 
 
 def test_prepare_is_exported_from_packer():
-    from packer.guard import prepare
+    from packer.training.guard import prepare
 
     assert packer.prepare is prepare

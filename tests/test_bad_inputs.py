@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import BUNDLED_TOKENIZER, make_build, one_line
 
-from packer import schema
 from packer.cli import main
+from packer.contract import schema
 
 GOOD = [{"prompt": f"What is {i} + {i}?", "completion": f"It is {2 * i}."} for i in range(6)]
 

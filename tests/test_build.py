@@ -13,8 +13,9 @@ import pytest
 from conftest import BUNDLED_TOKENIZER, make_build
 from transformers import AutoTokenizer
 
-from packer import BuildConfig, ConfigError, OutputError, build, fs, schema
-from packer.recipes import BUNDLED_SAMPLE
+from packer import BuildConfig, ConfigError, OutputError, build, fs
+from packer.contract import schema
+from packer.contract.recipes import BUNDLED_SAMPLE
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import one_line
 
-from packer import BuildConfig, build, readers, schema
+from packer import BuildConfig, build
+from packer.building import readers
 from packer.cli import main
+from packer.contract import schema
 from packer.errors import SourceError
 
 RECORDS = [{"prompt": f"question {i}?", "completion": f"answer {i}."} for i in range(20)]
@@ -99,8 +101,8 @@ def test_one_epoch_the_disk_cannot_hold_is_refused_without_naming_epochs(tmp_pat
     The lengths are the planner's input, as large as no disk holds (12 bytes a token: 120 TB)."""
     import numpy as np
 
+    from packer.building.pipeline import check_room
     from packer.errors import OutputError
-    from packer.pipeline import check_room
 
     config = BuildConfig(source=str(tmp_path / "x.jsonl"), out=str(tmp_path / "out"), text_field="text",
                          pack="bfd", max_len=4096, overlong="split")

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from conftest import SHARED_DATA, make_build, one_line
 from test_build import segments_of
 
-from packer import schema
 from packer.cli import main
+from packer.contract import schema
 
 QWEN3 = SHARED_DATA / "tokenizers" / "qwen3"
 LLAMA31 = SHARED_DATA / "tokenizers" / "llama3_1"
@@ -87,7 +87,7 @@ def trained_text(hf, ids, trained) -> list[str]:
 
 
 def test_rendering_is_transformers_own_and_imports_no_torch():
-    code = ("import sys; from packer.tokenization import load_tokenizer; "
+    code = ("import sys; from packer.building.tokenization import load_tokenizer; "
             f"t = load_tokenizer({str(need(QWEN3))!r}).chat(); t.render([{{'role': 'user', 'content': 'hi'}}]); "
             "import transformers.utils.chat_template_utils as u; "
             "assert t.render.__func__.__code__.co_names.count('render_jinja_template'); "
@@ -96,7 +96,7 @@ def test_rendering_is_transformers_own_and_imports_no_torch():
 
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert result.stdout.strip() == "False", result.stderr
-    import packer.tokenization as tok
+    import packer.building.tokenization as tok
 
     assert not hasattr(tok, "_jinja_env")  # the copied renderer is gone
 

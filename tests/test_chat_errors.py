@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from conftest import one_line
 from test_chat import write_jsonl
 
-from packer import chat
+from packer.building import chat
+from packer.building.timelimit import TimeLimitExceeded, time_limit
 from packer.cli import main
 from packer.errors import RecordError
-from packer.timelimit import TimeLimitExceeded, time_limit
 
 OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -24,8 +24,8 @@ from test_chat import (
     write_jsonl,
 )
 
-from packer import schema
 from packer.cli import main
+from packer.contract import schema
 
 TOOL_USE = (TRL_TEMPLATES / "qwen2_5.jinja").read_text()  # a different template that renders tools
 NO_TOOLS = {"messages": MULTI["messages"]}

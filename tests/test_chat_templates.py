@@ -10,7 +10,7 @@ import pytest
 from chat_sweep import check_pair, check_template, conversations, originals, own_tokenizer, templates
 from conftest import SHARED_DATA
 
-from packer.recipes import BUNDLED_TOKENIZER
+from packer.contract.recipes import BUNDLED_TOKENIZER
 
 SAMPLE = ("system_three_turns", "reasoning_content", "tool_call_object_args")
 PAIRS = templates()

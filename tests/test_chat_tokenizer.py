@@ -8,8 +8,8 @@ import pytest
 from conftest import SHARED_DATA, make_build
 from test_chat import MULTI, built, need, trained_text, write_jsonl
 
-from packer.recipes import BUNDLED_TOKENIZER
-from packer.tokenization import load_tokenizer
+from packer.building.tokenization import load_tokenizer
+from packer.contract.recipes import BUNDLED_TOKENIZER
 
 LLAMA2 = SHARED_DATA / "llama2-tokenizer"
 FOLDERS = [BUNDLED_TOKENIZER, LLAMA2, SHARED_DATA / "tokenizers" / "qwen3", SHARED_DATA / "tokenizers" / "llama3_1"]

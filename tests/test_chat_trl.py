@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, make_build
 
-from packer import schema
+from packer.contract import schema
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")

@@ -15,10 +15,10 @@ from conftest import make_build, one_line
 from test_chat import TRL_TEMPLATES, built, need, trained_text, write_jsonl
 from test_chat_named import named_folder
 
+from packer.building.formatting import FormatSpec
+from packer.building.tokenization import Encoder, load_tokenizer
 from packer.cli import main
 from packer.errors import TokenizerError
-from packer.formatting import FormatSpec
-from packer.tokenization import Encoder, load_tokenizer
 
 CASES = dict(conversations())
 SPEC = FormatSpec(kind="chat", messages_field="messages", tools_field="tools")

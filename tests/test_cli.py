@@ -9,8 +9,8 @@ import sys
 
 from click.testing import CliRunner
 
-from packer import schema
 from packer.cli import main
+from packer.contract import schema
 
 
 def run(*args: str):
@@ -68,7 +68,7 @@ def test_console_script_runs_without_torch(tmp_path):
 def test_import_packer_is_light_and_its_names_still_resolve():
     code = ("import sys, packer\nheavy = [m for m in ('numpy', 'pyarrow', 'click', 'tokenizers') if m in sys.modules]\n"
             "assert not heavy, heavy\nfrom packer import BuildConfig, build, Plan, SourceError\n"
-            "assert callable(build) and build.__module__ == 'packer.pipeline', build\n"
+            "assert callable(build) and build.__module__ == 'packer.building.pipeline', build\n"
             "assert packer.build is build and 'build' in dir(packer)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -8,10 +8,10 @@ import itertools
 import pytest
 
 from packer import BuildConfig
-from packer.config import DEFAULT_BATCH_SIZE
-from packer.context_parallel import Layout
+from packer.contract.config import DEFAULT_BATCH_SIZE
 from packer.errors import ConfigError
-from packer.plan import MODES, plan_epochs
+from packer.planning.context_parallel import Layout
+from packer.planning.plan import MODES, plan_epochs
 
 
 def _outcome(make, **kwargs):

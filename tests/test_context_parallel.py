@@ -1,4 +1,4 @@
-"""Context-parallel-ready rows and static shapes (packer.context_parallel), proved on CPU.
+"""Context-parallel-ready rows and static shapes (packer.planning.context_parallel), proved on CPU.
 
 Builds of the bundled sample padded for a CP group; the loader hands each CP rank its share. The CP
 group is emulated in one process: every rank's tokens are gathered (the all-gather of a real group),
@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from conftest import make_build
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 
-from packer import context_parallel as cp
-from packer import schema
-from packer.attention import packed_attention
-from packer.config import BuildConfig
+from packer.contract import schema
+from packer.contract.config import BuildConfig
 from packer.errors import ConfigError
-from packer.guard import prepare
-from packer.loader import PackedDataset
+from packer.planning import context_parallel as cp
+from packer.training.attention import packed_attention
+from packer.training.guard import prepare
+from packer.training.loader import PackedDataset
 
 GROUP = 12  # a build for a CP group of 12 serves groups of 1, 2, 3 and 4 (each divides it)
 SIZES = (1, 2, 3, 4)
@@ -301,7 +301,7 @@ def test_verify_accepts_padding_and_finds_trained_padding(builds, tmp_path):
 
     import pyarrow as pa
 
-    from packer.verify import verify
+    from packer.checking.verify import verify
 
     directory = shutil.copytree(builds["zigzag"], tmp_path / "copy")
     assert verify(directory, source="flan").ok
@@ -368,7 +368,7 @@ def mixed_epochs(tmp_path_factory):
 
 def _stream(directory, epoch, cut=None, state=None, **options):
     """The batches of one pass (to ``cut`` batches, then the state), set at ``epoch`` or resumed."""
-    from packer.loader import make_dataloader
+    from packer.training.loader import make_dataloader
 
     loader = make_dataloader(directory, seed=3, **options)
     loader.load_state_dict(state) if state else loader.set_epoch(epoch)
@@ -424,7 +424,7 @@ def test_verify_and_inspect_count_a_padded_mix_over_epochs_alike(mixed_epochs):
 
 
 def test_plot_data_counts_examples_without_their_padding(mixed_epochs):
-    from packer import inspect_
+    from packer.checking import inspect_
 
     stats = schema.read_manifest(mixed_epochs).stats
     assert int(inspect_.plot_data(mixed_epochs).example_tokens.sum()) == stats.tokens // stats.epoch_count
@@ -433,7 +433,7 @@ def test_plot_data_counts_examples_without_their_padding(mixed_epochs):
 def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
     """A padded build packs into max_tokens rounded down to its padding multiple (610 -> 608 for a zigzag
     group of 4): ``inspect``'s bfd and optimal rows are planned in that budget too, not in max_tokens."""
-    from packer import inspect_
+    from packer.checking import inspect_
 
     out = make_build(tmp_path / "b", limit=30, pack="bfd", max_len=97, max_tokens=610, overlong="split", cp_size=4)
     budget = schema.read_manifest(out).stats.row_budget
@@ -441,7 +441,7 @@ def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
     modes = {m.mode: m for m in inspect_.summary(out).modes}
     assert modes["bfd"].peak_row_tokens == modes["optimal"].peak_row_tokens == budget
     # verify holds the rows to the same budget: a row of 609 or 610 tokens is not one this build makes
-    from packer.verify_rows import limits
+    from packer.checking.verify_rows import limits
 
     assert limits(schema.read_manifest(out).config).max_row_tokens == budget
 
@@ -450,7 +450,7 @@ def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
 def test_find_example_gives_a_padded_builds_examples_their_own_lengths(tmp_path, overlong):
     """``inspect --example`` on a padded build: the same pieces, lengths and truncation as the unpadded
     build of the same examples (the padding is not the example's)."""
-    from packer import inspect_
+    from packer.checking import inspect_
 
     common = dict(limit=30, pack="bfd", max_len=97, max_tokens=610, overlong=overlong)
     plain = make_build(tmp_path / "plain", **common)

@@ -25,10 +25,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import ROOT, make_build
 
-from packer import schema
+from packer.checking.verify import verify
 from packer.cli import main
-from packer.schema import LOCK, LOCK_BYTES, STAGING
-from packer.verify import verify
+from packer.contract import schema
+from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
 
 LIMIT = 600
 ARGS = ["flan", "--limit", str(LIMIT), "--shard-size", "1", "--batch-size", "4", "-q"]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, make_build
 
-from packer import fs, schema
+from packer import fs
+from packer.contract import schema
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -165,7 +166,7 @@ def test_schema_reads_fsspec_urls(flan_batch, memory_copy):
 
 
 def _batches(directory, n=6):
-    from packer.loader import make_dataloader
+    from packer.training.loader import make_dataloader
 
     loader = make_dataloader(directory, seed=3)
     out = []
@@ -188,7 +189,7 @@ def test_loader_reads_fsspec_urls(small, memory_copy):
 
 
 def test_verify_reads_fsspec_urls(small, memory_copy):
-    from packer.verify import verify
+    from packer.checking.verify import verify
 
     expected = verify(small)
     assert expected.ok

@@ -19,15 +19,17 @@ from conftest import BUNDLED_TOKENIZER, make_build
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
 
-from packer import BuildConfig, inspect_, render, schema
+from packer import BuildConfig, render
+from packer.building.engines import LocalEngine
+from packer.building.pipeline import open_source
+from packer.building.tokenization import load_tokenizer
+from packer.checking import inspect_
+from packer.checking.verify import verify
 from packer.cli import main
-from packer.engines import LocalEngine
+from packer.contract import schema
 from packer.errors import ConfigError
-from packer.loader import PackedDataset
-from packer.pipeline import open_source
-from packer.plan import plan_epochs
-from packer.tokenization import load_tokenizer
-from packer.verify import verify
+from packer.planning.plan import plan_epochs
+from packer.training.loader import PackedDataset
 
 E, B, N = 3, 4, 120  # epochs, examples per row, records
 

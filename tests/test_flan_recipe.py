@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from packer import mix, schema
+from packer.building import mix
 from packer.cli import main
-from packer.recipes import RECIPES, hub_mix_parts
+from packer.contract import schema
+from packer.contract.recipes import RECIPES, hub_mix_parts
 
 
 @pytest.fixture(scope="module")

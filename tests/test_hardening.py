@@ -15,8 +15,8 @@ import pytest
 from conftest import BUNDLED_TOKENIZER, ROOT
 from test_bad_inputs import GOOD, build_cli, jsonl, one_line
 
-from packer import schema
-from packer.tokenization import MAX_RECORD_CHARS
+from packer.building.tokenization import MAX_RECORD_CHARS
+from packer.contract import schema
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -133,7 +133,7 @@ def test_field_options_name_columns_never_format_specs(tmp_path):
     src = jsonl(tmp_path / "d.jsonl", [{"q!r": "What is 2 + 2?", "q.text": "It is 4."}] * 3)
     result = build_cli(str(src), "--prompt-field", "q!r", "--completion-field", "q.text", "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
-    from packer.tokenization import load_tokenizer
+    from packer.building.tokenization import load_tokenizer
 
     row = datasets.load_from_disk(str(tmp_path / "out"))[0]
     first = row["input_ids"][: row["seq_lens"][0]]

@@ -15,7 +15,8 @@ import pytest
 from conftest import make_build
 from transformers import AutoTokenizer
 
-from packer import schema, verify
+from packer.checking import verify
+from packer.contract import schema
 
 # Each ends in a character that Llama 2 spells in byte tokens (the last one a ZWJ family: 👧 last).
 ENDINGS = ["Cats 😀", "答案是猫", "Done 🎉🎉", "x = 42 🚀", "家族 👨\u200d👩\u200d👧", "猫"]

@@ -13,12 +13,14 @@ import pytest
 from click.testing import CliRunner
 from conftest import make_build
 
-from packer import BuildConfig, inspect_, schema
+from packer import BuildConfig
+from packer.building.pipeline import tokenizer_path
+from packer.building.tokenization import load_tokenizer
+from packer.checking import inspect_
+from packer.checking.views import Elided, Piece, Run
 from packer.cli import main
-from packer.pipeline import tokenizer_path
-from packer.plan import plan
-from packer.tokenization import load_tokenizer
-from packer.views import Elided, Piece, Run
+from packer.contract import schema
+from packer.planning.plan import plan
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

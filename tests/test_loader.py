@@ -13,9 +13,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from packer import BuildConfig, fs, schema
+from packer import BuildConfig, fs
+from packer.contract import schema
 from packer.errors import ConfigError, ShardFormatError
-from packer.loader import PackedDataset, make_dataloader
+from packer.training.loader import PackedDataset, make_dataloader
 
 ROW_TAG = 1000  # each row's first token is ROW_TAG + row index, so a batch names its row
 
@@ -306,5 +307,5 @@ def test_importing_packer_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, packer, packer.schema, packer.errors; assert 'torch' not in sys.modules"
+    code = "import sys, packer, packer.contract.schema, packer.errors; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

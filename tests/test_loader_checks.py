@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import make_build, rewrite_column
 
-from packer import schema
+from packer.contract import schema
 from packer.errors import ShardFormatError
-from packer.loader import PackedDataset, Position, make_dataloader
+from packer.training.loader import PackedDataset, Position, make_dataloader
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +78,10 @@ def test_damaged_row_is_refused_when_read(copy, case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_loader_verify_and_inspect_apply_the_one_row_checker(copy, case):
-    """One statement of the row invariants (packer.rows): the loader raises the first problem verify
+    """One statement of the row invariants (packer.contract.rows): the loader raises the first problem verify
     reports, and inspect, which reads only offsets and the small columns, refuses a broken layout alike."""
-    from packer import inspect_
-    from packer.verify import verify
+    from packer.checking import inspect_
+    from packer.checking.verify import verify
 
     column, change, _ = CASES[case]
     damage(copy, column, change)

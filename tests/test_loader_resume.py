@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_loader import is_filler, row_of, write_build
 
 from packer.errors import ConfigError
-from packer.loader import PackedDataLoader, PackedDataset, make_dataloader
+from packer.training.loader import PackedDataLoader, PackedDataset, make_dataloader
 
 N = 23  # rows per planned epoch: a prime, so no world size or grad_accum here divides it
 E = 2  # planned epochs of the build

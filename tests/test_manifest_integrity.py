@@ -15,9 +15,11 @@ import shutil
 import pytest
 from conftest import make_build
 
-from packer import BuildConfig, build, schema, verify
+from packer import BuildConfig, build
+from packer.checking import verify
+from packer.contract import schema
 from packer.errors import OutputError, ShardFormatError
-from packer.loader import PackedDataset
+from packer.training.loader import PackedDataset
 
 OPTIONS = dict(limit=60, pack="bfd", max_len=512, shard_size_mb=1, num_proc=1)
 
@@ -77,7 +79,7 @@ def _truncate_shard(out):
 def test_one_shard_file_check_for_rerun_verify_and_loader(copy, damage):
     """A rerun's reuse (output.damage), verify and the loader (verify=True) say the same of a damaged
     shard file: one check of size and sha256 against the manifest (schema.shard_file_problems)."""
-    from packer import output
+    from packer.building import output
 
     damage(copy)
     entry = schema.read_manifest(copy).shards[0]
@@ -165,7 +167,7 @@ def test_mistyped_values_anywhere_give_packer_errors(small, tmp_path):
     """Every value of the manifest mistyped in turn (and re-hashed, as a tool rewriting it consistently
     would): verify returns a report, inspect and the loader raise a one-line PackerError or work; never
     a TypeError, KeyError or ValueError (the adversarial pass found 10 in verify, 28 in the loader)."""
-    from packer import inspect_
+    from packer.checking import inspect_
     from packer.errors import PackerError
 
     original = json.loads((small / schema.MANIFEST_NAME).read_text())
@@ -220,7 +222,7 @@ def test_a_huge_seq_len_allocates_nothing_in_inspect_or_verify(copy):
     code = f"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from packer import inspect_, verify
+from packer.checking import inspect_, verify
 from packer.errors import OutputError, ShardFormatError
 report = verify.verify({str(copy)!r})
 assert any("seq_lens" in p.message for p in report.problems), report.problems
@@ -262,7 +264,7 @@ def test_a_field_recorded_only_when_set_reads_as_its_default(copy):
     ("max_lenn", 5, "unknown keys max_lenn"), ("max_len", 10**12, "more than a row can hold"),
 ])
 def test_a_config_build_config_refuses_is_a_manifest_problem_everywhere(copy, key, value, needle):
-    from packer import inspect_
+    from packer.checking import inspect_
 
     _rewrite_config(copy, lambda c: c.update({key: value}))
     problems = [p for p in verify.verify(copy).problems if p.check == "manifest"]

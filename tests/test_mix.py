@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from packer import mix, pipeline, schema, spill
+from packer.building import mix, pipeline, spill
 from packer.cli import main
+from packer.contract import schema
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_skipped_records_are_counted_per_source_and_resumed(srcs, tmp_path, monk
 
 
 def test_skipped_is_a_mapping_of_totals_that_keeps_each_part():
-    from packer.tokenization import Skipped
+    from packer.building.tokenization import Skipped
 
     a = Skipped(({"empty_text": 2}, {"null_field": 1, "empty_text": 1}))
     assert a == {"empty_text": 3, "null_field": 1} and sum(a.values()) == 4 and list(a) == ["empty_text", "null_field"]

@@ -19,11 +19,12 @@ from conftest import ROOT, make_build, one_line
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from packer import BuildConfig, build, schema
+from packer import BuildConfig, build
+from packer.checking.verify import verify
 from packer.cli import main
+from packer.contract import schema
+from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
 from packer.errors import PackerError
-from packer.schema import LOCK, LOCK_BYTES, STAGING
-from packer.verify import verify
 
 RECORDS = [{"prompt": f"question {i}?", "completion": f"answer {i}."} for i in range(12)]
 FIELDS = ["--prompt-field", "prompt", "--completion-field", "completion"]

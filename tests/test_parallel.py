@@ -10,11 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packer import BuildConfig, RecordError, build, engines, mix, pipeline, schema, sources, spill
-from packer.engines import LocalEngine
-from packer.formatting import make_spec
-from packer.pipeline import tokenizer_path
-from packer.tokenization import Encoder, load_tokenizer
+from packer import BuildConfig, RecordError, build
+from packer.building import engines, mix, pipeline, sources, spill
+from packer.building.engines import LocalEngine
+from packer.building.formatting import make_spec
+from packer.building.pipeline import tokenizer_path
+from packer.building.tokenization import Encoder, load_tokenizer
+from packer.contract import schema
 
 SPILL_FILES = ("ids.bin", "trained.bin", "lengths.bin", "example_ids.bin")
 

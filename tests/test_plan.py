@@ -1,4 +1,4 @@
-"""Invariants of packer.plan over many seeded random length lists, plus a reference BFD."""
+"""Invariants of packer.planning.plan over many seeded random length lists, plus a reference BFD."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from packer.errors import ConfigError
-from packer.plan import Plan, plan, rank_work_ratio
+from packer.planning.plan import Plan, plan, rank_work_ratio
 
 
 def flan_like(n: int, seed: int = 0, clip: int = 4096) -> np.ndarray:

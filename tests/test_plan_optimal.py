@@ -10,13 +10,15 @@ import pytest
 from conftest import make_build
 from test_plan import _rows_as_sets, check_plan, flan_like, random_lengths, reference_bfd_loads
 
-from packer import BuildConfig, repack, sources
-from packer.formatting import make_spec
-from packer.pipeline import tokenizer_path
-from packer.plan import plan, rank_work_ratio
-from packer.repack import _best_subset, _sand
-from packer.tokenization import Encoder, load_tokenizer
-from packer.verify import verify
+from packer import BuildConfig
+from packer.building import sources
+from packer.building.formatting import make_spec
+from packer.building.pipeline import tokenizer_path
+from packer.building.tokenization import Encoder, load_tokenizer
+from packer.checking.verify import verify
+from packer.planning import repack
+from packer.planning.plan import plan, rank_work_ratio
+from packer.planning.repack import _best_subset, _sand
 
 
 def synthetic(shape: str, n: int, budget: int, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Local JSON, Parquet and Arrow files are read by packer.readers, not `datasets`: the records as written
+"""Local JSON, Parquet and Arrow files are read by packer.building.readers, not `datasets`: the records as written
 (checked against `datasets`' own reading where that is right, and against the text where it is not),
 the same shards whatever the file type, and one clear line for what cannot be read."""
 
@@ -16,8 +16,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import one_line
 
-from packer import schema, sources
+from packer.building import sources
 from packer.cli import main
+from packer.contract import schema
 
 RECORDS = [
     {"prompt": f"What is {i} plus {i}?", "completion": f"{2 * i}", "id": i, "score": i / 4,
@@ -144,7 +145,7 @@ def test_local_build_imports_neither_datasets_nor_pandas(tmp_path):
 
 def test_count_without_reading_records(tmp_path):
     """--limit over several files counts each file's records without making them (and stops at need)."""
-    from packer import readers
+    from packer.building import readers
 
     jsonl = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:700])
     table = pa.Table.from_pylist(RECORDS[:700])

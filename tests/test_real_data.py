@@ -13,7 +13,7 @@ import pytest
 from conftest import make_build
 from transformers import AutoTokenizer
 
-from packer import schema
+from packer.contract import schema
 
 
 @pytest.fixture(scope="module")

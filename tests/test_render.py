@@ -8,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from packer import BuildConfig, inspect_, render, schema
-from packer.pipeline import BuildResult, tokenizer_path
-from packer.plan import plan
-from packer.tokenization import load_tokenizer
-from packer.verify import verify
+from packer import BuildConfig, render
+from packer.building.pipeline import BuildResult, tokenizer_path
+from packer.building.tokenization import load_tokenizer
+from packer.checking import inspect_
+from packer.checking.verify import verify
+from packer.contract import schema
+from packer.planning.plan import plan
 
 STATS = dict(
     examples=100, examples_packed=97, examples_split=0, examples_truncated=2, examples_dropped=1, segments=99,

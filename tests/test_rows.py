@@ -1,4 +1,4 @@
-"""The row invariants (packer.rows) against the rows the writer makes: every planned batch, in every
+"""The row invariants (packer.contract.rows) against the rows the writer makes: every planned batch, in every
 mode and over-long policy, breaks no rule; and each rule, broken alone in one row, is reported for that
 row and no other (so a rule can be told apart from the others, and from the rows around it)."""
 
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packer import rows, schema
-from packer.context_parallel import Layout
-from packer.plan import plan
-from packer.spill import TokenStore
-from packer.writer import assemble
+from packer.building.spill import TokenStore
+from packer.building.writer import assemble
+from packer.contract import rows, schema
+from packer.planning.context_parallel import Layout
+from packer.planning.plan import plan
 
 VOCAB = 1000
 
@@ -33,7 +33,7 @@ def _store(tmp_path, lengths: np.ndarray, seed: int) -> TokenStore:
 
 
 MODES = [dict(mode="batch", batch_size=3), dict(mode="bfd", max_tokens=64), dict(mode="wrap", max_tokens=40),
-         # padded for context parallelism (packer.context_parallel): the padding keeps every rule too
+         # padded for context parallelism (packer.planning.context_parallel): the padding keeps every rule too
          dict(mode="bfd", max_tokens=64, layout=Layout(cp_size=2, multiple=3, pad_id=7)),
          dict(mode="batch", batch_size=3, layout=Layout(cp_size=3, cp_layout="contiguous", pad_id=7)),
          dict(mode="wrap", max_tokens=40, layout=Layout(cp_size=4, cp_layout="contiguous", pad_id=7))]

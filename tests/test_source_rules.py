@@ -84,7 +84,7 @@ def test_a_json_array_is_read_an_item_at_a_time(tmp_path):
     import itertools
     import tracemalloc
 
-    from packer import readers
+    from packer.building import readers
 
     path = tmp_path / "big.json"
     item = json.dumps({"prompt": "p" * 500, "completion": "c" * 1500})
@@ -101,7 +101,7 @@ def test_a_json_array_is_read_an_item_at_a_time(tmp_path):
 
 @pytest.mark.parametrize("read", [1, 3, 7, 64])
 def test_a_json_array_parses_the_same_whatever_the_read_size(tmp_path, monkeypatch, read):
-    from packer import readers
+    from packer.building import readers
 
     items = [{"n": 123456789, "x": 1.5e-7, "t": "é猫😀 \"q\" \\u", "l": [1, [2, {"a": None}]]}, "just text",
              {"empty": {}}, {"big": -98765432109876543210}]
@@ -123,7 +123,7 @@ def test_a_json_array_parses_the_same_whatever_the_read_size(tmp_path, monkeypat
     ('[{"a": 1}]\n[{"a": 2}]', ":2: malformed JSON (extra data after the array"),
 ])
 def test_a_malformed_json_array_names_its_line(tmp_path, monkeypatch, text, where):
-    from packer import readers
+    from packer.building import readers
     from packer.errors import SourceError
 
     path = tmp_path / "d.json"
@@ -137,7 +137,7 @@ def test_a_malformed_json_array_names_its_line(tmp_path, monkeypatch, text, wher
 
 
 def _manifest_stats(out: Path) -> dict:
-    from packer import schema
+    from packer.contract import schema
 
     return json.loads((out / schema.MANIFEST_NAME).read_text())["stats"]
 
@@ -181,7 +181,7 @@ def test_records_counts_past_what_a_mix_can_draw_are_one_line(tmp_path, records)
 
 
 def test_a_mix_of_more_parts_than_int16_numbers_draws_each():
-    from packer import mix
+    from packer.building import mix
 
     parts = [{"source": f"p{k}", "weight": 1.0} for k in range(40_000)]
     drawn = mix.positions_sources(parts, 0, 200_000)
@@ -233,8 +233,8 @@ def test_the_plots_mode_axis_says_it_counts_every_epoch():
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    from packer.checking.views import Mode
     from packer.plot import _modes_panel
-    from packer.views import Mode
 
     modes = [Mode(mode="bfd", built=True, rows=4, optimizer_steps=4, examples_per_step=2.0, tokens=100,
                   computed_tokens=100, fill=0.9, padding=0.0, peak_row_tokens=30, note="")]
@@ -267,7 +267,7 @@ def test_plain_text_split_does_not_warn_about_prompts(tmp_path):
 
 @pytest.mark.parametrize("read", [1, 2, 3, 5, 8])
 def test_a_number_item_cut_by_a_read_is_still_named_as_a_number(tmp_path, monkeypatch, read):
-    from packer import readers
+    from packer.building import readers
     from packer.errors import SourceError
 
     path = tmp_path / "d.json"

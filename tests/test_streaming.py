@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from packer import schema
 from packer.cli import main
+from packer.contract import schema
 
 
 def _jsonl(path: Path, start: int, n: int) -> Path:

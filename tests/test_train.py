@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from packer import prepare, schema
-from packer.loader import make_dataloader
+from packer import prepare
+from packer.contract import schema
+from packer.training.loader import make_dataloader
 from train import bench, measure, report
 from train.bench import BenchError, check_cuda
 from train.loader_bench import bench_loader

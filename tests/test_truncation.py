@@ -15,11 +15,13 @@ import pytest
 from click.testing import CliRunner
 from conftest import SHARED_DATA
 
-from packer import BuildConfig, build, inspect_, render, schema
+from packer import BuildConfig, build, render
+from packer.checking import inspect_
+from packer.checking.verify import verify
 from packer.cli import main
+from packer.contract import schema
 from packer.errors import ConfigError
-from packer.plan import answer_lengths, plan
-from packer.verify import verify
+from packer.planning.plan import answer_lengths, plan
 
 IGNORE = schema.IGNORE_INDEX
 

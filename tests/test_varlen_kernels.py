@@ -25,8 +25,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
 
-import packer.attention as attention
-import packer.guard as guard
+import packer.training.attention as attention
+import packer.training.guard as guard
 from packer.errors import ConfigError
 
 VOCAB = 97

@@ -12,10 +12,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import BUNDLED_TOKENIZER, make_build, rewrite_column
 
-from packer import fs, schema
+from packer import fs
+from packer.checking.verify import verify
 from packer.cli import main
+from packer.contract import schema
 from packer.errors import ShardFormatError
-from packer.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +318,7 @@ def test_source_accounting(tmp_path):
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated", "no_manifest", "foreign"])
 def test_loader_refuses_damaged_folder_at_open(copy, damage):
-    loader = pytest.importorskip("packer.loader")
+    loader = pytest.importorskip("packer.training.loader")
     from packer.errors import ShardFormatError
 
     if damage == "deleted":

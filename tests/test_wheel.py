@@ -62,7 +62,7 @@ def test_the_wheel_carries_the_package_data_and_the_typed_marker(wheel):
 
 
 def test_an_installed_wheel_builds_the_bundled_default_from_anywhere_with_the_pinned_bytes(installed, tmp_path):
-    found = _python(installed, tmp_path, "-c", "import packer.recipes as r; print(r.BUNDLED_SAMPLE)")
+    found = _python(installed, tmp_path, "-c", "import packer.contract.recipes as r; print(r.BUNDLED_SAMPLE)")
     assert Path(found.strip()).is_relative_to(installed)
     _python(installed, tmp_path, "-m", "packer", "build", "flan", "--limit", "1000", "--out", "shards")
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "shards").iterdir()}

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer import BuildConfig, build, schema
+from packer import BuildConfig, build
+from packer.contract import schema
 from packer.errors import PackerError
 from train.measure import MODES
 from train.model import SIZES

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from packer.loader import make_dataloader
+from packer.training.loader import make_dataloader
 from train.report import ratio, spread
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from packer import schema
-from packer.loader import make_dataloader
+from packer.contract import schema
+from packer.training.loader import make_dataloader
 from train.model import random_llama
 
 MODES = ("padded", "packed")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packer import schema
+from packer.contract import schema
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from packer import prepare, schema
-from packer.loader import make_dataloader
+from packer import prepare
+from packer.contract import schema
+from packer.training.loader import make_dataloader
 from train.model import SIZES, random_llama
 
 

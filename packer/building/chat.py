@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .errors import RecordError, TokenizerError
+from ..errors import RecordError, TokenizerError
 from .timelimit import TimeLimitExceeded, time_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")

@@ -1,16 +1,16 @@
-"""Engines: where the two parallel steps of a build run. The pipeline (:mod:`packer.pipeline`) is the
+"""Engines: where the two parallel steps of a build run. The pipeline (:mod:`packer.building.pipeline`) is the
 same whichever runs them, and so are the bytes.
 
 An engine provides
 
-- ``encode_chunks(stream, encoder, start)``: the :class:`~packer.tokenization.Encoded` chunks of
-  records ``start`` … of ``stream`` (a :class:`packer.mix.MixStream`, encoded by a
-  :class:`packer.mix.MixEncoder`), ``spill.CHUNK`` records each, *in source order*;
+- ``encode_chunks(stream, encoder, start)``: the :class:`~packer.building.tokenization.Encoded` chunks of
+  records ``start`` … of ``stream`` (a :class:`packer.building.mix.MixStream`, encoded by a
+  :class:`packer.building.mix.MixEncoder`), ``spill.CHUNK`` records each, *in source order*;
 - ``write_shards(plan, spill, staging, shard_bytes, progress)``: every shard of the plan written into
-  ``staging``; a :class:`~packer.writer.Written`: their :class:`~packer.schema.ShardEntry` in order
+  ``staging``; a :class:`~packer.building.writer.Written`: their :class:`~packer.contract.schema.ShardEntry` in order
   and the counts the stats take from the rows.
 
-:class:`LocalEngine` runs them on this machine; :class:`packer.ray_engine.RayEngine` as Ray Data tasks.
+:class:`LocalEngine` runs them on this machine; :class:`packer.building.ray_engine.RayEngine` as Ray Data tasks.
 :func:`for_config` is the one place an engine is picked by name.
 
 Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust tokenizer spread each
@@ -45,11 +45,11 @@ from typing import Protocol
 
 from tqdm import tqdm
 
+from ..contract.config import BuildConfig
+from ..errors import WorkerError
+from ..planning.plan import Plan
 from . import spill as spill_
-from .config import BuildConfig
-from .errors import WorkerError
 from .mix import MixChunk, MixEncoder, MixStream
-from .plan import Plan
 from .ray_engine import RayEngine
 from .tokenization import Encoded
 from .writer import Written, write_shards

@@ -2,7 +2,7 @@
 
 Three kinds of data: prompt/completion (str.format templates over the record's fields; the completion
 is trained, the prompt is not unless --train-on all), chat (a list of turns rendered whole by the chat
-template through transformers' renderer; what is trained is decided in packer/chat.py), and plain text
+template through transformers' renderer; what is trained is decided in packer/building/chat.py), and plain text
 (trained whole).
 """
 
@@ -12,8 +12,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConfigError, RecordError, TokenizerError
 from .chat import normalize_messages, normalize_tools
-from .errors import ConfigError, RecordError, TokenizerError
 
 Segments = list[tuple[str, bool]]
 

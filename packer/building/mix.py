@@ -18,10 +18,10 @@ that holds fewer is an error). The draws are a pure function of the seed and the
 reproduced exactly by a rerun, a resume or ``verify --source``. Example ids in the shards are
 positions in the mix.
 
-Each part is read as its own stream (:mod:`packer.sources`) and encoded by its own
-:class:`packer.tokenization.Encoder` (so chat and prompt/completion sources mix under one tokenizer);
+Each part is read as its own stream (:mod:`packer.building.sources`) and encoded by its own
+:class:`packer.building.tokenization.Encoder` (so chat and prompt/completion sources mix under one tokenizer);
 :class:`MixEncoder` puts a chunk's examples back in mix order. A build from one source reads it as a
-mix of one part (:func:`packer.pipeline.open_source`), so every build has one stream, one chunk and one
+mix of one part (:func:`packer.building.pipeline.open_source`), so every build has one stream, one chunk and one
 encoder type; only the manifest tells them apart (a one-source build records its source, not ``parts``).
 """
 
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .accounting import account
-from .errors import ConfigError, SourceError
+from ..errors import ConfigError, SourceError
+from ..planning.accounting import account
 from .tokenization import Encoded, Encoder, Skipped
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def part_limits(parts: list[dict[str, Any]], seed: int, limit: int, holds: Calla
 def _room_for_files(parts: int) -> None:
     """A mix reads its parts side by side, each holding a file open (the files of one part are read one
     after another), so the soft limit on open files is raised to what that needs, within the hard limit
-    (as any process may for its own needs). Past the hard limit, reading says so (``packer.readers``)."""
+    (as any process may for its own needs). Past the hard limit, reading says so (``packer.building.readers``)."""
     try:
         import resource
     except ImportError:  # not POSIX: no such limit to read
@@ -345,7 +345,7 @@ class MixEncoder:
 
 def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,
                 plan, skipped: Skipped) -> list[dict[str, Any]]:
-    """Each part's counts (:func:`packer.accounting.account`, one epoch's, so they add up to the totals):
+    """Each part's counts (:func:`packer.planning.accounting.account`, one epoch's, so they add up to the totals):
     records read, examples packed whole / split / truncated / dropped, skipped by reason, and the tokens
     its examples hold in the rows of every epoch (as the totals' ``tokens``)."""
     src = positions_sources(parts, seed, records)

@@ -2,7 +2,7 @@
 and what in it is packer's.
 
 Ownership is proven, never guessed from a name. packer owns the files that a manifest it wrote lists
-(:func:`packer.schema.listed_files`: checked by the manifest's content hash), and its staging folder
+(:func:`packer.contract.schema.listed_files`: checked by the manifest's content hash), and its staging folder
 ``STAGING``, proven by the lock file in it (``STAGING/LOCK`` holding ``LOCK_BYTES``). Everything else
 is someone else's: a build refuses a folder holding it, and with ``--overwrite`` builds beside it,
 deleting only the previous build's files; a foreign file with a name a build writes is refused even
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import fs, schema
-from .errors import OutputError, PackerError, ShardFormatError
-from .schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
+from .. import fs
+from ..contract import schema
+from ..contract.schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
+from ..errors import OutputError, PackerError, ShardFormatError
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 

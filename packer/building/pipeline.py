@@ -1,10 +1,10 @@
 """The pipeline, end to end: source → format → tokenize → plan → write → commit.
 
-Tokens go to a flat spill file in the output's staging folder as they are made (:mod:`packer.spill`);
+Tokens go to a flat spill file in the output's staging folder as they are made (:mod:`packer.building.spill`);
 only the lengths stay in memory for planning (a few bytes per example). The plan is global (all
 lengths at once), then rows are read back from the spill and written shard by shard. An engine
-(:mod:`packer.engines`) runs the two parallel steps, encoding and writing; the output folder's
-lock, checks and commit are :mod:`packer.output`'s. ``open_source`` and ``plan_rows`` are the steps
+(:mod:`packer.building.engines`) runs the two parallel steps, encoding and writing; the output folder's
+lock, checks and commit are :mod:`packer.building.output`'s. ``open_source`` and ``plan_rows`` are the steps
 ``packer verify --source`` repeats, so it checks a build against exactly what the build did.
 """
 
@@ -20,15 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, engines, mix, output, schema, sources, spill
-from .config import ROW_LIMIT, BuildConfig
-from .context_parallel import pad_token_id
-from .errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
+from .. import __version__
+from ..contract import schema
+from ..contract.config import ROW_LIMIT, BuildConfig
+from ..contract.recipes import BUNDLED_TOKENIZER
+from ..errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
+from ..fs import file_sha256
+from ..planning.context_parallel import pad_token_id
+from ..planning.plan import Plan, answer_lengths
+from ..planning.plan import plan_epochs as make_plan
+from . import engines, mix, output, sources, spill
 from .formatting import make_spec
-from .fs import file_sha256
-from .plan import Plan, answer_lengths
-from .plan import plan_epochs as make_plan
-from .recipes import BUNDLED_TOKENIZER
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
 BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
@@ -165,7 +167,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     """Build ``config.out`` from ``config.source``, holding the output folder's lock throughout.
 
     Refused before anything is touched: a remote ``--out``, a source inside it, a folder holding what
-    packer did not write (:mod:`packer.output`). A second build into the same folder meanwhile is
+    packer did not write (:mod:`packer.building.output`). A second build into the same folder meanwhile is
     refused. A build that fails leaves nothing behind (a write that fails, such as a full disk, becomes
     an ``OutputError``); an interrupted one leaves its token spill for the rerun to resume, and one
     interrupted past its commit point (its manifest written) is complete: it returns.

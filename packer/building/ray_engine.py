@@ -9,13 +9,13 @@ The pipeline and its bytes are the local engine's; only where the work runs chan
 
 - **tokenize**: the driver reads the source's stream (one reader: a file or Hub stream cannot be split
   by position) and submits each chunk's records (``CHUNK`` records) as a Ray task running the same
-  :class:`packer.mix.MixEncoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
+  :class:`packer.building.mix.MixEncoder`, at most ``2 × CPUs`` tasks ahead, so memory stays bounded. The
   driver takes the results back *in source order* and appends them to the resumable spill of
-  :mod:`packer.spill`, so the spill is the local engine's byte for byte (tokens of an example do not
+  :mod:`packer.building.spill`, so the spill is the local engine's byte for byte (tokens of an example do not
   depend on its batch).
 - **plan**: on the driver, from the lengths alone, exactly as the local engine.
-- **write**: one Ray task per shard (the shard bounds of :func:`packer.writer.shard_bounds`), each
-  assembling its rows with :func:`packer.writer.assemble` from the memory-mapped spill and writing
+- **write**: one Ray task per shard (the shard bounds of :func:`packer.building.writer.shard_bounds`), each
+  assembling its rows with :func:`packer.building.writer.assemble` from the memory-mapped spill and writing
   ``shard-NNNNN.arrow`` into the staging folder; the driver then writes the manifest. The spill and the
   output must therefore be on a filesystem every node sees (NFS, Lustre, a FUSE-mounted bucket).
 
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import schema
+from ..contract import schema
+from ..errors import ConfigError
+from ..planning.plan import Plan
 from . import spill as spill_
-from .errors import ConfigError
 from .mix import MixChunk, MixEncoder, MixStream
-from .plan import Plan
 from .spill import Spill, open_store
 from .tokenization import Encoded
 from .writer import Written, shard_bounds, shard_entry, write_shard
@@ -60,7 +60,7 @@ def _encode(encoder: MixEncoder, chunk: MixChunk) -> Encoded:
 
 
 class RayEngine:
-    """The :class:`packer.engines.Engine` whose steps run as Ray tasks on the cluster ``ray.init()`` joins."""
+    """The :class:`packer.building.engines.Engine` whose steps run as Ray tasks on the cluster ``ray.init()`` joins."""
 
     def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]:
         """The Encoded chunks of records ``start`` … of ``stream``, in source order, tokenized by Ray tasks."""

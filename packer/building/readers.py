@@ -1,6 +1,6 @@
 """Local data files read record by record, without `datasets`: JSON Lines and JSON by Python's ``json``,
 Parquet, Arrow and CSV by pyarrow. (Text files and every Hub dataset are read by `datasets`: see
-:mod:`packer.sources`.)
+:mod:`packer.building.sources`.)
 
 Why not `datasets` for these: a JSON line read by ``json.loads`` is the record exactly as written. The
 Arrow JSON reader `datasets` uses infers a type per column and block, so a date-like string became a
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import SourceError
+from ..errors import SourceError
 
 OWN = ("json", "parquet", "arrow", "csv")  # the builders (file kinds) read here
 

@@ -2,7 +2,7 @@
 
 ``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
 :class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet and Arrow files by
-:mod:`packer.readers`, CSV and text files and Hub datasets through `datasets`' streaming readers (an
+:mod:`packer.building.readers`, CSV and text files and Hub datasets through `datasets`' streaming readers (an
 ``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
 ``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
 file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..contract.recipes import RECIPES, Recipe, get_recipe
+from ..errors import ConfigError, PackerError, SourceError
 from . import readers
-from .errors import ConfigError, PackerError, SourceError
-from .recipes import RECIPES, Recipe, get_recipe
 
 BATCH = 1000  # records per read when only counting or peeking
 
@@ -280,7 +280,7 @@ class Stream:
         return self._datasets_chunks(start, size)
 
     def _own_chunks(self, start: int, size: int) -> Iterator[tuple[int, dict[str, list]]]:
-        """Local JSON, Parquet and Arrow files, read by :mod:`packer.readers` (no `datasets`)."""
+        """Local JSON, Parquet and Arrow files, read by :mod:`packer.building.readers` (no `datasets`)."""
         every = itertools.chain.from_iterable(readers.records(self.source.builder, f) for f in self.files)
         todo = itertools.islice(every, start, self.limit)
         done = start

@@ -1,9 +1,9 @@
 """The token spill: records → flat token files in the staging folder, resumable, and read back by the writer.
 
-Records are read from the source's stream (a :class:`packer.mix.MixStream`, of one part for a
+Records are read from the source's stream (a :class:`packer.building.mix.MixStream`, of one part for a
 one-source build) in chunks of ``CHUNK``, so the input is never all in memory nor converted to a cache
-on disk, formatted and tokenized by :class:`packer.mix.MixEncoder` (each part's
-:class:`packer.tokenization.Encoder`), and appended *in source order* to four flat files::
+on disk, formatted and tokenized by :class:`packer.building.mix.MixEncoder` (each part's
+:class:`packer.building.tokenization.Encoder`), and appended *in source order* to four flat files::
 
     <out>/.packer-staging/tokens/
         identity.json     what the tokens were made from (source, tokenizer, config); else discarded
@@ -20,7 +20,7 @@ done, so a resumed build is byte-identical to an uninterrupted one; another iden
 Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the writer reads
 the tokens back segment by segment.
 
-Where the chunks are encoded is the engine's business (:mod:`packer.engines`: a local process pool, or
+Where the chunks are encoded is the engine's business (:mod:`packer.building.engines`: a local process pool, or
 Ray); whichever it is, it yields them in source order, ``CHUNK`` records each, so the bytes do not
 depend on it.
 
@@ -153,7 +153,7 @@ def tokenize(
     progress: bool = False,
 ) -> Spill:
     """Tokenize every record of ``stream`` into ``folder`` (resuming a matching earlier run), the
-    chunks encoded by ``engine.encode_chunks`` (a :class:`packer.engines.Engine`).
+    chunks encoded by ``engine.encode_chunks`` (a :class:`packer.building.engines.Engine`).
 
     A finished spill says so in its marker (``finished``), so a rerun after a crash in planning or
     writing does not read the source again."""

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import RecordError, TokenizerError
 from .chat import chat_renderer
-from .errors import RecordError, TokenizerError
 from .formatting import FormatSpec, Formatter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -66,7 +66,7 @@ class Tokenizer:
         return [t.content for t in self.backend_tokenizer.get_added_tokens_decoder().values() if t.content.strip()]
 
     def chat(self):
-        """The chat template as a :class:`packer.chat.ChatTemplate` (compiled, so a broken one fails here)."""
+        """The chat template as a :class:`packer.building.chat.ChatTemplate` (compiled, so a broken one fails here)."""
         return chat_renderer(self.chat_template, self.special_tokens_map, self.chat_template_name,
                              self.control_tokens())
 
@@ -310,7 +310,7 @@ class Encoder:
     def offsets_and_spans(self, records: list[dict]) -> list[tuple[np.ndarray, list[tuple[int, int]], bool, bool]]:
         """Per record: its tokens' character offsets (int64 ``[tokens, 2]``), the trained character
         spans of its text, the last segment's flag, and whether ``encode`` appends EOS. What a loss mask
-        is recomputed from apart from ``encode``'s span mapping (``packer.verify_source``)."""
+        is recomputed from apart from ``encode``'s span mapping (``packer.checking.verify_source``)."""
         examples = [self.example(record) for record in records]
         encodings = self.backend.encode_batch([text for text, _, _ in examples], add_special_tokens=self.add_special_tokens)
         return [(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans, flag, self.appends_eos(enc.ids))

@@ -1,4 +1,4 @@
-"""Planned rows → Arrow IPC stream shards in the staging folder (:mod:`packer.output` commits them).
+"""Planned rows → Arrow IPC stream shards in the staging folder (:mod:`packer.building.output` commits them).
 
 Row assembly works on a block of rows (a record batch of ≤ TOKENS_PER_BATCH tokens): each segment's
 ids and loss flags are read from the token spill straight into the batch's columns (``preadv``, one
@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from . import fs, schema
-from .context_parallel import padding_positions
-from .plan import Plan
+from .. import fs
+from ..contract import schema
+from ..planning.context_parallel import padding_positions
+from ..planning.plan import Plan
 from .spill import TokenStore
 
 ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
@@ -46,7 +47,7 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     labels = np.empty(total, dtype=np.int32)
     target = np.empty(total, dtype=bool)
     _read_segments(store, seg_src, seg_out, seg_len, input_ids, target)
-    if seg_pad is not None:  # padding (packer.context_parallel): after each segment's tokens, trained nowhere
+    if seg_pad is not None:  # padding (packer.planning.context_parallel): after each segment's tokens, trained nowhere
         at = padding_positions(seg_out[1:], seg_pad)
         input_ids[at] = plan.pad_id
         target[at] = False

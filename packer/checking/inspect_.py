@@ -5,7 +5,7 @@ Every view returns a plain dict (the CLI renders it as text or JSON) and takes a
 fsspec URL. Costs: ``row`` opens one shard and decodes one row; ``summary``, ``find_example`` and
 ``plot_data`` read only the small list columns (``seq_lens``, ``example_ids``) of every shard and work
 on them with pyarrow.compute / numpy, never per row in Python. ``summary`` re-plans the segment lengths
-under each mode (``packer.plan.plan``: lengths only, milliseconds for a million examples) so the modes
+under each mode (``packer.planning.plan.plan``: lengths only, milliseconds for a million examples) so the modes
 can be compared on this very dataset.
 """
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import rows, schema
-from .config import BuildConfig
-from .errors import ConfigError, ShardFormatError
-from .fs import PathLike, join
-from .plan import plan
-from .schema import Manifest
+from ..contract import rows, schema
+from ..contract.config import BuildConfig
+from ..contract.schema import Manifest
+from ..errors import ConfigError, ShardFormatError
+from ..fs import PathLike, join
+from ..planning.plan import plan
 from .views import Elided, Example, MixPart, Mode, Piece, PlotData, Row, Run, Segment, Summary
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
@@ -44,7 +44,7 @@ class Segments:
 
 def _segments(directory: PathLike, manifest: Manifest) -> Segments:
     """Every segment of every shard, the layout of each row batch checked first by the row invariants
-    (:func:`packer.rows.check_rows`, offsets and small columns only), since the views allocate from the
+    (:func:`packer.contract.rows.check_rows`, offsets and small columns only), since the views allocate from the
     lengths (a damaged ``seq_len`` of 10^9 must not become a 10^9-slot plan)."""
     seq_lens, example_ids, counts, pads = [], [], [], []
     for entry in manifest.shards:
@@ -118,7 +118,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
     tokens. The mode the build used is measured on its actual rows; the others are planned from the
-    lengths with ``packer.plan.plan``. ``batch`` and padding group the build's batch size
+    lengths with ``packer.planning.plan.plan``. ``batch`` and padding group the build's batch size
     (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` and ``optimal`` pack into the build's row budget
     (``max_tokens``, rounded down for a padded build), or for a batch build into its largest row: the
     same peak memory per row as the batch rows. Steps assume one row per rank per micro-batch and no gradient accumulation:
@@ -179,7 +179,7 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     """Row ``index`` segment by segment: example id, offset, length, trained tokens, ids, and (with a
     tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens. With ``elide``, a
     segment longer than ``3 * elide`` tokens keeps ``elide`` tokens at each end and the runs hold
-    an :class:`~packer.views.Elided` marker between them; ``ids``/``trained`` always hold the whole segment."""
+    an :class:`~packer.checking.views.Elided` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
     path = join(directory, name)

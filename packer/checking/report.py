@@ -1,6 +1,6 @@
 """What ``packer verify`` returns: a :class:`Report` of every :class:`Problem` found, as values.
 
-The checks (``packer.verify`` and its steps ``verify_manifest``, ``verify_rows``, ``verify_source``)
+The checks (``packer.checking.verify`` and its steps ``verify_manifest``, ``verify_rows``, ``verify_source``)
 add problems to one report and never stop at the first; only the CLI prints it (``packer.render``).
 """
 

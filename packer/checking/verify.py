@@ -26,10 +26,10 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
 Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
 ``source`` costs a re-tokenize and holds the source's tokens in memory.
 
-Problems are values (a ``Problem`` per finding, in one ``Report``: :mod:`packer.report`); only errors
+Problems are values (a ``Problem`` per finding, in one ``Report``: :mod:`packer.checking.report`); only errors
 that stop verify from running at all (no such folder, a tokenizer or source that cannot be loaded)
-raise a ``PackerError``. The steps: :mod:`packer.verify_manifest` (1, 2), :mod:`packer.verify_rows`
-(3), :mod:`packer.verify_source` (4, 5); this module runs them in order.
+raise a ``PackerError``. The steps: :mod:`packer.checking.verify_manifest` (1, 2), :mod:`packer.checking.verify_rows`
+(3), :mod:`packer.checking.verify_source` (4, 5); this module runs them in order.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from . import fs
-from .errors import ShardFormatError
-from .pipeline import tokenizer_path
+from .. import fs
+from ..building.pipeline import tokenizer_path
+from ..building.tokenization import load_tokenizer
+from ..errors import ShardFormatError
 from .report import Report
-from .tokenization import load_tokenizer
 from .verify_manifest import check_files, check_folder_contents, check_stats_arithmetic, load_manifest
 from .verify_rows import check_rows, check_totals
 from .verify_source import check_source, check_tokenizer

@@ -1,21 +1,22 @@
 """``packer verify``'s first two steps: the manifest, and the files of the folder against it.
 
-- **manifest**: present, valid JSON, parsed by the contract's own parser (:func:`packer.schema.parse_manifest`:
+- **manifest**: present, valid JSON, parsed by the contract's own parser (:func:`packer.contract.schema.parse_manifest`:
   format, version, every key and type, a config ``BuildConfig`` accepts), and stats that add up
   (examples and tokens accounted for);
 - **files**: nothing in the folder that the manifest does not list; every listed shard with the
   recorded size and sha256, and the ``datasets`` files as the manifest implies them (the checks
-  :func:`packer.schema.shard_file_problems` and :func:`packer.schema.datasets_file_problems`).
+  :func:`packer.contract.schema.shard_file_problems` and :func:`packer.contract.schema.datasets_file_problems`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import output, schema
-from .errors import ShardFormatError
+from ..building import output
+from ..contract import schema
+from ..contract.schema import Manifest
+from ..errors import ShardFormatError
 from .report import Report
-from .schema import Manifest
 
 
 def load_manifest(directory: Path, report: Report) -> Manifest | None:

@@ -1,7 +1,7 @@
 """``packer verify``'s third step: every shard's rows, then their totals against the manifest.
 
-Each shard is opened by the contract (:func:`packer.schema.open_shard`: an Arrow IPC stream of the
-row schema), each record batch checked by the row invariants (:func:`packer.rows.check_rows`, every
+Each shard is opened by the contract (:func:`packer.contract.schema.open_shard`: an Arrow IPC stream of the
+row schema), each record batch checked by the row invariants (:func:`packer.contract.rows.check_rows`, every
 problem reported) within the build's budget (:func:`limits`), and the counts the rows hold (rows,
 tokens, loss tokens, segments, the longest row, the distinct and split examples) compared with the
 shard entries and the stats. Cost: O(tokens) numpy, no Python per row.
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import rows, schema
-from .config import BuildConfig
-from .errors import ShardFormatError
+from ..contract import rows, schema
+from ..contract.config import BuildConfig
+from ..contract.schema import Manifest
+from ..errors import ShardFormatError
 from .report import Report, rows_text
-from .schema import Manifest
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class Totals:
     rows: int = 0
     tokens: int = 0
     loss_tokens: int = 0
-    pad_tokens: int = 0  # a padded build's (packer.context_parallel); tokens counts them too
+    pad_tokens: int = 0  # a padded build's (packer.planning.context_parallel); tokens counts them too
     segments: int = 0
     max_row_tokens: int = 0
     example_ids: list[np.ndarray] = field(default_factory=list)

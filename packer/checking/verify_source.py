@@ -23,17 +23,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import mix, schema
-from .accounting import account
-from .config import BuildConfig
-from .engines import LocalEngine
-from .errors import ConfigError
-from .pipeline import Opened, open_source, plan_rows
-from .plan import Plan
+from ..building import mix
+from ..building.engines import LocalEngine
+from ..building.pipeline import Opened, open_source, plan_rows
+from ..building.spill import CHUNK
+from ..building.tokenization import Skipped, tokenizer_info
+from ..contract import schema
+from ..contract.config import BuildConfig
+from ..contract.schema import Manifest
+from ..errors import ConfigError
+from ..planning.accounting import account
+from ..planning.plan import Plan
 from .report import Report
-from .schema import Manifest
-from .spill import CHUNK
-from .tokenization import Skipped, tokenizer_info
 from .verify_rows import Totals
 
 

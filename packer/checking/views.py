@@ -1,4 +1,4 @@
-"""What ``packer inspect`` returns: frozen views of a shard folder, computed by :mod:`packer.inspect_`,
+"""What ``packer inspect`` returns: frozen views of a shard folder, computed by :mod:`packer.checking.inspect_`,
 turned into lines by :mod:`packer.render` and into JSON by their ``to_json`` (the CLI's ``--json``).
 
 A view holds the manifest's own typed values (``Stats``, ``ShardEntry``, the ``BuildConfig``), so a
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import BuildConfig
-from .schema import ShardEntry, Stats
+from ..contract.config import BuildConfig
+from ..contract.schema import ShardEntry, Stats
 
 
 def _json(view: Any, *absent_when_none: str) -> dict[str, Any]:

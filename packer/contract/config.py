@@ -12,13 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .context_parallel import LAYOUTS as CP_LAYOUTS
-from .context_parallel import Layout
-from .errors import ConfigError
-from .plan import BALANCE as BALANCE_BY
-from .plan import MODES as PACK_MODES
-from .plan import OVERLONG as OVERLONG_POLICIES
-from .plan import check_epochs, padded_budget, row_size
+from ..errors import ConfigError
+from ..planning.context_parallel import LAYOUTS as CP_LAYOUTS
+from ..planning.context_parallel import Layout
+from ..planning.plan import BALANCE as BALANCE_BY
+from ..planning.plan import MODES as PACK_MODES
+from ..planning.plan import OVERLONG as OVERLONG_POLICIES
+from ..planning.plan import check_epochs, padded_budget, row_size
 from .recipes import hub_mix_parts
 
 ON_ERROR = ("raise", "skip")
@@ -72,12 +72,12 @@ class BuildConfig:
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     tools_field: str | None = None  # chat: the record field holding tool definitions (default: "tools" if present)
     epochs: int = 1  # plan this many epochs, each its own shuffle of the examples; the shards hold them all
-    # padding for context parallelism and kernels (packer.context_parallel): the CP group size, its layout
+    # padding for context parallelism and kernels (packer.planning.context_parallel): the CP group size, its layout
     # ("zigzag" when cp_size > 1 and none is given), and a multiple every segment is padded to
     cp_size: int = 1
     cp_layout: str | None = None
     pad_to_multiple_of: int = 1
-    # several sources: the parts of a mix (packer.mix), each {source, weight | records, recipe, split, fields};
+    # several sources: the parts of a mix (packer.building.mix), each {source, weight | records, recipe, split, fields};
     # ``source`` then only names the mix in messages
     mix: tuple | None = None
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # Found as package data, where an editable install and a wheel both put it. packer is a regular package
 # on disk (never imported from a zip), so the resource is a real folder that a tokenizer can load from.
-DATA_DIR = Path(resources.files(__package__) / "data")
+DATA_DIR = Path(resources.files("packer") / "data")
 BUNDLED_SAMPLE = DATA_DIR / "flan_sample.jsonl.gz"
 BUNDLED_TOKENIZER = DATA_DIR / "tokenizer"
 

@@ -1,4 +1,4 @@
-"""The row invariants of the on-disk contract (:mod:`packer.schema`), stated once and checked vectorised.
+"""The row invariants of the on-disk contract (:mod:`packer.contract.schema`), stated once and checked vectorised.
 
 A row holds segments (examples, or pieces of one) one after another. For every row of a batch:
 
@@ -18,8 +18,8 @@ one length per row, or nothing else can be read.
 
 Each rule is one small function in one of the three tuples; a new rule, or a change to one (padding
 segments, say), is made there and every reader follows: the loader raises the first problem
-(:func:`packer.loader.check_rows`), ``verify`` reports them all, ``inspect`` checks the layout of
-what it reads. :func:`packer.writer.assemble` is what makes rows this way.
+(:func:`packer.training.loader.check_rows`), ``verify`` reports them all, ``inspect`` checks the layout of
+what it reads. :func:`packer.building.writer.assemble` is what makes rows this way.
 
 Cost: a few numpy passes over the batch's columns, no Python per row; the layout and row rules never
 touch the token values, so checking them alone (``tokens=False``) reads only offsets and the small
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .context_parallel import padding_positions
+from ..planning.context_parallel import padding_positions
 from .schema import COLUMNS, IGNORE_INDEX, PAD_COLUMN
 
 
@@ -68,7 +68,7 @@ class RowBatch:
     example_ids: Column | None
     num_loss_tokens: np.ndarray
     max_seqlen: np.ndarray
-    pad_lens: Column | None = None  # a padded build's (packer.context_parallel): padding ending each segment
+    pad_lens: Column | None = None  # a padded build's (packer.planning.context_parallel): padding ending each segment
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch, *, example_ids: bool = True) -> RowBatch:
@@ -202,7 +202,7 @@ def _budget(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
             f"a segment longer than max_len={limit.max_segment_tokens:,}"
 
 
-# A padded build (packer.context_parallel): each segment's last pad_lens tokens are padding, which leaves
+# A padded build (packer.planning.context_parallel): each segment's last pad_lens tokens are padding, which leaves
 # at least one real token and is trained nowhere; its positions continue, so the rules above hold as they are.
 def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     pads = lay.batch.pad_lens

@@ -18,7 +18,7 @@ are written before the manifest and derived from it alone (no times), so builds 
 An output folder also holds, while a build runs, ``STAGING`` (the build's flock ``STAGING/LOCK``, shards
 being written, and the token spill in ``STAGING/TOKENS_DIR``); :func:`listed_files` says which files of
 a folder a manifest proves are packer's. The manifest is read and written only through :class:`Manifest` (typed, frozen;
-``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.config.BuildConfig`,
+``from_json``/``to_json`` keep its keys and bytes; ``config`` is the :class:`~packer.contract.config.BuildConfig`,
 so a reader never re-derives a default). Readers take a local path or an fsspec URL (:mod:`packer.fs`).
 
 Changing the manifest (docs/design.md says the same):
@@ -48,9 +48,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import fs
+from .. import fs
+from ..errors import ConfigError, ShardFormatError
 from .config import BuildConfig
-from .errors import ConfigError, ShardFormatError
 
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 1
@@ -78,7 +78,7 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(ROW_SCHEMA.names)
-# A padded build (--cp-size, --pad-to-multiple-of; packer.context_parallel) has one more column: the
+# A padded build (--cp-size, --pad-to-multiple-of; packer.planning.context_parallel) has one more column: the
 # padding tokens at the end of each segment, which its seq_lens include.
 PAD_COLUMN = "pad_lens"
 PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
@@ -139,7 +139,7 @@ class ShardEntry:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """What a build counted: the plan's accounting (``packer.plan``) plus the build's own."""
+    """What a build counted: the plan's accounting (``packer.planning.plan``) plus the build's own."""
 
     examples: int  # examples the plan saw (records read minus records skipped)
     examples_packed: int  # placed whole
@@ -174,7 +174,7 @@ class Stats:
     pad_tokens: int | None = None  # a padded build: the padding tokens in the rows (not in tokens; in max_row_tokens)
     pad_token_id: int | None = None  # ... and their id: the tokenizer's pad id, else its eos id
 
-    # a mix only (packer.mix.part_counts): per source, records read, examples packed / split / truncated,
+    # a mix only (packer.building.mix.part_counts): per source, records read, examples packed / split / truncated,
     # dropped by reason, tokens
     sources: list | None = None
 

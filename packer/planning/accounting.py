@@ -13,7 +13,7 @@ Each example has one fate in an epoch, read off the segments that cover it::
 - **dropped**: no segment (``--overlong drop``).
 
 Every count of examples and tokens in a manifest comes from :func:`account`: the plan's totals
-(``packer.plan``) and each mix part's (``packer.mix``), so the parts add up to the totals by
+(``packer.planning.plan``) and each mix part's (``packer.building.mix``), so the parts add up to the totals by
 construction. A plan of E epochs (``plan_epochs``) holds every example E times with the same fate;
 the counts are one epoch's (its first ``rows / E`` rows). Cost: O(n + m) for n examples and m
 segments of an epoch (a few bincounts).

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 LAYOUTS = ("zigzag", "contiguous")
 IGNORE_INDEX = -100  # schema.IGNORE_INDEX; repeated here, as schema imports pyarrow, this module only numpy

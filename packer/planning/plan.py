@@ -39,7 +39,7 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
      Rows are numbered in opening order and segments inside a row keep placement order (largest
      first); the order of the rows is then shuffled with the seed (contents unchanged).
    - ``optimal``: ``bfd``, then the rows it left with a gap, with as many full rows lending their
-     items, are packed again by minimum bin slack with exact fills (:mod:`packer.repack`), kept only
+     items, are packed again by minimum bin slack with exact fills (:mod:`packer.planning.repack`), kept only
      where that needs fewer rows: never more rows than ``bfd``, and ⌈tokens / max_tokens⌉ (+ 1 at
      most) on real data (GSM8K with Llama 2 at 2,048 tokens: 739 rows where ``bfd`` needs 745) and
      on synthetic lengths of four shapes from 10k to 10M. Identical rows are built once, so the
@@ -81,7 +81,7 @@ Steps and their cost (n examples, m segments, R rows, T = max_tokens):
    and the rows group other examples (same row count, same row loads). ``wrap`` keeps source order,
    so its epochs would be identical: refused. Cost: E times one plan.
 
-5. **Padding** (``layout``, :mod:`packer.context_parallel`): every segment is padded to a multiple
+5. **Padding** (``layout``, :mod:`packer.planning.context_parallel`): every segment is padded to a multiple
    (and, for the contiguous CP layout, every row); ``bfd``/``optimal`` pack the padded sizes into the
    budget rounded down to that multiple, so rows with their padding still fit. ``Plan.pad`` holds
    each segment's padding, ``stats["pad_tokens"]`` their sum; ``tokens`` stays the examples' own. O(m).
@@ -100,10 +100,10 @@ from typing import Any
 
 import numpy as np
 
-from packer.accounting import account
-from packer.context_parallel import Layout, pad_up
-from packer.errors import ConfigError
-from packer.repack import fewer_rows
+from ..errors import ConfigError
+from .accounting import account
+from .context_parallel import Layout, pad_up
+from .repack import fewer_rows
 
 __all__ = ["BALANCE", "MODES", "OVERLONG", "Plan", "answer_lengths", "padded_budget", "plan", "plan_epochs",
            "rank_work_ratio"]
@@ -122,7 +122,7 @@ class Plan:
     length: np.ndarray  # int64[m] segment length (> 0)
     row_splits: np.ndarray  # int64[rows + 1] row r holds segments row_splits[r]:row_splits[r+1]
     stats: dict  # plain ints / floats
-    # a padded build (packer.context_parallel): int64[m] padding tokens after each segment, and their id
+    # a padded build (packer.planning.context_parallel): int64[m] padding tokens after each segment, and their id
     pad: np.ndarray | None = None
     pad_id: int = 0
 
@@ -268,7 +268,7 @@ def rank_work_ratio(plan: Plan, world_size: int, by: str = "tokens") -> float:
 
 
 def _segments(lengths: np.ndarray, max_len: int, overlong: str, answers: np.ndarray | None = None):
-    """Segments (example, start, length) in example order (what became of each: :mod:`packer.accounting`)."""
+    """Segments (example, start, length) in example order (what became of each: :mod:`packer.planning.accounting`)."""
     if overlong == "truncate-left":
         return _truncate_left(lengths, answers, max_len)
     n = lengths.size
@@ -319,7 +319,7 @@ def _truncate_left(lengths: np.ndarray, answers: np.ndarray | None, max_len: int
     if answers is None or np.shape(answers) != (n,):
         raise ConfigError(
             f"overlong 'truncate-left' needs answers (int[{n}]: each example's tokens from its first trained "
-            "token to the end); compute them with packer.plan.answer_lengths"
+            "token to the end); compute them with packer.planning.plan.answer_lengths"
         )
     answers = np.asarray(answers, np.int64)
     over = lengths > max_len
@@ -549,7 +549,7 @@ def plan(
     ``answers`` (``overlong="truncate-left"`` only): see :func:`answer_lengths`. ``rng``: draw the
     shuffles from this generator instead of ``np.random.default_rng(seed)`` (:func:`plan_epochs`).
     ``layout``: pad the segments for context parallelism or a kernel multiple
-    (:mod:`packer.context_parallel`); rows are packed with their padding inside the budget."""
+    (:mod:`packer.planning.context_parallel`); rows are packed with their padding inside the budget."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}; use batch, bfd, optimal or wrap")
     if overlong not in OVERLONG:

@@ -20,7 +20,7 @@ Sliding windows (Mistral/Qwen2 ``sliding_window``) are honoured by every backend
 not see 2-D padding masks (transformers builds none for custom implementations): it is for packed
 rows; for padded batches (e.g. generation) switch the model back with ``set_attn_implementation``.
 
-``packer.prepare(model)`` (``packer.guard``, which imports this module; this one imports nothing of
+``packer.prepare(model)`` (``packer.training.guard``, which imports this module; this one imports nothing of
 packer's but its errors) switches a model to ``packer_varlen`` only if packed rows are exact on it,
 judged against the model's own eager attention, and keeps a guard on it.
 
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 ATTN_IMPLEMENTATION = "packer_varlen"
 

@@ -53,8 +53,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from . import attention
-from .errors import ConfigError
 
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.

@@ -76,9 +76,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import fs, rows, schema
-from .context_parallel import row_view
-from .errors import ConfigError, ShardFormatError
+from .. import fs
+from ..contract import rows, schema
+from ..errors import ConfigError, ShardFormatError
+from ..planning.context_parallel import row_view
 
 STATE_VERSION = 2
 
@@ -148,7 +149,7 @@ class _Shards:
         )
 
     def check(self, b: int) -> None:
-        """Refuse batch ``b`` at the first problem :func:`packer.rows.check_rows` finds: the row
+        """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds: the row
         invariants the attention kernel and the loss index with (Arrow's validation at open keeps the
         offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
         embedding). ``benchmarks/bench_loader.py`` measures the cost."""
@@ -235,7 +236,7 @@ class PackedDataset(IterableDataset):
         cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
             ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
         static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
-            ``max_length`` fixed, so a compiled model sees one shape (``packer.context_parallel``).
+            ``max_length`` fixed, so a compiled model sees one shape (``packer.planning.context_parallel``).
 
     Raises ``ShardFormatError`` at construction, before any epoch starts, when the directory is not a
     finished build of this format version, or a shard is missing or has another size than recorded;
