@@ -20,7 +20,8 @@ LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
 
 CHILD = r"""
 import gzip, os, sys, tempfile, time
-from packer import BuildConfig, sources
+from packer import BuildConfig
+from packer.building import sources
 from packer.building.pipeline import open_source, tokenizer_path
 from packer.building.tokenization import load_tokenizer
 from packer.building.engines import LocalEngine
