@@ -24,7 +24,7 @@ def template_fields(template: str) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FormatSpec:
-    kind: str  # "completion", "chat" or "text"
+    kind: str  # "completion", "chat", "text" or "preference" (packer/building/preference.py)
     prompt_template: str = ""
     completion_template: str = ""
     optional: str | None = None
@@ -40,6 +40,8 @@ class FormatSpec:
     tools_field: str | None = None  # chat: the record's tool definitions, passed to the template
 
     def fields(self) -> list[str]:
+        if self.kind == "preference":
+            return [*([self.prompt_field] if self.prompt_field else []), "chosen", "rejected"]
         if self.kind == "chat":
             return [self.messages_field, *([self.tools_field] if self.tools_field else [])]
         if self.kind == "text":
@@ -76,6 +78,8 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
             optional=recipe.optional,
             prompt_if_empty=recipe.prompt_if_empty,
         )
+    elif "chosen" in columns and "rejected" in columns:  # TRL's preference formats, explicit or implicit prompt
+        spec = FormatSpec(kind="preference", prompt_field="prompt" if "prompt" in columns else None)
     elif "messages" in columns:
         spec = FormatSpec(kind="chat", messages_field="messages")
     elif "text" in columns and config.pack == "wrap":
@@ -100,6 +104,10 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
             f"({'fields ' + found if found else 'recipe ' + recipe.name}), "
             "which trains on whole examples that wrap would cut mid-answer: use --pack batch or bfd"
         )
+    if spec.kind == "preference":
+        if train_on_prompt or config.train_on != "assistant":
+            raise ConfigError("--train-on applies to SFT data; preference pairs train on their completions only")
+        return spec
     if spec.kind == "text" and config.pack != "wrap" and train_on_prompt:
         raise ConfigError("--train-on all has no effect on plain text (it is trained whole); drop it")
     train_on = config.train_on

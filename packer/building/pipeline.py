@@ -27,10 +27,12 @@ from ..contract.recipes import BUNDLED_TOKENIZER
 from ..errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
 from ..fs import file_sha256
 from ..planning.context_parallel import pad_token_id
+from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
 from . import engines, mix, output, sources, spill
 from .formatting import make_spec
+from .preference import PairEncoder
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
 
 BUNDLED = "bundled"  # how the manifest names the tokenizer shipped in packer/data/, portable across checkouts
@@ -82,6 +84,7 @@ class Opened:
     encoder: mix.MixEncoder
     source: dict  # the manifest's source record
     read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
+    pairs: bool = False  # preference data: two examples a record, planned as pairs (packer.planning.pairs)
 
 
 def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
@@ -105,14 +108,17 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
             if config.mix is None:
                 raise
             raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None  # which of the parts it is
+        if k and (spec.kind == "preference") != isinstance(encoders[0], PairEncoder):
+            raise ConfigError(f"mix part {k + 1} ({part['source']}): a mix of preference pairs and SFT data cannot be "
+                              "packed into one build (pairs train with a DPO loss); build them apart")
         streams.append(stream)
-        encoders.append(Encoder(tokenizer, spec, skip_errors=skip_errors))
+        encoders.append((PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors))
         wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
         infos.append(source_info(stream))
     record = infos[0] if config.mix is None else {
         "kind": "mix", "parts": [{"source": part["source"], **info} for part, info in zip(parts, infos, strict=True)]}
     return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), mix.MixEncoder(encoders, wheres),
-                  record, read)
+                  record, read, isinstance(encoders[0], PairEncoder))
 
 
 def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
@@ -150,10 +156,16 @@ def _note(config: BuildConfig, opened: Opened) -> str | None:
     return None
 
 
-def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0) -> Plan:
+def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0, *, pairs: bool = False) -> Plan:
     """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
     ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
-    flags concatenated: where each answer starts); padded as the config asks, with ``pad_id``."""
+    flags concatenated: where each answer starts); padded as the config asks, with ``pad_id``.
+    ``pairs``: preference data, two examples a pair, planned as pairs (``trained`` gives the prompts)."""
+    if pairs:
+        return plan_pairs(lengths, prompts=prompt_lengths(trained, lengths), mode=config.pack,
+                          max_len=config.max_len, max_tokens=config.max_tokens, batch_size=config.batch_size,
+                          overlong=config.overlong, seed=config.seed, epochs=config.epochs,
+                          world_size=config.world_size, balance=config.balance, layout=config.layout(pad_id))
     answers = None
     if config.overlong == "truncate-left" and config.pack != "wrap":
         answers = answer_lengths(trained, lengths, config.max_len)
@@ -308,7 +320,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
 
     check_room(config, lengths, out)
     pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
-    plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
+    plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0, pairs=opened.pairs)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "

@@ -172,7 +172,9 @@ def tokenize(
             files["trained"].write(chunk.trained.astype(np.uint8, copy=False).tobytes())
             files["lengths"].write(chunk.lengths.astype(np.int32).tobytes())
             files["example_ids"].write(chunk.example_ids.astype(np.int64, copy=False).tobytes())
-            consumed = len(chunk.lengths) + sum(chunk.skipped.values())
+            # records, not examples: a preference record is two examples with one id (adjacent)
+            ids = chunk.example_ids
+            consumed = int(ids.size and 1 + np.count_nonzero(ids[1:] != ids[:-1])) + sum(chunk.skipped.values())
             done["records"] += consumed
             done["examples"] += len(chunk.lengths)
             done["tokens"] += len(chunk.ids)

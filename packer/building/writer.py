@@ -86,7 +86,14 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     ]
     if seg_pad is not None:
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
-    return pa.RecordBatch.from_arrays(columns, schema=schema.row_schema(seg_pad is not None))
+    if _paired(plan):  # rows hold whole pairs, so a segment's parity is its role: chosen first
+        roles = (np.arange(s_lo, s_hi) % 2 == 0).astype(np.int8)
+        columns.append(pa.ListArray.from_arrays(seg_off, _arrow(roles)))
+    return pa.RecordBatch.from_arrays(columns, schema=schema.row_schema(seg_pad is not None, _paired(plan)))
+
+
+def _paired(plan: Plan) -> bool:
+    return plan.stats.get("pairs") is not None
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
@@ -154,7 +161,7 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
     ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
     with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
-          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.row_schema(plan.pad is not None)) as writer):
+          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.row_schema(plan.pad is not None, _paired(plan))) as writer):
         for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts):
             if stop is not None and stop.is_set():
                 break

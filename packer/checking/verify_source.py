@@ -206,7 +206,7 @@ def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals
     _check_records(manifest, reread, where, report)
     # the plan takes the build's own flags (truncate-left keeps the answer they mark); the mask itself is
     # checked against a recomputation apart from the encoder
-    p = plan_rows(config, reread.lengths, reread.trained)
+    p = plan_rows(config, reread.lengths, reread.trained, pairs=opened.pairs)
     _check_plan(manifest, config, p, reread.lengths, where, report)
     if totals is not None and totals.input_ids:
         _check_segments(opened, reread, p, totals, where, report)

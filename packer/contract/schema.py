@@ -84,8 +84,15 @@ PAD_COLUMN = "pad_lens"
 PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
 
 
-def row_schema(padded: bool) -> pa.Schema:
-    return PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
+# A preference build (packer.planning.pairs) has one more: each segment's role in its pair, 1 chosen, 0 rejected.
+# A row holds whole pairs, each two adjacent segments (chosen, then rejected) with the same example id.
+PAIR_COLUMN = "pair_roles"
+_PAIR_FIELD = pa.field(PAIR_COLUMN, pa.list_(pa.int8()), nullable=False)
+
+
+def row_schema(padded: bool, pairs: bool = False) -> pa.Schema:
+    base = PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
+    return base.append(_PAIR_FIELD) if pairs else base
 
 
 def shard_name(index: int) -> str:
@@ -173,6 +180,7 @@ class Stats:
     examples_answer_too_long: int | None = None  # ... and those whose answer alone exceeds max_len (cut on the right)
     pad_tokens: int | None = None  # a padded build: the padding tokens in the rows (not in tokens; in max_row_tokens)
     pad_token_id: int | None = None  # ... and their id: the tokenizer's pad id, else its eos id
+    pairs: int | None = None  # a preference build: the pairs in the rows (one epoch's); examples count pairs
 
     # a mix only (packer.building.mix.part_counts): per source, records read, examples packed / split / truncated,
     # dropped by reason, tokens
@@ -189,6 +197,11 @@ class Stats:
     def padded(self) -> bool:
         """Whether the shards have the ``pad_lens`` column (``PADDED_ROW_SCHEMA``)."""
         return self.pad_tokens is not None
+
+    @property
+    def paired(self) -> bool:
+        """Whether the build holds preference pairs (the shards have the ``pair_roles`` column)."""
+        return self.pairs is not None
 
 
 # Types the parser checks each manifest key against (bool is not an int here).
@@ -384,7 +397,8 @@ def open_shard(path: fs.PathLike) -> pa.Table:
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
-    if not any(table.schema.remove_metadata().equals(s) for s in (ROW_SCHEMA, PADDED_ROW_SCHEMA)):
+    if not any(table.schema.remove_metadata().equals(row_schema(padded, pairs))
+               for padded in (False, True) for pairs in (False, True)):
         raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
     return table
 
@@ -424,7 +438,8 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     info = {
         "citation": "",
         "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
-        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded)},
+        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded,
+                                                                              manifest.stats.paired)},
         "homepage": "",
         "license": "",
     }
