@@ -77,9 +77,14 @@ class PairEncoder:
         prompt = record.get("prompt") if self.spec.prompt_field else None
         conversational = isinstance(chosen, list)
         if conversational:
-            chosen = normalize_messages(chosen, "chosen")
-            rejected = normalize_messages(rejected, "rejected")
-            prompt = normalize_messages(prompt, "prompt") if prompt is not None else None
+            # a prompt alone has no assistant turn, which a conversation must: checked together with each completion
+            head = [] if prompt is None else prompt if isinstance(prompt, list) else None
+            if head is None:
+                raise RecordError(f"field 'prompt' is {type(prompt).__name__}, not a list of turns", "wrong_type")
+            chosen = normalize_messages(head + chosen, "prompt + chosen")
+            rejected = normalize_messages(head + rejected if isinstance(rejected, list) else rejected, "prompt + rejected")
+            if prompt is not None:
+                prompt, chosen, rejected = chosen[: len(head)], chosen[len(head):], rejected[len(head):]
         else:
             for name, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
                 if value is not None and not isinstance(value, str) or value is None and name != "prompt":

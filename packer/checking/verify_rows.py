@@ -19,6 +19,7 @@ from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ShardFormatError
 from .report import Report, rows_text
+from .verify_pairs import pair_problems
 
 
 @dataclass(slots=True)
@@ -53,9 +54,10 @@ class Totals:
             self.labels.append(batch.labels.values if padding is None else batch.labels.values[~padding])
 
 
-def limits(config: BuildConfig) -> rows.Limits:
+def limits(config: BuildConfig, paired: bool = False) -> rows.Limits:
     """The budget a build's rows keep to, by its mode."""
-    return rows.Limits(max_segments=config.batch_size if config.pack == "batch" else None,
+    per_row = None if config.pack != "batch" else config.batch_size * (2 if paired else 1)  # a pair: two segments
+    return rows.Limits(max_segments=per_row,
                        max_row_tokens=config.row_budget(),
                        max_segment_tokens=config.max_len if config.pack != "wrap" else None)
 
@@ -64,7 +66,7 @@ def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEn
                report: Report, keep_tokens: bool) -> Totals | None:
     """Every shard's rows against the row invariants and its manifest entry; the totals, or None when
     a shard could not be read whole (its totals would be wrong)."""
-    budget = limits(manifest.config)
+    budget = limits(manifest.config, manifest.stats.paired)
     totals = Totals()
     complete = len(entries) == len(manifest.shards)
     for entry in entries:
@@ -82,6 +84,9 @@ def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEn
             problems = rows.check_arrow(batch, vocab, budget)
             for problem in problems:
                 report.add("rows", f"{entry.file} {rows_text(totals.rows + problem.rows)}", problem.message)
+            if manifest.stats.paired:
+                for row, message in pair_problems(batch, left=manifest.config.overlong == "truncate-left"):
+                    report.add("rows", f"{entry.file} row {totals.rows + row}", message)
             if problems and problems[0].message.startswith("null values"):  # no numbers to count
                 complete = False
                 totals.rows += batch.num_rows
@@ -120,7 +125,8 @@ def check_totals(manifest: Manifest, totals: Totals, report: Report) -> None:
         report.add("stats", where, f"the rows hold {unique.size:,} distinct examples, the stats account for "
                    f"{expected:,} (examples − examples_dropped)")
     if manifest.config.pack != "wrap":
-        split = int((counts > s.epoch_count).sum())  # a whole example appears once per epoch
+        # a whole example appears once per epoch (a preference pair: its two sequences)
+        split = int((counts > s.epoch_count * (2 if s.paired else 1)).sum())
         if split != s.examples_split:
             report.add("stats", where, f"{split:,} examples appear in pieces, examples_split says "
                        f"{s.examples_split!r}")
