@@ -104,6 +104,7 @@ class _Batch:
     file: str
     first: int  # the global index of its first row
     rows: rows.RowBatch
+    roles: rows.Column | None = None  # a preference build's pair_roles (1 chosen, 0 rejected per segment)
 
 
 class _Shards:
@@ -132,7 +133,11 @@ class _Shards:
                     continue
                 row_batch = rows.RowBatch.from_arrow(batch, example_ids=False)  # views of the memory map
                 tokens += int(row_batch.input_ids.offsets[-1])
-                self.batches.append(_Batch(str(path), n, row_batch))
+                roles = None
+                if schema.PAIR_COLUMN in batch.schema.names:
+                    column = batch.column(schema.PAIR_COLUMN)
+                    roles = rows.Column.of(column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy())
+                self.batches.append(_Batch(str(path), n, row_batch, roles))
                 self.starts.append(n)
                 self.checked.append(False)
                 n += batch.num_rows
@@ -142,11 +147,15 @@ class _Shards:
                     "build or damaged, rebuild the folder"
                 )
         self.num_rows = n
+        self.paired = bool(self.batches) and self.batches[0].roles is not None
         self.num_loss_tokens = (
             np.concatenate([b.rows.num_loss_tokens for b in self.batches]).astype(np.int64)
             if self.batches
             else np.zeros(0, np.int64)
         )
+        # per row, what num_items_in_batch counts: loss tokens, or a preference build's pairs
+        self.items = (np.concatenate([b.rows.seq_lens.lengths // 2 for b in self.batches]).astype(np.int64)
+                      if self.paired else self.num_loss_tokens)
 
     def check(self, b: int) -> None:
         """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds: the row
@@ -187,7 +196,11 @@ class _Shards:
         else:
             labels = torch.from_numpy(r.labels.values[o0:o1].astype(np.int64)[None])
         max_len = int(r.max_seqlen[j])
-        return {
+        extra = {}
+        if self.batches[b].roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
+            roles = self.batches[b].roles
+            extra["pair_roles"] = torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64))
+        return {**extra,
             "input_ids": torch.from_numpy(r.input_ids.values[o0:o1].astype(np.int64)[None]),
             "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
             "labels": labels,
@@ -399,7 +412,7 @@ class PackedDataset(IterableDataset):
         slots = slots.reshape(steps, w)
         filler = slots >= n
         index = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
-        loss = np.where(filler, 0, self._open().num_loss_tokens[index])
+        loss = np.where(filler, 0, self._open().items[index])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
         return index[:, self.rank], filler[:, self.rank], items
