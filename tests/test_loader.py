@@ -72,7 +72,8 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, rows_p
         epochs=epochs if epochs > 1 else None,
     )
     manifest = schema.Manifest(
-        created_by="tests/test_loader.py", note=None, config=BuildConfig(source="test", out="", **(config or {"pack": "batch"})),
+        created_by="tests/test_loader.py", note=None, config=BuildConfig(
+            source="test", out="", format_version=1, **(config or {"pack": "batch"})),  # format 1's int32 columns
         tokenizer={"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0}, source={},
         stats=stats, shards=tuple(shards),
     )

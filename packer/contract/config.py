@@ -88,7 +88,7 @@ class BuildConfig:
     mix: tuple | None = None
     # the on-disk format (packer.contract.schema.RowFormat): 2 narrows the token columns, 1 is the int32
     # format every packer before it wrote; and the shards' compression (None, or "zstd": not memory-mapped)
-    format_version: int = 1
+    format_version: int = 2
     compression: str | None = None
 
     def __post_init__(self) -> None:

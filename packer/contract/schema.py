@@ -173,7 +173,8 @@ def _column_problem(version: int, columns: Any) -> str | None:
         return None if columns is None else "a version-1 manifest records no columns (its types are fixed)"
     if not isinstance(columns, dict) or set(columns) != {"input_ids", "position_ids", LOSS_MASK} \
             or columns.get(LOSS_MASK) != "bool" \
-            or any(columns.get(k) not in NARROW_TYPES for k in ("input_ids", "position_ids")):
+            or any(not isinstance(columns.get(k), str) or columns[k] not in NARROW_TYPES
+                   for k in ("input_ids", "position_ids")):
         return (f"missing or not {{input_ids, position_ids: {' or '.join(NARROW_TYPES)}, {LOSS_MASK}: bool}}; "
                 "rebuild the folder")
     return None
