@@ -65,10 +65,10 @@ class Bits:
     def unpack(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Values ``[lo, hi)`` as a bool array (a byte each: 1/8 of what int32 labels take to read)."""
         hi = self.size if hi is None else hi
-        a, b = self.start + lo, self.start + hi
-        if b <= a:
+        a, n = self.start + lo, hi - lo
+        if n <= 0:
             return np.zeros(0, bool)
-        return np.unpackbits(self.bits[a >> 3 : (b + 7) >> 3], bitorder="little")[a & 7 : (a & 7) + b - a].view(bool)
+        return np.unpackbits(self.bits[a >> 3 :], count=(a & 7) + n, bitorder="little")[a & 7 :].view(bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +138,7 @@ class RowBatch:
         (version 1), or the ids where the mask is set and -100 elsewhere (version 2)."""
         if self.labels is not None:
             return self.labels.values[lo:hi].astype(np.int64)
-        labels = ids.copy()
-        labels[~self.loss_mask.values.unpack(lo, hi)] = IGNORE_INDEX
-        return labels
+        return np.where(self.loss_mask.values.unpack(lo, hi), ids, IGNORE_INDEX)  # one pass, int64 out
 
     def padding(self) -> np.ndarray | None:
         """Per token, whether it is padding (None: the build has none); the layout must hold."""
