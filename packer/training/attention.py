@@ -34,6 +34,7 @@ semantics (tests/test_varlen_kernels.py), and against the real kernels where CUD
 from __future__ import annotations
 
 import importlib.util
+import threading
 from typing import Any
 
 import torch
@@ -50,10 +51,36 @@ __all__ = [
     "calls",
     "backend_for",
     "segments_from_position_ids",
+    "current_row",
+    "enter_row",
+    "leave_row",
 ]
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _calls = 0  # how many times packed_attention ran: prepare's probe checks the model routes through it
+# The boundaries (cu_seqlens) of the row the outermost prepared model is running, for the layers that
+# receive no kwargs: Mamba1 mixers, GraniteMoeHybrid's position-free attention. A stack per thread:
+# a prepared model inside another (a composite's language model) inherits the outer row's.
+_rows = threading.local()
+
+
+def enter_row(owner: object, cu: torch.Tensor | None) -> None:
+    """Push the row ``owner``'s forward runs (``cu``: its cu_seqlens, empty: unpacked; None: inherit)."""
+    stack = _rows.__dict__.setdefault("stack", [])
+    stack.append((id(owner), cu if cu is not None or not stack else stack[-1][1]))
+
+
+def leave_row(owner: object) -> None:
+    """Pop ``owner``'s row (only its own: a forward refused before its push pops nothing)."""
+    stack = _rows.__dict__.get("stack")
+    if stack and stack[-1][0] == id(owner):
+        stack.pop()
+
+
+def current_row() -> torch.Tensor | None:
+    """cu_seqlens of the row being run by a prepared model's forward (None: outside one; empty: unpacked)."""
+    stack = _rows.__dict__.get("stack")
+    return stack[-1][1] if stack else None
 
 
 def _varlen_attn():
@@ -154,6 +181,11 @@ def packed_attention(
             f"{type(module).__name__}: attention logit soft-capping / sinks are not supported by packer_varlen; "
             "use the model's flash_attention_2 implementation with the loader's cu_seq_lens kwargs instead"
         )
+    if kwargs.get("position_bias") is not None:
+        raise ConfigError(
+            f"{type(module).__name__}: an additive position bias (Inkling's relative logits, computed from the row's "
+            "offsets) is not supported by packer_varlen"
+        )
     if getattr(module, "is_causal", True) is False:
         raise ConfigError(f"{type(module).__name__}: non-causal attention cannot be packed by packer_varlen")
     bsz, _, t_q, _ = query.shape
@@ -164,6 +196,16 @@ def packed_attention(
             "pass no cache with packed rows (use_cache=False), and switch back with set_attn_implementation "
             "to generate"
         )
+    row = current_row()
+    if cu_seq_lens_q is None and bsz == 1 and row is not None and row.numel() > 2 and position_ids is None:
+        # a layer that gets no boundary kwargs (GraniteMoeHybrid's attention without positions): the row's
+        cu_seq_lens_q = row
+        if int(cu_seq_lens_q[-1]) != t_q:
+            raise ConfigError(
+                f"{type(module).__name__}: the row's cu_seq_lens cover {int(cu_seq_lens_q[-1])} tokens, "
+                f"the attention {t_q}; pass the loader's batch as it is"
+            )
+        max_length_q = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
     if cu_seq_lens_q is None:
         if position_ids is not None and bsz == 1 and position_ids.shape[-1] == t_q:
             cu_seq_lens_q, max_length_q = segments_from_position_ids(position_ids)

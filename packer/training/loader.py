@@ -7,6 +7,7 @@ batch one row becomes (docs/design.md, "The read side")::
     input_ids, position_ids, labels   int64 [1, T]
     cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]
     max_length_q, max_length_k        int               Python ints: no host-device sync per layer
+    seq_idx                           int32 [1, T]      each token's segment (0, 0, 0, 1, 1, 2, ...)
     num_items_in_batch                int               loss tokens of the whole global step (below)
 
 ``model(**batch)`` works for a transformers causal LM prepared with ``packer.prepare``.
@@ -187,6 +188,8 @@ class _Shards:
         else:
             labels = torch.from_numpy(r.labels.values[o0:o1].astype(np.int64)[None])
         max_len = int(r.max_seqlen[j])
+        # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
+        seq_idx = np.repeat(np.arange(s1 - s0, dtype=np.int32), r.seq_lens.values[s0:s1])[None]
         return {
             "input_ids": torch.from_numpy(r.input_ids.values[o0:o1].astype(np.int64)[None]),
             "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
@@ -195,6 +198,7 @@ class _Shards:
             "cu_seq_lens_k": cu_t,
             "max_length_q": max_len,
             "max_length_k": max_len,
+            "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
 
