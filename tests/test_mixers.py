@@ -99,10 +99,20 @@ def test_a_mixer_swapped_after_prepare_is_refused_at_the_forward():
     model(**row)
 
 
-def test_a_packed_row_with_a_cache_is_refused():
-    model = prepare(tiny_model("lfm2"))
-    with pytest.raises(ConfigError, match="cache"):
-        model(**guard._row(_exs([5, 9])), use_cache=True)
+@pytest.mark.parametrize("model_type", ["lfm2", "minimax"])
+def test_a_packed_row_with_a_cache_holding_a_state_is_refused(model_type):
+    """use_cache on in training makes a fresh cache: exact; a cache that holds a state is refused."""
+    model = tiny_model(model_type, dict(block_size=16) if model_type == "minimax" else None)
+    reference = copy.deepcopy(model)
+    prepare(model, max_tokens=128)
+    exs = _exs([5, 20])
+    with torch.no_grad():
+        got = model(**guard._row(exs), use_cache=True).logits[0].split([5, 20])
+        for g, a in zip(got, _alone(reference, exs), strict=True):
+            assert (g - a).abs().max().item() < 1e-5
+        past = model(input_ids=exs[0].view(1, -1), use_cache=True).past_key_values
+        with pytest.raises(ConfigError, match="cache"):
+            model(**guard._row(exs), past_key_values=past, use_cache=True)
 
 
 def test_gradient_checkpointing_needs_boundaries_that_reach_the_mixers():

@@ -194,10 +194,15 @@ def _segmented_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     bounds = [int(x) for x in cu.tolist()]
     t = hidden.shape[1]
     if cache is not None:
-        raise ConfigError(
-            f"{type(self).__name__}: a packed row with a cache: the mixer's state would run from one example into "
-            "the next; pass use_cache=False with packed rows"
-        )
+        if not _fresh(cache, getattr(self, "layer_idx", None)):
+            raise ConfigError(
+                f"{type(self).__name__}: a packed row with a cache that holds a state: the state would run into the "
+                "row's first example only; pass no cache (use_cache=False) with packed rows"
+            )
+        # a fresh cache (use_cache on in training): the row's final state is no example's, so none is kept
+        for key in ("cache", "past_key_values", "cache_params"):
+            if key in kwargs:
+                kwargs[key] = None
     if hidden.shape[0] != 1 or bounds[-1] != t or bounds[0] != 0:
         raise ConfigError(
             f"{type(self).__name__}: the row's cu_seq_lens {bounds[:4]}... cover {bounds[-1]} tokens but the mixer got "
@@ -215,6 +220,22 @@ def _segmented_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if isinstance(outs[0], tuple) and (type(self).__name__ in STATE_DROPPED or all(x is None for o in outs for x in o[1:])):
         return (torch.cat([o[0] for o in outs], dim=1), *(None for _ in outs[0][1:]))
     raise ConfigError(f"{type(self).__name__}: its forward returns {type(outs[0]).__name__}, which packer cannot join")
+
+
+def _fresh(cache: Any, layer_idx: int | None) -> bool:
+    """Whether ``cache`` holds no state yet for the mixer of layer ``layer_idx`` (the forward created it)."""
+    if layer_idx is None:
+        return False
+    answered = False
+    for name in ("get_conv_state", "get_recurrent_state", "get_linear_cache"):
+        try:  # a getter for another layer kind raises (MiniMax's cache has conv getters for no layer)
+            state = getattr(cache, name)(layer_idx)
+        except (IndexError, KeyError, ValueError, AttributeError, TypeError):
+            continue
+        if state is not None:
+            return False
+        answered = True
+    return answered
 
 
 def _wrapped(module: torch.nn.Module) -> bool:
