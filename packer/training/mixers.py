@@ -274,10 +274,10 @@ def install(model: Any) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
         m.forward = types.MethodType(_segmented_forward, m)
     if found:
         for m in model.modules():
-            if hasattr(m, "config") and hasattr(m, "set_attn_implementation"):
-                if not any(getattr(h, "packer_rows", False) for h in m._forward_pre_hooks.values()):
-                    m.register_forward_pre_hook(_row_pre_hook, with_kwargs=True)
-                    m.register_forward_hook(_row_post_hook, with_kwargs=True, always_call=True)
+            model_like = hasattr(m, "config") and hasattr(m, "set_attn_implementation")
+            if model_like and not any(getattr(h, "packer_rows", False) for h in m._forward_pre_hooks.values()):
+                m.register_forward_pre_hook(_row_pre_hook, with_kwargs=True)
+                m.register_forward_hook(_row_post_hook, with_kwargs=True, always_call=True)
     return found
 
 
