@@ -4,8 +4,10 @@ A model is accepted only when all of these hold (else ``ConfigError``, and the m
 it was: attention implementation of every sub-config, config values, no hook):
 
 1. **Structure**: a transformers causal decoder whose attention goes through ``AttentionInterface``,
-   and whose layers all mix tokens by attention (``layer_types`` has no ``conv``, ``mamba``,
-   ``linear_attention``, ...: such a mixer runs across the whole row, whatever the attention does).
+   and whose other token mixers (``layer_types`` ``conv``, ``mamba``, ``linear_attention``, ...: run
+   across the whole row, whatever the attention does) are ones ``mixers`` runs once per example (the
+   per-segment path, installed on the probe copy and, once accepted, on the model); an unknown mixer is
+   refused naming its class, indexed attention under ``packer_varlen`` and compressed attention by type.
 2. **Config rules**, settings used by the model whose output depends on the row rather than the
    example, named in the message: RoPE types that pick frequencies from the longest position in the row
    (``dynamic``, ``longrope``) and Llama 4's attention temperature tuning (scales queries by the offset in
@@ -39,7 +41,10 @@ row) raises ``ConfigError`` if the attention implementation of any config or sub
 (``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty cache is passed
 (``cache``/``past_key_values``: PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
 find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used (transformers then builds
-no packed mask). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
+no packed mask); and whatever implementation, if an ``attention_mask`` comes with the row, if
+``cu_seq_lens`` come without ``position_ids`` (PEFT prompt tuning) or cover another length, or, on a
+hybrid model, if a mixer was replaced, a context-parallel share arrives, or gradient checkpointing would
+recompute a mixer out of the boundaries' reach (``_boundaries_lost``). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
 """
 
@@ -99,8 +104,9 @@ def _text_config(model: Any) -> Any:
 
 def _refuse(model: Any, why: str) -> ConfigError:
     return ConfigError(
-        f"{type(model).__name__}: packed rows would not be exact ({why}); use a decoder whose every layer "
-        "is attention through transformers' AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...) "
+        f"{type(model).__name__}: packed rows would not be exact ({why}); use a decoder whose layers are "
+        "attention through transformers' AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...) or mixers packer "
+        "runs per example (Qwen3.5, LFM2, Granite 4, Jamba, Mamba, MiniMax: docs/attention.md), "
         "or train it on padded batches"
     )
 

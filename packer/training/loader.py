@@ -58,7 +58,7 @@ and ``PackedDataLoader`` share the position: the loader moves it as it hands bat
 and their prefetching do not matter.
 
 Cost: opening maps the shards (no read) and builds one int64 index per row batch; each step slices
-buffers and makes three int64 copies of T tokens (the int32 → int64 widening).
+buffers and makes three int64 copies of T tokens (the int32 → int64 widening) and ``seq_idx`` (int32).
 """
 
 from __future__ import annotations
