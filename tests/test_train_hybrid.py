@@ -62,3 +62,40 @@ def test_hybrid_trains_on_packed_rows_as_on_each_example_alone(shards, model_typ
             o.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p - q).abs().max() <= 1e-5 * (1 + q.abs().max()), name
+
+
+def test_hybrid_in_trl_sft_trainer_gets_each_examples_loss(shards, tmp_path):
+    """TRL's SFTTrainer on its padding-free path (examples/trl_sft.py) over a prepared Qwen3.5-style model:
+    each micro-batch's loss is the examples' losses alone, summed over the step's loss tokens."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, str(ROOT / "examples"))
+    import trl_sft
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    model = tiny_model("qwen3_5_text", dict(vocab_size=read_manifest(shards).tokenizer["vocab_size"]))
+    reference = copy.deepcopy(model)
+    prepare(model, max_tokens=read_manifest(shards).stats.max_row_tokens)
+    seen = []
+
+    class Recording(trl_sft.SFTTrainer):
+        def compute_loss(self, model, inputs, *args, num_items_in_batch=None, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, num_items_in_batch=num_items_in_batch, **kwargs)
+            seen.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                         float(loss), int(num_items_in_batch)))  # fmt: skip
+            return loss
+
+    try:
+        trl_sft.make_trainer(shards, steps=1, grad_accum=2, output_dir=str(tmp_path), model=model,
+                             trainer_cls=Recording).train()  # fmt: skip
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    assert len(seen) == 2  # one optimizer step: both micro-batches saw the initial parameters
+    for inputs, loss, items in seen:
+        cu = inputs["cu_seq_lens_q"].tolist()
+        assert len(cu) > 2 and "attention_mask" not in inputs
+        with torch.no_grad():
+            alone = sum(_token_losses(reference(input_ids=inputs["input_ids"][:, a:b], use_cache=False).logits[0],
+                                      inputs["labels"][0, a:b]).sum() for a, b in zip(cu[:-1], cu[1:], strict=True))  # fmt: skip
+        assert abs(loss - float(alone) / items) <= 1e-5 * abs(loss)
