@@ -59,7 +59,7 @@ def test_per_segment_path_is_exact_and_says_so(model_type):
 
 
 def test_an_attention_model_keeps_its_path():
-    assert prepare(tiny_model("llama")).packer_path == "attention"
+    assert prepare(tiny_model("llama"), max_tokens=128).packer_path == "attention"
 
 
 def test_the_probe_lengths_follow_the_mixers_thresholds():

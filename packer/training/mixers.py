@@ -181,6 +181,15 @@ def _bounds(kwargs: dict) -> torch.Tensor | None:
     return cu if cu is not None else attention.current_row()
 
 
+_last: list = [None, None]  # the last row's cu_seqlens and its list: one host read a row, not one a layer
+
+
+def _as_list(cu: torch.Tensor) -> list[int]:
+    if _last[0] is not cu:
+        _last[:] = [cu, [int(x) for x in cu.tolist()]]
+    return _last[1]
+
+
 def _segmented_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The mixer's own forward, once per segment of a packed row (installed as the instance's forward)."""
     inner = self.__dict__.get("_packer_inner_forward")
@@ -191,7 +200,7 @@ def _segmented_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[0] if args else kwargs.pop("hidden_states")
     rest = args[1:]
     cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("cache_params")))
-    bounds = [int(x) for x in cu.tolist()]
+    bounds = _as_list(cu)
     t = hidden.shape[1]
     if cache is not None:
         if not _fresh(cache, getattr(self, "layer_idx", None)):
