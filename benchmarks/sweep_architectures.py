@@ -12,7 +12,7 @@ random config (CPU, two layers, small windows, chunks and position thresholds), 
   eager attention, and the packed row's summed loss the same parameter gradients as the examples' losses
   summed alone, in train mode with dropout off (eval mode where the training forward draws random
   numbers); and the guard must stay on: switching any config or sub-config to sdpa afterwards makes a
-  packed forward, of the model and of its base model, raise. A mismatch is a false accept, the one
+  packed forward, of the model and of its base model, raise, and so does replacing a hybrid's mixer. A mismatch is a false accept, the one
   outcome the guard must never give.
 
 Types whose tiny config or model cannot be built (needs a checkpoint, a vision tower, ...) are listed
@@ -207,7 +207,31 @@ def _unguarded(model, row: dict) -> str | None:
                     pass
         finally:
             config._attn_implementation_internal = was
-    return None
+    return _mixer_unguarded(model, row)
+
+
+def _mixer_unguarded(model, row: dict) -> str | None:
+    """A hybrid's mixer replaced after prepare (an unwrapped copy in its place) whose packed forward runs."""
+    import copy
+
+    from packer.errors import ConfigError
+    from packer.training.mixers import mixer_modules
+
+    found = mixer_modules(model)
+    if not found:
+        return None
+    parent, name, mixer = found[0]
+    fresh = copy.deepcopy(mixer)
+    fresh.__dict__.pop("forward", None)
+    parent._modules[name] = fresh
+    try:
+        with torch.no_grad():
+            model(**row)
+        return f"a packed row ran after {type(mixer).__name__} was replaced"
+    except ConfigError:
+        return None
+    finally:
+        parent._modules[name] = mixer
 
 
 def lengths_for(model) -> list[int]:
