@@ -65,9 +65,6 @@ from . import attention, mixers
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.
 MASK_FROM_POSITIONS = ("sdpa", "eager", "flex_attention")
-# Layer types that mix tokens by attention; any other (conv, mamba, linear_attention, ...) is a mixer
-# running across the row.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # RoPE types whose frequencies depend on max(position_ids) + 1: in a row, the longest example's length.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Config values past which a model may behave differently (a window, a chunk, a RoPE switch point).

@@ -59,6 +59,8 @@ STATE_DROPPED = {"MiniMaxLightningAttention"}
 # A module in a decoder layer whose class name says it mixes tokens outside attention; refused unless in MIXERS.
 LOOKS_LIKE_A_MIXER = re.compile(r"Mamba|Mixer|ShortConv|Convolution|DeltaNet|DeltaAttention|Lightning|Recurrent|Rglru"
                                 r"|Lstm|Rwkv|Compressor", re.IGNORECASE)  # fmt: skip
+# Layer types that mix tokens by attention only; any other (conv, mamba, linear_attention, ...) needs a mixer here
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # Indexed / compressed attention: keys chosen or pooled by the model from its mask (deepseek_v32, glm_moe_dsa)
 INDEXED_LAYER_TYPES = {"indexed_attention"}
 COMPRESSED_LAYER_TYPES = {"compressed_sparse_attention", "heavily_compressed_attention"}
@@ -111,7 +113,7 @@ def refusals(model: Any, text_config: Any, implementation: str) -> list[str]:
             why.append(f"layer {i} has a token mixer packer does not know ({', '.join(unknown)})")
             break
         kind = layer_types[i] if i < len(layer_types) else None
-        plain = kind is None or kind in attention_layer_types() or kind in INDEXED_LAYER_TYPES | COMPRESSED_LAYER_TYPES
+        plain = kind is None or kind in ATTENTION_LAYER_TYPES or kind in INDEXED_LAYER_TYPES | COMPRESSED_LAYER_TYPES
         if not plain and not any(type(m).__name__ in MIXERS for m in layer.modules()):
             children = ", ".join(sorted({type(c).__name__ for c in layer.children()}))
             why.append(f"layer {i} (layer_types {kind!r}) has no mixer packer knows among {children}")
@@ -126,15 +128,11 @@ def _unknown_mixer(m: torch.nn.Module) -> bool:
             and "Norm" not in name and not any(type(s).__name__ in MIXERS for s in m.modules()))  # fmt: skip
 
 
-def attention_layer_types() -> set[str]:
-    return {"full_attention", "sliding_attention", "chunked_attention", "attention"}
-
-
 def attention_free(model: Any, text_config: Any) -> bool:
     """Whether the model has no attention layer (Mamba, Falcon-Mamba): it never calls packer_varlen."""
     layer_types = set(getattr(text_config, "layer_types", None) or [])
     return bool(mixer_modules(model)) and bool(layer_types) and not layer_types & (
-        attention_layer_types() | INDEXED_LAYER_TYPES | COMPRESSED_LAYER_TYPES | {"hybrid", "hybrid_sliding"}
+        ATTENTION_LAYER_TYPES | INDEXED_LAYER_TYPES | COMPRESSED_LAYER_TYPES | {"hybrid", "hybrid_sliding"}
     )
 
 
