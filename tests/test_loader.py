@@ -104,8 +104,11 @@ def test_batch_matches_row(build):
     for batch, row in zip(batches, rows, strict=True):
         assert set(batch) == {
             "input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k",
-            "max_length_q", "max_length_k", "num_items_in_batch",
+            "max_length_q", "max_length_k", "seq_idx", "num_items_in_batch",
         }  # fmt: skip
+        # each token's segment index: what causal-conv1d and the Mamba2 scan take
+        assert batch["seq_idx"].dtype == torch.int32 and batch["seq_idx"].shape == (1, len(row["input_ids"]))
+        assert batch["seq_idx"][0].tolist() == [i for i, n in enumerate(row["seq_lens"]) for _ in range(n)]
         for key in ("input_ids", "position_ids", "labels"):
             assert batch[key].dtype == torch.int64 and batch[key].shape == (1, len(row["input_ids"]))
             assert batch[key][0].tolist() == row[key]

@@ -7,6 +7,7 @@ batch one row becomes (docs/design.md, "The read side")::
     input_ids, position_ids, labels   int64 [1, T]
     cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]
     max_length_q, max_length_k        int               Python ints: no host-device sync per layer
+    seq_idx                           int32 [1, T]      each token's segment (0, 0, 0, 1, 1, 2, ...)
     num_items_in_batch                int               loss tokens of the whole global step (below)
 
 ``model(**batch)`` works for a transformers causal LM prepared with ``packer.prepare``.
@@ -63,7 +64,7 @@ when opened, not memory-mapped.
 
 Cost: opening maps the shards (no read) and builds one int64 index per row batch; each step slices
 buffers and makes three int64 copies of T tokens (the widening; version 2 reads a third of the bytes
-for them and unpacks T bits of mask).
+for them and unpacks T bits of mask) and ``seq_idx`` (int32).
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class _Shards:
         else:  # the stored labels (format 1) or the ids where the loss mask is set (format 2)
             labels = torch.from_numpy(r.labels_of(o0, o1, ids)[None])
         max_len = int(r.max_seqlen[j])
+        # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
+        seq_idx = np.repeat(np.arange(s1 - s0, dtype=np.int32), r.seq_lens.values[s0:s1])[None]
         return {
             "input_ids": torch.from_numpy(ids[None]),
             "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
@@ -202,6 +205,7 @@ class _Shards:
             "cu_seq_lens_k": cu_t,
             "max_length_q": max_len,
             "max_length_k": max_len,
+            "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
 
