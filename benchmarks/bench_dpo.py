@@ -29,7 +29,8 @@ TOKENIZER = DATA / "llama2-tokenizer"
 
 
 def make_pairs(path: Path, n: int) -> None:
-    rows = [json.loads(line) for _, line in zip(range(n + 1), open(DATA / "gsm8k_train.jsonl"), strict=False)]
+    with open(DATA / "gsm8k_train.jsonl") as f:
+        rows = [json.loads(line) for _, line in zip(range(n + 1), f, strict=False)]
     with open(path, "w") as f:
         for i in range(n):
             f.write(json.dumps({"prompt": rows[i]["question"] + "\n", "chosen": rows[i]["answer"],
@@ -74,7 +75,8 @@ def child_trl(source: str, batch: int, steps: int, out: str) -> dict:
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    records = [json.loads(line) for line in open(source)]
+    with open(source) as f:
+        records = [json.loads(line) for line in f]
     policy, ref = tiny(len(tok), 0), tiny(len(tok), 1)
     args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_length=None, report_to=[], use_cpu=True,
                      gradient_checkpointing=False)

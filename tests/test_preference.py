@@ -161,3 +161,18 @@ def test_a_mix_of_pairs_and_sft_is_refused(tmp_path):
     mix = [{"source": str(tmp_path / "p.jsonl"), "weight": 1.0}, {"source": str(tmp_path / "s.jsonl"), "weight": 1.0}]
     with pytest.raises(ConfigError, match="preference pairs and SFT"):
         make_build(tmp_path / "out", mix=mix, batch_size=2, tokenizer=str(tokenizer_for("standard")))
+
+
+def test_format_2_padded_epochs_load_pairs(tmp_path):
+    from packer.checking.verify import verify
+    from packer.training.loader import PackedDataset
+    out = build(tmp_path, "standard", pack="bfd", max_len=64, max_tokens=128, format_version=2,
+                pad_to_multiple_of=8, epochs=2)
+    m = schema.read_manifest(out)
+    assert m.format_version == 2 and m.stats.padded and m.stats.paired
+    assert verify(out).ok
+    rows = list(PackedDataset(out, grad_accum=1))
+    assert sum(len(r["pair_roles"]) for r in rows) == 2 * len(QUESTIONS)  # one epoch, every pair's two segments
+    for r in rows:
+        assert r["pair_roles"].tolist() == [1, 0] * (len(r["pair_roles"]) // 2)
+        assert r["num_items_in_batch"] == len(r["pair_roles"]) // 2  # pairs, one row a step

@@ -19,7 +19,9 @@ def pair_problems(batch: pa.RecordBatch, *, left: bool = False) -> list[tuple[in
     if schema.PAIR_COLUMN not in batch.schema.names:
         return [(0, f"no {schema.PAIR_COLUMN} column, which a preference build's rows have")]
     roles, seq_lens = batch.column(schema.PAIR_COLUMN), batch.column("seq_lens")
-    ids, labels = batch.column("input_ids"), batch.column("labels")
+    ids = batch.column("input_ids")
+    # format 1 stores labels (-100 where not trained), format 2 a loss mask: either says where training starts
+    labels = batch.column("labels" if "labels" in batch.schema.names else schema.LOSS_MASK)
     examples = batch.column("example_ids")
     out = []
     for r in range(batch.num_rows):
@@ -51,5 +53,5 @@ def pair_problems(batch: pa.RecordBatch, *, left: bool = False) -> list[tuple[in
 
 def _prompt(labels: np.ndarray) -> int:
     """Tokens before the first trained one (the segment's first label is always -100, so from token 1)."""
-    trained = np.flatnonzero(labels[1:] != schema.IGNORE_INDEX)
+    trained = np.flatnonzero(labels[1:] if labels.dtype == bool else labels[1:] != schema.IGNORE_INDEX)
     return int(trained[0]) + 1 if trained.size else labels.size
