@@ -58,8 +58,11 @@ def segments(out):
         table = schema.open_shard(out / entry.file)
         for row in table.to_pylist():
             at = 0
+            # format 1 stores labels, format 2 a loss mask (the labels are the ids where it is set)
+            labels = row.get("labels") or [t if m else -100 for t, m in zip(row["input_ids"], row[schema.LOSS_MASK],
+                                                                             strict=True)]
             for n, ex, role in zip(row["seq_lens"], row["example_ids"], row[schema.PAIR_COLUMN], strict=True):
-                got.append((ex, role, row["input_ids"][at:at + n], row["labels"][at:at + n]))
+                got.append((ex, role, row["input_ids"][at:at + n], labels[at:at + n]))
                 at += n
     return got
 
