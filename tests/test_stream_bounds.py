@@ -9,6 +9,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import one_line
+from test_bad_inputs import GOOD, build_cli, jsonl
 
 from packer.building import mix
 
@@ -36,3 +38,27 @@ def test_a_mix_by_counts_gives_each_part_exactly_its_count_and_a_limit_is_its_pr
     for limit in (1, 30, 4097, sum(counts) - 1):
         assert np.array_equal(mix.positions_sources(parts, 5, limit), whole[:limit])
     assert not np.array_equal(whole, mix.positions_sources(parts, 6, sum(counts))), "the seed shuffles"
+
+
+# -- a ~user of no user ---------------------------------------------------------------------------------
+
+NO_USER = "~no-such-user-packer"
+
+
+@pytest.mark.parametrize(("option", "needle"), [
+    ("source", "source"), ("glob", "source"), ("mix", "source"), ("--out", "--out"), ("--tokenizer", "--tokenizer"),
+    ("--chat-template", "--chat-template")])
+def test_a_home_of_no_user_is_one_line_for_every_path(tmp_path, option, needle):
+    src = str(jsonl(tmp_path / "d.jsonl", GOOD))
+    args = {"source": [f"{NO_USER}/d.jsonl"], "glob": [f"{NO_USER}/*.jsonl"], "--out": [src, "--out", f"{NO_USER}/o"],
+            "--tokenizer": [src, "--tokenizer", f"{NO_USER}/tok"],
+            "--chat-template": [src, "--chat-template", f"{NO_USER}/t.jinja"]}.get(option)
+    if option == "mix":
+        (tmp_path / "mix.yaml").write_text(f"- {{source: {NO_USER}/d.jsonl, weight: 1}}\n- {{source: {src}, weight: 1}}\n")
+        args = ["--mix", str(tmp_path / "mix.yaml")]
+    if "--out" not in args:
+        args = [*args, "--out", str(tmp_path / "out")]
+    line = one_line(build_cli(*args))
+    assert line.startswith(f"packer: error: {needle} {NO_USER}/"), line
+    assert "no user 'no-such-user-packer'" in line and "give the path in full" in line, line
+    assert not (tmp_path / "out").exists()

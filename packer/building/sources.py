@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 from ..contract.recipes import RECIPES, Recipe, get_recipe
 from ..errors import ConfigError, PackerError, SourceError
+from ..fs import expand_user
 from . import readers
 
 BATCH = 1000  # records per read when only counting or peeking
@@ -78,7 +79,7 @@ def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | Non
     """
     if source == "":
         raise SourceError("SOURCE is empty; give a recipe, a file, a folder, a glob or a Hub id")
-    path = Path(source).expanduser()
+    path = expand_user(source, "source", SourceError)
     if path.is_file():
         return [str(path)], False
     if path.is_dir():
@@ -105,7 +106,7 @@ def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | Non
     if glob.has_magic(source):
         seen: set[str] = set()
         files = []
-        for p in sorted(glob.glob(os.path.expanduser(source), recursive=True)):
+        for p in sorted(glob.glob(str(expand_user(source, "source", SourceError)), recursive=True)):
             real = os.path.realpath(p)
             if os.path.isfile(p) and real not in seen:
                 seen.add(real)
@@ -129,7 +130,7 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
     """What SOURCE names; ``files`` (a mix part's) picks files inside a Hub repo or a local folder."""
     named = get_recipe(recipe) if recipe else None
     if files is not None:
-        folder = Path(source).expanduser()
+        folder = expand_user(source, "source", SourceError)
         if folder.is_dir():
             return resolve(str(folder / files), recipe=recipe, split=split)
         if source in RECIPES or HUB_ID.match(source):
@@ -140,7 +141,7 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
         raise SourceError(f"{source}: 'files' picks files inside a folder or a Hub dataset; this is neither")
     # A file or folder on disk wins over a recipe or Hub id of the same name (as over a Hub id, below);
     # a recipe's name then still sets the formatting, as --recipe does.
-    on_disk = source in RECIPES and Path(source).expanduser().exists()
+    on_disk = source in RECIPES and Path(source).exists()  # a recipe's name has no ~
     if source in RECIPES and not on_disk:
         if named is not None and named.name != source:
             raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RecordError, TokenizerError
+from ..fs import expand_user
 from .chat import chat_renderer
 from .formatting import FormatSpec, Formatter
 
@@ -104,7 +105,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
     cache first, then on the Hub. ``chat_template`` is a Jinja file that replaces the tokenizer's own
     template (e.g. a ``{% generation %}``-tagged training twin); the manifest records its hash.
     """
-    folder = Path(name_or_path).expanduser()
+    folder = expand_user(name_or_path, "--tokenizer", TokenizerError)
     if not folder.is_dir():
         # owner/name is a Hub id (offline, the Hub lookup says so); a longer or explicit path is a folder
         if name_or_path.startswith((".", "~", os.path.sep)) or name_or_path.count("/") > 1 or folder.exists():
@@ -127,7 +128,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
         )
     if chat_template is not None:
         try:
-            tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+            tokenizer.chat_template = expand_user(chat_template, "--chat-template", TokenizerError).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"--chat-template {chat_template}: cannot be read ({getattr(e, 'strerror', None) or e}); "
                                  "give a Jinja template file") from None
