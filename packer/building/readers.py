@@ -1,6 +1,6 @@
 """Local data files read record by record, without `datasets`: JSON Lines and JSON by Python's ``json``,
-Parquet, Arrow and CSV by pyarrow. (Text files and every Hub dataset are read by `datasets`: see
-:mod:`packer.building.sources`.)
+Parquet, Arrow and CSV by pyarrow, text line by line as `datasets`' text builder reads it. (Every Hub
+dataset is read by `datasets`: see :mod:`packer.building.sources`.)
 
 Why not `datasets` for these: a JSON line read by ``json.loads`` is the record exactly as written. The
 Arrow JSON reader `datasets` uses infers a type per column and block, so a date-like string became a
@@ -23,14 +23,30 @@ import errno
 import gzip
 import itertools
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import SourceError
+from .formatting import UNREADABLE
 
-OWN = ("json", "parquet", "arrow", "csv")  # the builders (file kinds) read here
+OWN = ("json", "parquet", "arrow", "csv", "text")  # the builders (file kinds) read here
+
+# The most bytes of JSON one record may take, checked as it is read, before it is held whole (a gzip'd
+# line of 2 GB characters is 9 MB on disk, and reading it whole took 6.4 GB): 16 bytes for each of the
+# 4,194,304 characters a record's text may have (``tokenization.MAX_RECORD_CHARS``), so a text at that
+# limit written entirely in \uXXXX escapes still fits, with room for fields the format does not use.
+MAX_RECORD_BYTES = 1 << 26
+def unreadable(message: str, reason: str) -> dict[str, Any]:
+    """A record that cannot be made, as the placeholder the formatter refuses (or ``--on-error skip`` counts)."""
+    return {UNREADABLE: (message, reason)}
+
+
+def _too_large(where: str) -> dict[str, Any]:
+    return unreadable(f"{where} holds over {MAX_RECORD_BYTES:,} bytes of JSON, more than a record may have (its text "
+                      "may have 4,194,304 characters); split it into several records", "too_long")
 
 
 def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
@@ -39,6 +55,8 @@ def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
         return _json_records(path)
     if builder == "csv":
         return _csv_records(path)
+    if builder == "text":
+        return _text_records(path)
     return _arrow_records(builder, path)
 
 
@@ -46,8 +64,8 @@ def count(builder: str, path: str, need: int) -> int:
     """How many records the file holds, counted up to ``need`` (more are not looked for), without making
     them where the format allows: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch
     lengths. A line that is not a record is counted here, and fails the build when it is read."""
-    if builder == "csv":  # quoted cells may span lines: the records are parsed, up to need
-        return sum(1 for _ in itertools.islice(_csv_records(path), need))
+    if builder in ("csv", "text"):  # quoted cells may span lines: the records are parsed, up to need
+        return sum(1 for _ in itertools.islice(records(builder, path), need))
     if builder != "json":
         with _arrow_errors(builder, path):
             if builder == "parquet":
@@ -73,7 +91,7 @@ def _json_records(path: str) -> Iterator[dict[str, Any]]:
             yield from _document_records(path, f)
             return
         for number, raw in _json_lines(f):
-            yield _record(path, number, raw)
+            yield _too_large(f"line {number}") if raw is None else _record(path, number, raw)
 
 
 def _open(path: str):
@@ -89,9 +107,17 @@ def _is_document(f) -> bool:
     return start.startswith(b"[")
 
 
-def _json_lines(f) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of every non-blank line."""
-    for number, raw in enumerate(f, start=1):
+def _json_lines(f) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of every non-blank line; the line is None where it is over ``MAX_RECORD_BYTES``,
+    which is passed over a block at a time, never held (``readline`` with a limit)."""
+    number = 0
+    while raw := f.readline(MAX_RECORD_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(_READ)
+            yield number, None
+            continue
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         if raw.strip():
@@ -152,6 +178,9 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
     """The items of a top-level JSON array, parsed one at a time from ``f`` (so ``--limit 10`` of a
     large array reads about 10 items' bytes, and no item is held after it is yielded)."""
     for k, item in enumerate(_array_items(path, f)):
+        if item is _OVERSIZE:
+            yield _too_large(f"item {k + 1} of the array")
+            continue
         if isinstance(item, str):  # an array of texts is read as records {"text": ...}, as `datasets` reads it
             item = {"text": item}
         if not isinstance(item, dict):
@@ -164,6 +193,9 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
 
 
 _READ = 1 << 20  # bytes read at a time from a JSON array; doubled while one item does not fit
+_OVERSIZE = object()  # an array item over MAX_RECORD_BYTES, passed over unread
+# what ends a stretch of an item passed over: in a string, its quote or a backslash; outside, a bracket or quote
+_IN_STRING, _OUTSIDE = re.compile(r'["\\]'), re.compile(r'["\[\]{},]')
 _TAIL = 32  # characters at the end of the text read where a value or an error may be cut short, not end
 
 
@@ -204,6 +236,55 @@ def _array_items(path: str, f) -> Iterator[Any]:
             if pos < len(buf) or not more():
                 return buf[pos] if pos < len(buf) else ""
 
+    def pass_over() -> int:
+        """Where the item at ``pos`` ends, read a block at a time and dropped as it is passed (the rest
+        of the array's syntax is checked as it is decoded after it)."""
+        nonlocal pos, want
+        depth, in_string, at = 0, False, pos
+        want = _READ
+        while True:
+            if at >= len(buf):
+                pos = at  # what is passed over is dropped by the next read
+                if not more():
+                    raise malformed("the array is not closed", len(buf))
+                at = pos
+                continue
+            if in_string:
+                hit = _IN_STRING.search(buf, at)
+                if hit is None:
+                    at = len(buf)
+                    continue
+                at = hit.end()
+                if hit.group() == "\\":
+                    if at >= len(buf):  # the escaped character is in the next block
+                        pos = at - 1
+                        if not more():
+                            raise malformed("the array is not closed", len(buf))
+                        at = pos + 1
+                    at += 1
+                    continue
+                in_string = False
+                if depth == 0:
+                    return at
+                continue
+            hit = _OUTSIDE.search(buf, at)
+            if hit is None:
+                at = len(buf)
+                continue
+            c = hit.group()
+            if c == '"':
+                in_string, at = True, hit.end()
+            elif c in "[{":
+                depth, at = depth + 1, hit.end()
+            elif depth == 0:  # the "," or "]" after a number or literal
+                return hit.start()
+            elif c in "]}":
+                depth, at = depth - 1, hit.end()
+                if depth == 0:
+                    return at
+            else:
+                at = hit.end()
+
     skip_space()
     pos += 1  # the "[" that _is_document saw
     if skip_space() == "]":
@@ -219,6 +300,9 @@ def _array_items(path: str, f) -> Iterator[Any]:
                 except json.JSONDecodeError as e:
                     # an error well before the text's end is one (a string may be longer than the text read)
                     final = len(buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
+                    if not final and len(buf) - pos > MAX_RECORD_BYTES:
+                        value, end = _OVERSIZE, pass_over()
+                        break
                     if not final and more():
                         want *= 2
                         continue
@@ -245,7 +329,10 @@ def _refuse_one_object(path: str) -> None:
     """A .json file whose whole text is one object (not an array, not one object per line) says so."""
     try:
         with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            document = json.loads(f.read().decode("utf-8-sig"))
+            text = f.read(MAX_RECORD_BYTES + 1)  # a larger document is no one object worth naming
+            if len(text) > MAX_RECORD_BYTES:
+                return
+            document = json.loads(text.decode("utf-8-sig"))
     except (ValueError, RecursionError, OSError, EOFError):
         return
     if isinstance(document, dict):
@@ -273,6 +360,29 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _text_records(path: str) -> Iterator[dict[str, Any]]:
+    """Each line a record ``{"text": line}``, as `datasets`' text builder reads a file (which builds read
+    before): UTF-8, universal newlines, the line break dropped, blank lines kept. A line over
+    ``MAX_RECORD_BYTES`` characters is passed over a block at a time (that builder read it whole: 2 GB of
+    memory for a line of 256 MB)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            number = 0
+            while line := f.readline(MAX_RECORD_BYTES + 1):
+                number += 1
+                if len(line) > MAX_RECORD_BYTES and not line.endswith("\n"):
+                    while line and not line.endswith("\n"):
+                        line = f.readline(_READ)
+                    yield unreadable(f"line {number} holds over {MAX_RECORD_BYTES:,} characters, more than a record "
+                                     "may have (4,194,304); split it into several lines", "too_long")
+                    continue
+                yield {"text": line.removesuffix("\n")}
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}: not UTF-8 text ({e.reason}); re-encode the file as UTF-8") from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
 def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     """Every cell as the text it is (a CSV file has no types: `datasets`' pandas reader made a column of
     numbers floats, and "4" a completion the build refused as not text); an empty cell is null.
@@ -290,19 +400,66 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     except OSError as e:
         raise _unreadable(path, e) from None
     _refuse_duplicates(path, names, "the header line")
+    # check_utf8 off: a row that is not UTF-8 is found by _batch_records, and --on-error skip skips it alone
     convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
-                                  null_values=[""])
+                                  null_values=[""], check_utf8=False)
     with _arrow_errors("csv", path):
-        reader = pcsv.open_csv(path, parse_options=pcsv.ParseOptions(newlines_in_values=True),
-                               convert_options=convert)
+        # a row must fit in one block: a block of the record bound reads every row a record may be
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=MAX_RECORD_BYTES),
+                               parse_options=pcsv.ParseOptions(newlines_in_values=True), convert_options=convert)
+        row = 0
         for batch in reader:
-            yield from batch.to_pylist()
+            yield from _batch_records(batch, row)
+            row += batch.num_rows
 
 
 def _arrow_records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     with _arrow_errors(builder, path):
+        row = 0
         for batch in _arrow_batches(builder, path):
+            yield from _batch_records(batch, row)
+            row += batch.num_rows
+
+
+def _batch_records(batch, first: int) -> Iterator[dict[str, Any]]:
+    """A batch's records, where each can be made: a row whose strings are not UTF-8 (Parquet and Arrow files
+    do not check it) or whose strings hold over ``MAX_RECORD_BYTES`` is its placeholder (``unreadable``),
+    found before it is made into Python objects."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sizes = None
+    for column in batch.columns:  # the strings of the top-level columns, measured in place
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_binary(column.type):
+            n = pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+            sizes = n if sizes is None else sizes + n
+    big = set() if sizes is None else set((sizes > MAX_RECORD_BYTES).nonzero()[0].tolist())
+    if not big:
+        try:
             yield from batch.to_pylist()
+            return
+        except UnicodeDecodeError:
+            pass  # which rows: one at a time below
+    for i in range(batch.num_rows):
+        if i in big:
+            yield unreadable(f"row {first + i + 1} holds over {MAX_RECORD_BYTES:,} bytes of text, more than a record "
+                             "may have (its text may have 4,194,304 characters); split it into several rows", "too_long")
+            continue
+        one = batch.slice(i, 1)
+        try:
+            yield one.to_pylist()[0]
+        except UnicodeDecodeError as e:
+            name = next((n for n, c in zip(one.schema.names, one.columns, strict=True) if _not_utf8(c)), "?")
+            yield unreadable(f"row {first + i + 1}, column {name!r}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "re-encode the file's text as UTF-8", "not_utf8")
+
+
+def _not_utf8(column) -> bool:
+    try:
+        column.to_pylist()
+        return False
+    except UnicodeDecodeError:
+        return True
 
 
 @contextmanager
@@ -316,6 +473,9 @@ def _arrow_errors(builder: str, path: str):
             raise _unreadable(path, e) from None
         if "invalid UTF8" in str(e):
             raise SourceError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
+        if "straddl" in str(e):  # pyarrow's CSV reader: a row larger than the block it reads
+            raise SourceError(f"{path}: a row holds over {MAX_RECORD_BYTES:,} bytes, more than a record may have (its "
+                              "text may have 4,194,304 characters); split it into several rows") from None
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "check the file is complete and of that type") from None
 

@@ -321,8 +321,14 @@ class Stream:
         mix part may have), or the source's features where `datasets` knows them in advance. A source
         without a single record is a ``SourceError``."""
         own = self.source.kind == "local" and self.source.builder in readers.OWN
+        first = None  # records its reader could not make name no fields: the fields are the next batch's
         for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, BATCH if own else 1):
-            return list(batch)
+            names = [name for name in batch if name != readers.UNREADABLE]
+            if names:
+                return names
+            first = first or next(filter(None, batch[readers.UNREADABLE]))
+        if first is not None:
+            raise SourceError(f"{self.name}: holds no record that can be read; the first: {first[0]}")
         raise SourceError(f"{self.name}: holds no records; check the file or --split")
 
     def count(self) -> int:
