@@ -307,6 +307,9 @@ def _array_items(path: str, f) -> Iterator[Any]:
                         want *= 2
                         continue
                     raise malformed(e.msg, e.pos) from None
+                if end - pos > MAX_RECORD_BYTES:  # decoded, but no smaller for that: refused as any larger one
+                    value = _OVERSIZE
+                    break
                 if eof or len(buf) - end > _TAIL:
                     break
                 want *= 2
