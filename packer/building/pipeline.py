@@ -26,7 +26,7 @@ from ..contract.config import ROW_LIMIT, BuildConfig
 from ..contract.recipes import BUNDLED_TOKENIZER
 from ..errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
 from ..fs import file_sha256
-from ..planning.context_parallel import pad_token_id
+from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
 from . import engines, mix, output, sources, spill
@@ -241,13 +241,17 @@ _FEWER_EPOCHS = "lower --epochs (the loader can also replay a build's epochs, ea
 def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
     """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
     memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
-    grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
+    grows without bound. The shard size counted is a floor (no row overhead; each segment's padding, not a
+    row's), so what fits is never refused."""
     if config.pack == "wrap" or config.overlong == "split":
         kept = lengths
     elif config.overlong == "drop":  # a dropped example writes nothing
         kept = lengths[lengths <= config.max_len]
     else:
         kept = np.minimum(lengths, config.max_len)
+    layout = config.layout()
+    if layout is not None and config.pack != "wrap":  # the padding is written as tokens too (a row's own: left out)
+        kept = pad_up(kept.astype(np.int64), layout.segment_multiple)
     epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(kept)
     free = shutil.disk_usage(out).free
     if config.epochs * epoch > free:
