@@ -12,7 +12,10 @@ CSV file has none, so every cell is the text it holds.
 
 A record is the n-th record of its file when it is the n-th object on a non-blank line (JSON Lines),
 or the n-th item of the top-level array (a JSON document). Every failure is a ``SourceError`` that
-names the file and, for JSON, the line.
+names the file and, for JSON, the line. A record that cannot be made (over ``MAX_RECORD_BYTES``, text
+that is not UTF-8) is found on the stream, before it is held, and stays in it as a placeholder
+(``unreadable``) that the formatter refuses as a ``RecordError``: one line, or under ``--on-error skip``
+skipped and counted.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Reading inputs as a stream: a recipe, a local file/folder/glob, or a Hub dataset id.
 
 ``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
-:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet and Arrow files by
-:mod:`packer.building.readers`, CSV and text files and Hub datasets through `datasets`' streaming readers (an
-``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
+:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet, Arrow, CSV and text files by
+:mod:`packer.building.readers`, Hub datasets through `datasets`' streaming readers (an ``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
 ``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
 file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
 one-line `SourceError` that names the file, the line where it can, and the fix.

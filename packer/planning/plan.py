@@ -646,9 +646,9 @@ def padded_budget(layout: Layout, mode: str, max_len: int, max_tokens: int | Non
                           f"({layout.row_multiple:,}) is 0 tokens; lower --cp-size or --pad-to-multiple-of, or raise "
                           "--max-tokens")
     if mode != "wrap" and longest > cap:
-        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest}, more than the row budget of {cap} "
-                          f"(max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len "
-                          "or raise --max-tokens")
+        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest:,}, more than the row budget of "
+                          f"{cap:,} (max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len, "
+                          "raise --max-tokens, or lower --pad-to-multiple-of or --cp-size")
     return cap
 
 
