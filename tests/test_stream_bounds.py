@@ -180,3 +180,15 @@ sys.exit(result.exit_code)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "d.jsonl.gz record 2: line 2 holds over 67,108,864 bytes of JSON" in proc.stdout, proc.stdout
+
+
+def test_text_files_are_read_as_datasets_text_builder_read_them(tmp_path):
+    """Builds from text files read them through `datasets` before: the same records, so every such build
+    re-reads (verify --source) as it was made."""
+    import datasets
+
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"\xef\xbb\xbfone\r\ntwo\rthree\n\n  four  \n\x0cfive\xe2\x80\xa8six\nlast")
+    ours = [r["text"] for r in readers.records("text", str(path))]
+    theirs = [r["text"] for r in datasets.load_dataset("text", data_files=[str(path)], split="train", streaming=True)]
+    assert ours == theirs and len(ours) == 7
