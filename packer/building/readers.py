@@ -180,7 +180,7 @@ def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
 def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
     """The items of a top-level JSON array, parsed one at a time from ``f`` (so ``--limit 10`` of a
     large array reads about 10 items' bytes, and no item is held after it is yielded)."""
-    for k, item in enumerate(_array_items(path, f)):
+    for k, item in enumerate(_Array(path, f).items()):
         if item is _OVERSIZE:
             yield _too_large(f"item {k + 1} of the array")
             continue
@@ -202,133 +202,131 @@ _IN_STRING, _OUTSIDE = re.compile(r'["\\]'), re.compile(r'["\[\]{},]')
 _TAIL = 32  # characters at the end of the text read where a value or an error may be cut short, not end
 
 
-def _array_items(path: str, f) -> Iterator[Any]:
-    """Each value of the top-level array in ``f``, decoded by the stdlib's ``raw_decode`` from a text buffer
+class _Array:
+    """The values of the top-level array in ``f``, decoded by the stdlib's ``raw_decode`` from a text buffer
     that holds the current item (not the file). A value that reaches the buffer's end may be incomplete
-    (a number, a string cut in two): it is decoded again with more text."""
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8-sig")()
-    buf, pos, lines_before, read, eof, want = "", 0, 0, 0, False, _READ
+    (a number, a string cut in two): it is decoded again with more text. An item over ``MAX_RECORD_BYTES``
+    is passed over a block at a time (``_OVERSIZE``)."""
 
-    def more() -> bool:
-        nonlocal buf, pos, lines_before, read, eof
-        if eof:
+    def __init__(self, path: str, f):
+        self.path, self.f = path, f
+        self.decoder = json.JSONDecoder()
+        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")()
+        self.buf, self.pos, self.lines_before, self.read, self.eof, self.want = "", 0, 0, 0, False, _READ
+
+    def more(self) -> bool:
+        """Read the next ``want`` bytes onto the text after ``pos`` (what is before it is dropped)."""
+        if self.eof:
             return False
-        data = f.read(want)
+        data = self.f.read(self.want)
         try:
-            text = utf8.decode(data, final=not data)
+            text = self.utf8.decode(data, final=not data)
         except UnicodeDecodeError as e:
-            raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {read + e.start}); re-encode the file as "
-                              "UTF-8") from None
-        read += len(data)
-        eof = not data
-        lines_before += buf.count("\n", 0, pos)
-        buf, pos = buf[pos:] + text, 0
+            raise SourceError(f"{self.path}: not UTF-8 text ({e.reason} at byte {self.read + e.start}); re-encode the "
+                              "file as UTF-8") from None
+        self.read += len(data)
+        self.eof = not data
+        self.lines_before += self.buf.count("\n", 0, self.pos)
+        self.buf, self.pos = self.buf[self.pos:] + text, 0
         return True
 
-    def malformed(message: str, at: int) -> SourceError:
-        return SourceError(f"{path}:{lines_before + buf.count(chr(10), 0, at) + 1}: malformed JSON ({message}); "
-                           "fix the document")
+    def malformed(self, message: str, at: int) -> SourceError:
+        return SourceError(f"{self.path}:{self.lines_before + self.buf.count(chr(10), 0, at) + 1}: malformed JSON "
+                           f"({message}); fix the document")
 
-    def skip_space() -> str:
+    def skip_space(self) -> str:
         """The next character that is not white space ("" at the end of the file)."""
-        nonlocal pos
         while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos < len(buf) or not more():
-                return buf[pos] if pos < len(buf) else ""
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos] if self.pos < len(self.buf) else ""
 
-    def pass_over() -> int:
+    def items(self) -> Iterator[Any]:
+        self.skip_space()
+        self.pos += 1  # the "[" that _is_document saw
+        if self.skip_space() == "]":
+            self.pos += 1
+        else:
+            while True:
+                value, self.pos = self.value()
+                yield value
+                self.want = _READ
+                after = self.skip_space()
+                self.pos += 1
+                if after == "]":
+                    break
+                if after != ",":
+                    raise self.malformed("expecting ',' or ']' after an item" if after else "the array is not closed",
+                                         self.pos - 1)
+                self.skip_space()
+        if self.skip_space():
+            raise self.malformed("extra data after the array", self.pos)
+
+    def value(self) -> tuple[Any, int]:
+        """The item at ``pos`` and where it ends, read on until it is whole."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+            except RecursionError:
+                raise SourceError(f"{self.path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
+                                  "records") from None
+            except json.JSONDecodeError as e:
+                # an error well before the text's end is one (a string may be longer than the text read)
+                final = len(self.buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
+                if not final and len(self.buf) - self.pos > MAX_RECORD_BYTES:
+                    return _OVERSIZE, self.pass_over()
+                if not final and self.more():
+                    self.want *= 2
+                    continue
+                raise self.malformed(e.msg, e.pos) from None
+            if end - self.pos > MAX_RECORD_BYTES:  # decoded, but no smaller for that: refused as any larger one
+                return _OVERSIZE, end
+            if self.eof or len(self.buf) - end > _TAIL:
+                return value, end
+            self.want *= 2
+            self.more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
+
+    def next_block(self, keep: int) -> int:
+        """Drop the text before ``keep`` and read on; where ``keep`` is now."""
+        self.pos = keep
+        if not self.more():
+            raise self.malformed("the array is not closed", len(self.buf))
+        return self.pos
+
+    def pass_over(self) -> int:
         """Where the item at ``pos`` ends, read a block at a time and dropped as it is passed (the rest
         of the array's syntax is checked as it is decoded after it)."""
-        nonlocal pos, want
-        depth, in_string, at = 0, False, pos
-        want = _READ
+        depth, in_string, at = 0, False, self.pos
+        self.want = _READ
         while True:
-            if at >= len(buf):
-                pos = at  # what is passed over is dropped by the next read
-                if not more():
-                    raise malformed("the array is not closed", len(buf))
-                at = pos
+            if at >= len(self.buf):
+                at = self.next_block(at)
                 continue
+            hit = (_IN_STRING if in_string else _OUTSIDE).search(self.buf, at)
+            if hit is None:
+                at = len(self.buf)
+                continue
+            c, at = hit.group(), hit.end()
             if in_string:
-                hit = _IN_STRING.search(buf, at)
-                if hit is None:
-                    at = len(buf)
-                    continue
-                at = hit.end()
-                if hit.group() == "\\":
-                    if at >= len(buf):  # the escaped character is in the next block
-                        pos = at - 1
-                        if not more():
-                            raise malformed("the array is not closed", len(buf))
-                        at = pos + 1
+                if c == "\\":  # the escaped character, maybe in the next block, is passed over
+                    if at >= len(self.buf):
+                        at = self.next_block(at - 1) + 1
                     at += 1
                     continue
                 in_string = False
                 if depth == 0:
                     return at
-                continue
-            hit = _OUTSIDE.search(buf, at)
-            if hit is None:
-                at = len(buf)
-                continue
-            c = hit.group()
-            if c == '"':
-                in_string, at = True, hit.end()
+            elif c == '"':
+                in_string = True
             elif c in "[{":
-                depth, at = depth + 1, hit.end()
+                depth += 1
             elif depth == 0:  # the "," or "]" after a number or literal
                 return hit.start()
             elif c in "]}":
-                depth, at = depth - 1, hit.end()
+                depth -= 1
                 if depth == 0:
                     return at
-            else:
-                at = hit.end()
-
-    skip_space()
-    pos += 1  # the "[" that _is_document saw
-    if skip_space() == "]":
-        pos += 1
-    else:
-        while True:
-            while True:
-                try:
-                    value, end = decoder.raw_decode(buf, pos)
-                except RecursionError:
-                    raise SourceError(f"{path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
-                                      "records") from None
-                except json.JSONDecodeError as e:
-                    # an error well before the text's end is one (a string may be longer than the text read)
-                    final = len(buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
-                    if not final and len(buf) - pos > MAX_RECORD_BYTES:
-                        value, end = _OVERSIZE, pass_over()
-                        break
-                    if not final and more():
-                        want *= 2
-                        continue
-                    raise malformed(e.msg, e.pos) from None
-                if end - pos > MAX_RECORD_BYTES:  # decoded, but no smaller for that: refused as any larger one
-                    value = _OVERSIZE
-                    break
-                if eof or len(buf) - end > _TAIL:
-                    break
-                want *= 2
-                more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
-            pos = end
-            yield value
-            want = _READ
-            after = skip_space()
-            pos += 1
-            if after == "]":
-                break
-            if after != ",":
-                raise malformed("expecting ',' or ']' after an item" if after else "the array is not closed", pos - 1)
-            skip_space()
-    if skip_space():
-        raise malformed("extra data after the array", pos)
 
 
 def _refuse_one_object(path: str) -> None:
