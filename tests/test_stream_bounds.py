@@ -128,21 +128,39 @@ def _not_utf8_table():
                      "completion": strings([b"a0", b"a1", b"a2"])})
 
 
-@pytest.mark.parametrize("name", ["d.parquet", "d.arrow", "d.csv"])
+NOT_UTF8 = {  # the second of three records holds "caf\xe9" (Latin-1): where each format says it is
+    "d.parquet": "row 2, column 'prompt': not UTF-8 text", "d.arrow": "row 2, column 'prompt': not UTF-8 text",
+    "d.csv": "row 2, column 'prompt': not UTF-8 text", "d.jsonl": "line 2: not UTF-8 text",
+    "d.jsonl.gz": "line 2: not UTF-8 text", "d.json": "item 2 of the array holds text that is not UTF-8",
+    "d.txt": "line 2: not UTF-8 text"}
+
+
+@pytest.mark.parametrize("name", NOT_UTF8)
 def test_text_that_is_not_utf8_is_one_line_or_skipped_and_counted(tmp_path, name):
+    import gzip
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path, table = tmp_path / name, _not_utf8_table()
+    records = [b'{"prompt": "q0 what", "completion": "a0"}', b'{"prompt": "q1 caf\xe9", "completion": "a1"}',
+               b'{"prompt": "q2 who", "completion": "a2"}']
     if name == "d.parquet":
         pq.write_table(table, path)
     elif name == "d.arrow":
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-    else:
+    elif name == "d.csv":
         path.write_bytes(b"prompt,completion\nq0 what,a0\nq1 caf\xe9,a1\nq2 who,a2\n")
+    elif name == "d.txt":
+        path.write_bytes(b"q0 what a0\nq1 caf\xe9 a1\nq2 who a2\n")
+    elif name == "d.json":
+        path.write_bytes(b"[" + b",\n".join(records) + b"]")
+    else:
+        data = b"\n".join(records) + b"\n"
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     line = one_line(build_cli(str(path), "--out", str(tmp_path / "out")))
-    assert f"{name} record 2: row 2, column 'prompt': not UTF-8 text" in line and "re-encode" in line, line
+    assert f"{name} record 2: {NOT_UTF8[name]}" in line and "re-encode" in line, line
     result = build_cli(str(path), "--on-error", "skip", "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     stats = json.loads((tmp_path / "out" / "manifest.json").read_text())["stats"]

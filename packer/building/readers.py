@@ -158,9 +158,9 @@ def _unreadable(path: str, e: OSError) -> SourceError:
 def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
     try:
         line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SourceError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode "
-                          "the file as UTF-8") from None
+    except UnicodeDecodeError as e:  # the line's alone: the next lines are read as they are
+        return unreadable(f"line {number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the "
+                          "file as UTF-8", "not_utf8")
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -189,9 +189,10 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
         if not isinstance(item, dict):
             raise SourceError(f"{path}: item {k + 1} of the array is {_kind(item)}, not a record ({{...}}); give an "
                               "array of JSON objects")
-        if _has_lone_surrogate(item):
-            raise SourceError(f"{path}: item {k + 1} holds a \\uXXXX escape of half a surrogate pair (not a "
-                              "character); fix that text")
+        if _has_lone_surrogate(item):  # bytes that are not UTF-8 (decoded as lone surrogates), or such an escape
+            yield unreadable(f"item {k + 1} of the array holds text that is not UTF-8, or a \\uXXXX escape of half a "
+                             "surrogate pair (not a character); re-encode or fix that text", "not_utf8")
+            continue
         yield item
 
 
@@ -211,7 +212,8 @@ class _Array:
     def __init__(self, path: str, f):
         self.path, self.f = path, f
         self.decoder = json.JSONDecoder()
-        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")()
+        # bytes that are not UTF-8 become lone surrogates, found in their item (_document_records)
+        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
         self.buf, self.pos, self.lines_before, self.read, self.eof, self.want = "", 0, 0, 0, False, _READ
 
     def more(self) -> bool:
@@ -370,7 +372,7 @@ def _text_records(path: str) -> Iterator[dict[str, Any]]:
     ``MAX_RECORD_BYTES`` characters is passed over a block at a time (that builder read it whole: 2 GB of
     memory for a line of 256 MB)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:  # a line that is not UTF-8: its own
             number = 0
             while line := f.readline(MAX_RECORD_BYTES + 1):
                 number += 1
@@ -379,6 +381,9 @@ def _text_records(path: str) -> Iterator[dict[str, Any]]:
                         line = f.readline(_READ)
                     yield unreadable(f"line {number} holds over {MAX_RECORD_BYTES:,} characters, more than a record "
                                      "may have (4,194,304); split it into several lines", "too_long")
+                    continue
+                if _has_lone_surrogate(line):
+                    yield unreadable(f"line {number}: not UTF-8 text; re-encode the file as UTF-8", "not_utf8")
                     continue
                 yield {"text": line.removesuffix("\n")}
     except UnicodeDecodeError as e:
