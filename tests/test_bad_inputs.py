@@ -80,7 +80,7 @@ def _cases():
     case("chat_turn_not_object", lambda t: [str(jsonl(t / "c.jsonl", [{"messages": ["hi", "there"]}]))],
          "c.jsonl record 1", "turn 0 is not a")
     case("invalid_utf8", lambda t: [_bytes(t / "d.jsonl", b'{"prompt": "caf\xe9", "completion": "b"}\n')],
-         "d.jsonl: holds no record that can be read; the first: line 1: not UTF-8 text", "re-encode the file as UTF-8")
+         "d.jsonl:1: not UTF-8 text", "re-encode the file as UTF-8")
     case("csv_no_known_columns", lambda t: [_text(t / "d.csv", "a,b\n1,2\n")],
          "cannot tell which fields to train on", "columns are a, b", "--prompt-field")
     # -- budget

@@ -94,7 +94,7 @@ def _json_records(path: str) -> Iterator[dict[str, Any]]:
             yield from _document_records(path, f)
             return
         for number, raw in _json_lines(f):
-            yield _too_large(f"line {number}") if raw is None else _record(path, number, raw)
+            yield _too_large(f"{path}:{number}: the line") if raw is None else _record(path, number, raw)
 
 
 def _open(path: str):
@@ -159,7 +159,7 @@ def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:  # the line's alone: the next lines are read as they are
-        return unreadable(f"line {number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the "
+        return unreadable(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the "
                           "file as UTF-8", "not_utf8")
     try:
         record = json.loads(line)
@@ -182,7 +182,7 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
     large array reads about 10 items' bytes, and no item is held after it is yielded)."""
     for k, item in enumerate(_Array(path, f).items()):
         if item is _OVERSIZE:
-            yield _too_large(f"item {k + 1} of the array")
+            yield _too_large(f"{path}: item {k + 1} of the array")
             continue
         if isinstance(item, str):  # an array of texts is read as records {"text": ...}, as `datasets` reads it
             item = {"text": item}
@@ -190,7 +190,7 @@ def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
             raise SourceError(f"{path}: item {k + 1} of the array is {_kind(item)}, not a record ({{...}}); give an "
                               "array of JSON objects")
         if _has_lone_surrogate(item):  # bytes that are not UTF-8 (decoded as lone surrogates), or such an escape
-            yield unreadable(f"item {k + 1} of the array holds text that is not UTF-8, or a \\uXXXX escape of half a "
+            yield unreadable(f"{path}: item {k + 1} of the array holds text that is not UTF-8, or a \\uXXXX escape of half a "
                              "surrogate pair (not a character); re-encode or fix that text", "not_utf8")
             continue
         yield item
@@ -379,11 +379,11 @@ def _text_records(path: str) -> Iterator[dict[str, Any]]:
                 if len(line) > MAX_RECORD_BYTES and not line.endswith("\n"):
                     while line and not line.endswith("\n"):
                         line = f.readline(_READ)
-                    yield unreadable(f"line {number} holds over {MAX_RECORD_BYTES:,} characters, more than a record "
+                    yield unreadable(f"{path}:{number}: the line holds over {MAX_RECORD_BYTES:,} characters, more than a record "
                                      "may have (4,194,304); split it into several lines", "too_long")
                     continue
                 if _has_lone_surrogate(line):
-                    yield unreadable(f"line {number}: not UTF-8 text; re-encode the file as UTF-8", "not_utf8")
+                    yield unreadable(f"{path}:{number}: not UTF-8 text; re-encode the file as UTF-8", "not_utf8")
                     continue
                 yield {"text": line.removesuffix("\n")}
     except UnicodeDecodeError as e:
@@ -418,7 +418,7 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
                                parse_options=pcsv.ParseOptions(newlines_in_values=True), convert_options=convert)
         row = 0
         for batch in reader:
-            yield from _batch_records(batch, row)
+            yield from _batch_records(path, batch, row)
             row += batch.num_rows
 
 
@@ -426,11 +426,11 @@ def _arrow_records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     with _arrow_errors(builder, path):
         row = 0
         for batch in _arrow_batches(builder, path):
-            yield from _batch_records(batch, row)
+            yield from _batch_records(path, batch, row)
             row += batch.num_rows
 
 
-def _batch_records(batch, first: int) -> Iterator[dict[str, Any]]:
+def _batch_records(path: str, batch, first: int) -> Iterator[dict[str, Any]]:
     """A batch's records, where each can be made: a row whose strings are not UTF-8 (Parquet and Arrow files
     do not check it) or whose strings hold over ``MAX_RECORD_BYTES`` is its placeholder (``unreadable``),
     found before it is made into Python objects."""
@@ -451,7 +451,7 @@ def _batch_records(batch, first: int) -> Iterator[dict[str, Any]]:
             pass  # which rows: one at a time below
     for i in range(batch.num_rows):
         if i in big:
-            yield unreadable(f"row {first + i + 1} holds over {MAX_RECORD_BYTES:,} bytes of text, more than a record "
+            yield unreadable(f"{path}: row {first + i + 1} holds over {MAX_RECORD_BYTES:,} bytes of text, more than a record "
                              "may have (its text may have 4,194,304 characters); split it into several rows", "too_long")
             continue
         one = batch.slice(i, 1)
@@ -459,7 +459,7 @@ def _batch_records(batch, first: int) -> Iterator[dict[str, Any]]:
             yield one.to_pylist()[0]
         except UnicodeDecodeError as e:
             name = next((n for n, c in zip(one.schema.names, one.columns, strict=True) if _not_utf8(c)), "?")
-            yield unreadable(f"row {first + i + 1}, column {name!r}: not UTF-8 text ({e.reason} at byte {e.start}); "
+            yield unreadable(f"{path}: row {first + i + 1}, column {name!r}: not UTF-8 text ({e.reason} at byte {e.start}); "
                              "re-encode the file's text as UTF-8", "not_utf8")
 
 

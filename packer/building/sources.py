@@ -1,8 +1,9 @@
 """Reading inputs as a stream: a recipe, a local file/folder/glob, or a Hub dataset id.
 
 ``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
-:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet, Arrow, CSV and text files by
-:mod:`packer.building.readers`, Hub datasets through `datasets`' streaming readers (an ``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
+:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet, Arrow, CSV and text files
+by :mod:`packer.building.readers`, Hub datasets through `datasets`' streaming readers (an
+``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
 ``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
 file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
 one-line `SourceError` that names the file, the line where it can, and the fix.
@@ -323,9 +324,10 @@ class Stream:
         first = None  # records its reader could not make name no fields: the fields are the next batch's
         for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, BATCH if own else 1):
             names = [name for name in batch if name != readers.UNREADABLE]
-            if names:
+            bad = batch.get(readers.UNREADABLE)
+            if names or not bad:  # records of no fields ({}) are the format's to refuse
                 return names
-            first = first or next(filter(None, batch[readers.UNREADABLE]))
+            first = first or next(filter(None, bad))
         if first is not None:
             raise SourceError(f"{self.name}: holds no record that can be read; the first: {first[0]}")
         raise SourceError(f"{self.name}: holds no records; check the file or --split")
