@@ -252,7 +252,17 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
                 for t, kind in merged
             )
             lines.append(f"{bar} {styled}")
+        if _appended_after_own_end(seg, view.eos_token_id):
+            lines.append(f"{bar} " + click.style("(last token: the EOS packer appends after the template's own end "
+                                                  "of turn; docs/chat.md)", dim=True))
     return _plain(lines, color)
+
+
+def _appended_after_own_end(seg, eos: int | None) -> bool:
+    """A chat render that ends with its end-of-turn token (the EOS) and a newline gets one more EOS from
+    packer: `<|im_end|>` twice, which reads like a bug unless said."""
+    ids = seg.ids
+    return eos is not None and len(ids) >= 2 and ids[-1] == eos and eos in ids[-3:-1] and seg.runs is not None
 
 
 def _wrap(pieces: list[tuple[str, str]], width: int) -> list[list[tuple[str, str]]]:
