@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, need_shared, shard_rows
 
 from packer import BuildConfig, build, render
 from packer.checking import inspect_
@@ -30,9 +30,8 @@ def _segments(out) -> dict[int, tuple[list[int], list[int]]]:
     """example id -> (ids, labels) of its one segment."""
     found = {}
     for entry in schema.read_manifest(out).shards:
-        table = schema.open_shard(out / entry.file).to_pydict()
-        for ids, labels, lens, exids in zip(table["input_ids"], table["labels"], table["seq_lens"],
-                                            table["example_ids"], strict=True):
+        for row in shard_rows(out / entry.file):
+            ids, labels, lens, exids = row["input_ids"], row["labels"], row["seq_lens"], row["example_ids"]
             at = 0
             for n, ex in zip(lens, exids, strict=True):
                 assert ex not in found, "one segment per example"
@@ -52,8 +51,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_left_truncation_keeps_the_answer_whole(tmp_path, case):
     options = dict(CASES[case])
-    if case != "bundled" and not (SHARED_DATA / "gsm8k_train.jsonl").is_file():
-        pytest.skip("../shared/data is absent")
+    if case != "bundled":
+        need_shared("gsm8k_train.jsonl")
+        need_shared("llama2-tokenizer")
     max_len = options.pop("max_len")
     whole = _build(tmp_path / "whole", max_len=8192, **options)
     right = _build(tmp_path / "right", max_len=max_len, **options)

@@ -19,18 +19,16 @@ import glob
 import itertools
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ..contract.recipes import RECIPES, Recipe, get_recipe
 from ..errors import ConfigError, PackerError, SourceError
 from ..fs import expand_user
-from . import readers
+from . import hub, readers
 
 BATCH = 1000  # records per read when only counting or peeking
 
@@ -197,17 +195,11 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
     )
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def _hub_reachable() -> bool:
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        return True  # offline mode reads the local cache; let datasets say whether it is there
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    # offline mode reads the local cache; let datasets say whether it is there
+    return constants.HF_HUB_OFFLINE or hub.reachable()
 
 
 def hub_revision(hub_id: str) -> str | None:

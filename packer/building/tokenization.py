@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import RecordError, TokenizerError
 from ..fs import expand_user
+from . import hub
 from .chat import chat_renderer
 from .formatting import FormatSpec, Formatter
 
@@ -139,13 +140,16 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
 
 
 def _from_hub(repo_id: str) -> Path:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
+    # With no network, hf_hub_download would retry each file missing from the cache for ~24 s: ask
+    # once whether the Hub is there, and if not read only the cache (a miss then fails at once).
+    cache_only = constants.HF_HUB_OFFLINE or not hub.reachable()
     folder = None
     for filename in TOKENIZER_FILES:
         try:
-            folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5)).parent
+            folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5, local_files_only=cache_only)).parent
         except EntryNotFoundError as e:
             if not isinstance(e, LocalEntryNotFoundError):  # its subclass: offline, or not in the cache
                 continue
