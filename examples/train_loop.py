@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from tqdm import tqdm
 
 from packer import make_dataloader
 
@@ -21,15 +22,18 @@ except ImportError:  # imported as examples.train_loop
     from examples.common import batches_over_epochs, tiny_llama
 
 
-def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, model=None) -> list[float]:
-    """``steps`` optimizer steps; returns each step's loss (the step's mean token loss)."""
+def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, model=None,
+          progress: bool = False) -> list[float]:
+    """``steps`` optimizer steps; returns each step's loss (the step's mean token loss). With ``progress``,
+    a bar of the steps (a CPU step over full rows takes seconds) and each step's loss as it ends."""
     model = model if model is not None else tiny_llama(directory)
     model.train()
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = batches_over_epochs(loader)
     losses = []
-    for _ in range(steps):
+    bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    for i in range(steps):
         step_loss = 0.0
         for _ in range(grad_accum):
             loss = model(**next(batches)).loss  # already divided by the step's loss tokens
@@ -38,8 +42,11 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, m
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
+        bar.update()
+        if progress:
+            bar.write(f"step {i}: loss {step_loss:.4f}")
+    bar.close()
     return losses
-
 
 
 if __name__ == "__main__":
@@ -48,5 +55,4 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grad-accum", type=int, default=2)
     args = p.parse_args()
-    for i, loss in enumerate(train(args.directory, steps=args.steps, grad_accum=args.grad_accum)):
-        print(f"step {i}: loss {loss:.4f}")
+    train(args.directory, steps=args.steps, grad_accum=args.grad_accum, progress=True)

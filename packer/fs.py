@@ -11,7 +11,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from .errors import ShardFormatError
+from .errors import PackerError, ShardFormatError
 
 PathLike = str | os.PathLike
 
@@ -19,6 +19,22 @@ PathLike = str | os.PathLike
 def is_url(path: PathLike) -> bool:
     """True for an fsspec URL (``proto://...``); a local path otherwise."""
     return isinstance(path, str) and "://" in path
+
+
+def expand_user(path: PathLike, what: str, error: type[PackerError]) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded, as the shell expands it. A ``~user`` of no user on
+    this machine is ``error`` in one line: ``Path.expanduser`` raises a bare RuntimeError, ``os.path``
+    leaves the ``~`` in place, which would name a folder called ``~user`` here."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.startswith("~"):
+        return Path(path)
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        user = text[1:].split(os.sep, 1)[0]
+        home = f"~{user}" if user else "~"
+        raise error(f"{what} {text}: {f'there is no user {user!r} on this machine, so' if user else 'no home folder is set (HOME), so'}"
+                    f" {home} names no folder; give the path in full")
+    return Path(expanded)
 
 
 def local_path(path: PathLike) -> Path | None:

@@ -41,19 +41,7 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
         what = f"{path.suffix!r} is not one matplotlib writes" if path.suffix else "it has none"
         raise ConfigError(f"--plot {path}: the file's suffix sets the figure's format, and {what} "
                           f"({', '.join(sorted(formats))}); name it {path.stem}.png, .svg or .pdf")
-    s, cfg = data.stats, data.config
-    budget = max(1, data.row_budget)
-    mode = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", rows ≤ {budget:,} tokens")
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    fig.suptitle(f"{data.directory} — {s.rows:,} rows ({mode}) · {s.tokens:,} tokens · "
-                 f"{s.examples_read:,} examples", fontsize=13, fontweight="bold")
-
-    _lengths_panel(axes[0, 0], data)
-    _fill_panel(axes[0, 1], data, budget)
-    _examples_panel(axes[1, 0], data)
-    _padding_panel(axes[1, 1], data)
-
+    fig = figure(data)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
@@ -62,6 +50,27 @@ def plot_build(data: PlotData, path: str | os.PathLike) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def figure(data: PlotData):
+    """The four panels of ``data`` as a matplotlib figure (the caller saves and closes it)."""
+    import matplotlib.pyplot as plt
+
+    s, cfg = data.stats, data.config
+    budget = max(1, data.row_budget)
+    mode = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", rows ≤ {budget:,} tokens")
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    what = f"{s.rows:,} rows ({mode}) · {s.tokens:,} tokens · {s.examples_read:,} examples"
+    # a long folder name gets its own line, so the title stays inside the figure
+    fig.suptitle(f"{data.directory}{' — ' if len(str(data.directory)) + len(what) < 90 else chr(10)}{what}",
+                 fontsize=13, fontweight="bold")
+
+    _lengths_panel(axes[0, 0], data)
+    _fill_panel(axes[0, 1], data, budget)
+    _examples_panel(axes[1, 0], data)
+    _padding_panel(axes[1, 1], data)
+    return fig
 
 
 def _lengths_panel(ax, data: PlotData) -> None:
@@ -95,8 +104,7 @@ def _fill_panel(ax, data: PlotData, budget: int) -> None:
             fontsize=9, bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     ax.set_ylim(0, 1.02)
     ax.set_xlim(-0.5, max(0.5, fill.size - 0.5))
-    ax.set_title(f"fill of each row, sorted (budget {budget:,} tokens"
-                 + (", the largest row)" if cfg.pack == "batch" else ")"))
+    ax.set_title(f"each row's fill, of {budget:,} tokens" + (" (its largest row)" if cfg.pack == "batch" else ""))
     ax.set_xlabel("rows, fullest first")
     ax.set_ylabel("tokens / row budget")
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
@@ -155,7 +163,9 @@ def _modes_panel(ax, modes: tuple[Mode, ...], epochs: int) -> None:
     ax.barh(y, tokens, color=TOKENS, label="tokens")
     ax.barh(y, computed - tokens, left=tokens, color=PAD, alpha=0.55, label="padding")
     for yi, m in zip(y, modes, strict=True):
-        ax.text(m.computed_tokens, yi, f"  {m.computed_tokens:,}\n  fill {m.fill:.0%}", va="center", fontsize=9)
+        # the padded baseline's cost is its padding (the table's fill column leaves it out too)
+        cost = f"padding {m.padding:.0%}" if m.computed_tokens > m.tokens else f"fill {m.fill:.0%}"
+        ax.text(m.computed_tokens, yi, f"  {m.computed_tokens:,}\n  {cost}", va="center", fontsize=9)
     ax.set_xlim(0, computed.max() * 1.3)
     ax.set_yticks(y, names, fontsize=9)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))

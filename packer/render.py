@@ -125,6 +125,12 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
     return _plain(lines, color)
 
 
+def _fill(m: Mode) -> str:
+    """A mode's fill (its tokens over rows × its peak row), except the padded baseline's: its cost is said
+    by its padding, and a fill of its padded peak beside that would read as a second, contradicting figure."""
+    return "—" if m.mode == "padded" else f"{m.fill:.1%}"
+
+
 def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
@@ -137,12 +143,12 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     for m in modes:
         mark = "▸" if m.built else " "
         line = (f"  {mark} {m.mode:<8}{m.rows:>7,}{m.optimizer_steps:>12,}{m.examples_per_step:>15.1f}"
-                f"{m.computed_tokens:>11,}{m.padding:>9.1%}{m.peak_row_tokens:>10,}{m.fill:>7.1%}   {m.note}")
+                f"{m.computed_tokens:>11,}{m.padding:>9.1%}{m.peak_row_tokens:>10,}{_fill(m):>7}   {m.note}")
         lines.append(click.style(line, bold=True) if m.built else line)
     by = {m.mode: m for m in modes}
     pad, batch, bfd, opt = by["padded"], by["batch"], by["bfd"], by["optimal"]
     fewer = 1 - bfd.rows / max(1, batch.rows)  # negative where the batch rows are larger than bfd's budget
-    lines.append(f"  ▸ = this build. batch: the optimizer steps and loss of padded training, {pad.padding:.0%} fewer "
+    lines.append(f"  ▸ = this build; fill = tokens / (rows × peak row). batch: the optimizer steps and loss of padded training, {pad.padding:.0%} fewer "
                  f"tokens computed. bfd: {abs(fewer):.0%} {'fewer' if fewer >= 0 else 'more'} rows, but "
                  f"{bfd.examples_per_step:.1f} examples per step instead of {batch.examples_per_step:.1f} "
                  f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt.rows:,} rows, "
@@ -246,7 +252,17 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
                 for t, kind in merged
             )
             lines.append(f"{bar} {styled}")
+        if _appended_after_own_end(seg, view.eos_token_id):
+            lines.append(f"{bar} " + click.style("(last token: the EOS packer appends after the template's own end "
+                                                  "of turn; docs/chat.md)", dim=True))
     return _plain(lines, color)
+
+
+def _appended_after_own_end(seg, eos: int | None) -> bool:
+    """A chat render that ends with its end-of-turn token (the EOS) and a newline gets one more EOS from
+    packer: `<|im_end|>` twice, which reads like a bug unless said."""
+    ids = seg.ids
+    return eos is not None and len(ids) >= 2 and ids[-1] == eos and eos in ids[-3:-1] and seg.runs is not None
 
 
 def _wrap(pieces: list[tuple[str, str]], width: int) -> list[list[tuple[str, str]]]:

@@ -36,6 +36,16 @@ def rewrite_column(path: Path, column: str, change) -> None:
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=table.schema))
 
 
+def need_shared(path: Path | str) -> Path:
+    """``path`` under ../shared/data (given relative to it, or whole), or this test skipped with one reason
+    spelt one way for every such test: a tokenizer folder needs its tokenizer.json, a file itself."""
+    path = SHARED_DATA / path
+    there = path.is_file() if path.suffix else (path / "tokenizer.json").is_file()
+    if not there:
+        pytest.skip(f"../shared/data/{path.relative_to(SHARED_DATA)} is absent (the shared GSM8K and tokenizers)")
+    return path
+
+
 def one_line(result) -> str:
     """The one stderr line of a CLI run (click's CliRunner) that failed as a user error: exit code 2."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
@@ -65,18 +75,12 @@ def flan_bfd(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama2_tokenizer() -> Path:
-    path = SHARED_DATA / "llama2-tokenizer"
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip("../shared/data/llama2-tokenizer is absent")
-    return path
+    return need_shared("llama2-tokenizer")
 
 
 @pytest.fixture(scope="session")
 def gsm8k_file() -> Path:
-    path = SHARED_DATA / "gsm8k_train.jsonl"
-    if not path.is_file():
-        pytest.skip("../shared/data/gsm8k_train.jsonl is absent")
-    return path
+    return need_shared("gsm8k_train.jsonl")
 
 
 def shard_rows(path: Path) -> list[dict]:

@@ -190,6 +190,21 @@ def test_unreachable_hub_id_fails_fast(tmp_path, monkeypatch):
     assert "cannot reach the Hugging Face Hub for 'someone/no-such-dataset'" in line and "local files" in line
 
 
+def test_unreachable_hub_tokenizer_fails_fast(tmp_path, monkeypatch):
+    """A tokenizer's Hub id (or a mistyped relative folder, which reads as one), no network, no
+    HF_HUB_OFFLINE: one line at once, not huggingface_hub's ~24 s of retries first."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    for name in ("Qwen/Qwen3-0.6B", "tok/mistyped"):
+        began = time.perf_counter()
+        line = one_line(build_cli("flan", "--limit", "5", "--tokenizer", name, "--out", str(tmp_path / "out")))
+        assert time.perf_counter() - began < 10
+        assert f"--tokenizer {name}: not a local folder, and not in the Hub cache" in line, line
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     return make_build(tmp_path_factory.mktemp("bad_out") / "out", limit=10)

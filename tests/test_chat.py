@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA, make_build, one_line
+from conftest import SHARED_DATA, make_build, need_shared, one_line
 from test_build import segments_of
 
 from packer.cli import main
@@ -44,9 +43,7 @@ MULTI = {"messages": [
 
 
 def need(folder: Path) -> Path:
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"{folder} is absent")
-    return folder
+    return need_shared(folder)
 
 
 def write_jsonl(path: Path, records) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from chat_sweep import check_pair, check_template, conversations, originals, own_tokenizer, templates
-from conftest import SHARED_DATA
+from conftest import need_shared
 
 from packer.contract.recipes import BUNDLED_TOKENIZER
 
@@ -51,9 +51,7 @@ def test_turn_ends_and_reasoning_channels_on_every_conversation(name):
 
 def test_llama3_pair_on_the_llama_tokenizer():
     """Llama 3's template needs a bos_token (Qwen3's is null, so transformers refuses it there)."""
-    folder = SHARED_DATA / "tokenizers" / "llama3_1"
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip("../shared/data/tokenizers/llama3_1 is absent")
+    folder = need_shared("tokenizers/llama3_1")
     from transformers import AutoTokenizer
 
     (name, original, twin), = [p for p in PAIRS if p[0] == "llama3"]

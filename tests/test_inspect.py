@@ -201,6 +201,30 @@ def test_plot_writes_a_png(which, request, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+@pytest.mark.parametrize("which", ["flan_batch", "flan_bfd"])
+def test_plot_titles_and_labels_stay_inside_the_figure(which, request):
+    """Every title and label is drawn inside the figure (the fill panel's title was cut at the right edge);
+    the padded bar is labelled by its padding, as the table says it, the packed bars by their fill."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from packer import plot
+
+    fig = plot.figure(inspect_.plot_data(request.getfixturevalue(which)))
+    try:
+        fig.canvas.draw()
+        renderer, width = fig.canvas.get_renderer(), fig.bbox.width
+        drawn = [fig._suptitle, *(t for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts))]
+        texts = [t for t in drawn if t is not None and t.get_text().strip()]
+        outside = [t.get_text() for t in texts if t.get_window_extent(renderer).x0 < -1
+                   or t.get_window_extent(renderer).x1 > width + 1]
+        assert not outside, outside
+        labels = " ".join(t.get_text() for t in texts)
+        assert "padding" in labels and "fill 9%" not in labels  # the padded bar's fill of its peak is not shown
+    finally:
+        plt.close(fig)
+
+
 def test_plot_data_is_consistent(flan_batch):
     data = inspect_.plot_data(flan_batch)
     stats = data.stats

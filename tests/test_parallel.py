@@ -101,7 +101,7 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
     assert again.reused_records == 0 and other.calls == 7
 
 
-def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
+def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch, capsys):
     config = BuildConfig(source="flan", out=str(tmp_path / "out"), limit=1500, batch_size=4, max_len=512)
     real_plan = pipeline.make_plan
 
@@ -118,8 +118,10 @@ def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch):
     seen = []
     real_tokenize = spill.tokenize
     monkeypatch.setattr(spill, "tokenize", lambda *a, **k: seen.append(real_tokenize(*a, **k)) or seen[-1])
-    build(config)
+    capsys.readouterr()
+    build(config, progress=True)
     assert seen[0].reused_records == 1500  # nothing tokenized again
+    assert "resuming: 1,500 records already tokenized (all of them)\n" in capsys.readouterr().err  # and says so
     assert not (tmp_path / "out" / ".packer-staging").exists()
 
     reference = tmp_path / "reference"

@@ -185,7 +185,8 @@ def test_csv_that_is_not_utf8_is_one_line(tmp_path):
     path = tmp_path / "d.csv"
     path.write_bytes("prompt,completion\nq,caf\xe9\n".encode("latin-1"))
     result = CliRunner().invoke(main, ["build", str(path), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "d.csv: not UTF-8 text; re-encode the file as UTF-8" in one_line(result)
+    line = one_line(result)  # the row and column, as a Parquet or Arrow file's (tests/test_stream_bounds.py)
+    assert "d.csv: row 1, column 'completion': not UTF-8 text" in line and "re-encode" in line, line
 
 
 @pytest.mark.parametrize("name, content", [("d.csv", "prompt,completion\n"), ("d.jsonl", "\n  \n\n")])

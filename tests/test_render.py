@@ -99,3 +99,22 @@ def test_summary_modes_table_has_an_optimal_line(flan_bfd):
     ]
     assert lines[-1].endswith("optimal: bfd's budget in 2 rows, 1 fewer.")
     assert "bfd: 200% more rows" in lines[-1]  # batch (8 a row) needs 1 row: 3 bfd rows are 200% more
+
+
+def test_chat_row_says_which_eos_packer_appended():
+    """A chat render ending `<|im_end|>` and a newline gets packer's EOS after it: the view says so, once,
+    under that segment; a segment whose only EOS ends it (packer's, after a completion) gets no note."""
+    from packer.checking.views import Row, Run, Segment
+
+    def segment(k, ids, text):
+        return Segment(segment=k, example_id=k, offset=0, length=len(ids), trained_tokens=0, ids=ids,
+                       trained=[False] * len(ids), runs=(Run(trained=False, tokens=len(ids), ids=ids, text=text),))
+
+    chat = segment(0, [7, 8, 2, 10, 2], "Hello.<|im_end|>\n<|im_end|>")
+    plain = segment(1, [7, 8, 2], "Hello.</s>")
+    view = Row(row=0, shard="s", tokens=8, num_loss_tokens=0, max_seqlen=5, segments=(chat, plain), eos_token_id=2)
+    lines = render.row_lines(view, show_ids=False, color=False, width=100)
+    notes = [i for i, line in enumerate(lines) if "the EOS packer appends" in line]
+    assert len(notes) == 1 and notes[0] < next(i for i, line in enumerate(lines) if "boundary" in line)
+    assert "EOS packer" not in " ".join(render.row_lines(dataclasses.replace(view, eos_token_id=None),
+                                                         show_ids=False, color=False, width=100))

@@ -173,11 +173,19 @@ def test_loader_bench_counts_the_same_tokens(shards):
     assert r["packer"][1] <= r["packer"][0] <= r["packer"][2] and r["ratio"][0] > 0
 
 
+def test_bench_quick_mode_is_small_and_yields_to_the_command_line():
+    quick = bench.parse(["--quick", "--device", "cpu"])
+    assert (quick.size, quick.steps, quick.warmup, quick.repeats, quick.datasets, quick.no_loader) == \
+        ("tiny", 2, 0, 1, ["flan"], True)
+    assert bench.parse(["--quick", "--device", "cpu", "--steps", "3"]).steps == 3
+    full = bench.parse(["--device", "cpu"])
+    assert (full.size, full.steps, full.repeats, full.datasets, full.no_loader) == ("cpu", 6, 3, ["flan", "math"], False)
+
+
 def test_bench_command_end_to_end(shards, tmp_path, capsys):
-    """The command itself on a tiny run: children in fresh processes, interleaved, table and plot."""
+    """The command itself in its quick mode: children in fresh processes, interleaved, table and plot."""
     png = tmp_path / "bench.png"
-    argv = ["--shards", str(shards), "--device", "cpu", "--size", "tiny", "--steps", "2", "--warmup", "0"]
-    results = bench.main([*argv, "--repeats", "1", "--no-loader", "--plot", str(png)])
+    results = bench.main(["--shards", str(shards), "--device", "cpu", "--quick", "--plot", str(png)])
     out = capsys.readouterr().out
     assert "padded vs packed: tiny Llama" in out and "packed/padded:" in out
     (name,) = results

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA, shard_rows
+from conftest import SHARED_DATA, need_shared, shard_rows
 
 from packer import BuildConfig, build, render
 from packer.checking import inspect_
@@ -51,8 +51,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_left_truncation_keeps_the_answer_whole(tmp_path, case):
     options = dict(CASES[case])
-    if case != "bundled" and not (SHARED_DATA / "gsm8k_train.jsonl").is_file():
-        pytest.skip("../shared/data is absent")
+    if case != "bundled":
+        need_shared("gsm8k_train.jsonl")
+        need_shared("llama2-tokenizer")
     max_len = options.pop("max_len")
     whole = _build(tmp_path / "whole", max_len=8192, **options)
     right = _build(tmp_path / "right", max_len=max_len, **options)

@@ -2,6 +2,7 @@
 
     python -m train.bench [--plot docs/train-bench.png]                   # CPU: minutes
     python -m train.bench --device cuda                                   # one GPU: bf16, ~1B Llama
+    python -m train.bench --quick                                         # does it all run? seconds
 
 Per dataset, a ``batch``-mode build (B examples per row, in shuffled order) is trained twice from the
 same random Llama-shaped model, the same rows in the same order, one row per optimizer step: once as
@@ -50,6 +51,9 @@ DEFAULTS = {
     "cpu": dict(size="cpu", batch_size=4, max_len=512, steps=6, warmup=1, lr=1e-3),
     "cuda": dict(size="1b", batch_size=16, max_len=2048, steps=40, warmup=5, lr=3e-4),
 }
+for _kind in DEFAULTS.values():
+    _kind.update(datasets=["flan", "math"], repeats=3)
+QUICK = dict(datasets=["flan"], size="tiny", max_len=256, steps=2, warmup=0, repeats=1)
 
 
 class BenchError(Exception):
@@ -90,7 +94,7 @@ def check_cuda(cuda_available: bool, flash_attn_available: bool) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--datasets", nargs="+", choices=["flan", "math"], default=["flan", "math"])
+    p.add_argument("--datasets", nargs="+", choices=["flan", "math"], help="default: flan math (--quick: flan)")
     p.add_argument("--shards", default=None, help="a batch-mode build of your own instead of --datasets")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--size", choices=list(SIZES), help="model size (default: cpu on CPU, 1b on CUDA)")
@@ -98,12 +102,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, help="longer examples are truncated (default 512 CPU, 2048 CUDA)")
     p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 6 CPU, 40 CUDA)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 1 CPU, 5 CUDA)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
+    p.add_argument("--repeats", type=int, help="runs per side, interleaved (default 3)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3 CPU, 3e-4 CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per CPU run (default 1: steadier on a shared machine)")
     p.add_argument("--plot", default=None, help="write the loss curves and tokens/s to this PNG")
     p.add_argument("--work", default="shards/bench", help="where the builds go (default shards/bench)")
     p.add_argument("--no-loader", action="store_true", help="skip the loader comparison")
+    p.add_argument("--quick", action="store_true",
+                   help="a check that it all runs, well under a minute on CPU: flan only, the tiny model, max-len 256, "
+                        "2 steps, 1 run a side, no loader comparison (the figures are not the published ones)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run, in a fresh process
     args = p.parse_args(argv)
     if args.child:
@@ -117,8 +124,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         import torch
 
         check_cuda(torch.cuda.is_available(), importlib.util.find_spec("flash_attn") is not None)
-    for name, value in DEFAULTS[kind].items():
-        if getattr(args, name) is None:
+    if args.quick:
+        args.no_loader = True
+    for name, value in {**DEFAULTS[kind], **(QUICK if args.quick else {})}.items():
+        if getattr(args, name) is None:  # what the command line gives wins, also over --quick
             setattr(args, name, value)
     for name, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("threads", 1), ("batch_size", 1), ("max_len", 2)):
         if getattr(args, name) < least:

@@ -15,6 +15,11 @@ from typing import Any
 from ..errors import ConfigError, RecordError, TokenizerError
 from .chat import normalize_messages, normalize_tools
 
+# The key of a record a reader could not make as one (over the size bound, text that is not UTF-8):
+# it stays in the stream as a placeholder, {UNREADABLE: (message, reason)}, so later records keep their
+# indices, and is refused here as a RecordError, which ``--on-error skip`` skips and counts.
+UNREADABLE = "\x00packer:unreadable"
+
 Segments = list[tuple[str, bool]]
 
 
@@ -171,6 +176,8 @@ class Formatter:
         self.template = tokenizer.chat() if spec.kind == "chat" else None
 
     def __call__(self, record: dict[str, Any]) -> Segments:
+        if record.get(UNREADABLE) is not None:  # a record its reader could not make (readers.unreadable)
+            raise RecordError(*record[UNREADABLE])
         kind = self.spec.kind
         if kind == "text":
             return [(_text_field(record, self.spec.text_field), True)]

@@ -47,7 +47,7 @@ FIELDS = ("prompt_field", "completion_field", "messages_field", "text_field")
 KEYS = ("source", "weight", "records", "recipe", "split", "files", *FIELDS)
 DRAW_BLOCK = 4096  # draws are made in blocks of this many, whatever the chunk size
 PART = np.int32  # a mix position's part
-# a mix by records counts draws its whole order up front (16 bytes a record at the peak): bounded
+# a mix by records counts: the sum of the counts is bounded (as it was when the order was drawn whole)
 RECORDS_DRAWN = 2**31
 CHECK_FROM = 1 << 20  # a weighted mix's draws counted under --limit before the parts are asked if they hold them
 FILES_BESIDE = 64  # open files a build needs besides its mix parts' (spill, shards, tokenizer, workers' pipes)
@@ -134,7 +134,7 @@ def check_parts(parts: list, where: str) -> list[dict[str, Any]]:
         raise ConfigError(f"{where}: the weights sum to zero; give at least one source a positive weight")
     if kinds == {False} and sum(p["records"] for p in out) > RECORDS_DRAWN:
         raise ConfigError(f"{where}: the records counts sum to {sum(p['records'] for p in out):,}, more than the "
-                          f"{RECORDS_DRAWN:,} a mix by counts can draw (its order is drawn up front); use weights "
+                          f"{RECORDS_DRAWN:,} a mix by counts can draw; use weights "
                           "and --limit for a larger mix")
     return out
 
@@ -146,12 +146,7 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
     """The source of each mix position, in blocks: a pure function of the parts, seed and limit."""
     rng = np.random.default_rng([SALT, seed])
     if "records" in parts[0]:
-        order = np.repeat(np.arange(len(parts), dtype=PART), [p["records"] for p in parts])
-        order = order[rng.permutation(order.size)]
-        if limit is not None:
-            order = order[:limit]
-        for lo in range(0, order.size, DRAW_BLOCK):
-            yield order[lo:lo + DRAW_BLOCK]
+        yield from _shuffled_counts(np.array([p["records"] for p in parts], np.int64), rng, limit)
         return
     p = np.array([part["weight"] for part in parts], dtype=np.float64)
     if not math.isfinite(sum(p.tolist())):  # weights near the float maximum: their ratios are what counts
@@ -164,6 +159,26 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
             block = block[:left]
             left -= block.size
         yield block
+
+
+def _shuffled_counts(left: np.ndarray, rng: np.random.Generator, limit: int | None) -> Iterator[np.ndarray]:
+    """The parts of a uniformly shuffled multiset (``left[k]`` copies of part k), a block at a time and never
+    the whole order: each block is a random ordered sample, without replacement, of the records not drawn
+    yet (their indices taken by Floyd's algorithm in ``Generator.choice``, O(block), mapped to parts by the
+    counts left), so ``--limit 30`` of a 50,000,000-record mix costs what 30 records cost. A block's size does
+    not depend on the limit, so a limited mix is a prefix of the whole one; a block is at least as large
+    as the number of parts, so the per-block O(parts) work adds up to O(records)."""
+    block = max(DRAW_BLOCK, left.size)
+    total = int(left.sum())
+    while total > 0 and (limit is None or limit > 0):
+        n = min(block, total)
+        picked = np.searchsorted(np.cumsum(left), rng.choice(total, size=n, replace=False), side="right").astype(PART)
+        left -= np.bincount(picked, minlength=left.size)
+        total -= n
+        if limit is not None:
+            picked = picked[:limit]
+            limit -= picked.size
+        yield picked
 
 
 def positions_sources(parts: list[dict[str, Any]], seed: int, n: int) -> np.ndarray:

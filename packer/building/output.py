@@ -34,7 +34,7 @@ from typing import Any
 from .. import fs
 from ..contract import schema
 from ..contract.schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
-from ..errors import OutputError, PackerError, ShardFormatError
+from ..errors import OutputError, PackerError, ShardFormatError, SourceError
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 
@@ -59,7 +59,7 @@ def local_folder(out: str) -> Path:
             f"--out {out}: packer writes to a local folder only; build into a local folder, then copy it there "
             "(the loader, inspect and verify read fsspec URLs)"
         )
-    return local
+    return fs.expand_user(local, "--out", OutputError)
 
 
 # -- what is packer's -----------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def _names(names: Iterable[str]) -> str:
 
 def refuse_inside(out: Path, source: str) -> None:
     """Refuse an ``out`` inside the SOURCE folder: the next build would read its shards as input."""
-    folder = Path(source).expanduser()
+    folder = fs.expand_user(source, "source", SourceError)
     with suppress(OSError):
         if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
             raise OutputError(
@@ -209,12 +209,12 @@ def refuse_sources_inside(out: Path, name: str, paths: Iterable[str]) -> None:
     """Refuse a source path (the file, folder or glob SOURCE names, or a file it resolved to) inside
     ``out``, before anything there is touched: a build must never write where it reads."""
     try:
-        root = out.expanduser().resolve()
+        root = fs.expand_user(out, "--out", OutputError).resolve()
     except OSError:
         return
     for path in paths:
         with suppress(OSError, ValueError):
-            if Path(path).expanduser().resolve().is_relative_to(root):
+            if fs.expand_user(path, "source", SourceError).resolve().is_relative_to(root):
                 where = name if path == name else f"{name} ({path})"
                 raise OutputError(
                     f"--out {out}: holds the source {where}; a build must not write where it reads, so choose an "

@@ -26,7 +26,7 @@ from ..contract.config import ROW_LIMIT, BuildConfig
 from ..contract.recipes import BUNDLED_TOKENIZER
 from ..errors import ConfigError, OutputError, PackerError, SourceError, TokenizerError
 from ..fs import file_sha256
-from ..planning.context_parallel import pad_token_id
+from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
@@ -256,13 +256,17 @@ def check_room(config: BuildConfig, lengths: np.ndarray, out: Path, row_format: 
                ) -> None:
     """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
     memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
-    grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
+    grows without bound. The shard size counted is a floor (no row overhead; each segment's padding, not a
+    row's), so what fits is never refused."""
     if config.pack == "wrap" or config.overlong == "split":
         kept = lengths
     elif config.overlong == "drop":  # a dropped example writes nothing
         kept = lengths[lengths <= config.max_len]
     else:
         kept = np.minimum(lengths, config.max_len)
+    layout = config.layout()
+    if layout is not None and config.pack != "wrap":  # the padding is written as tokens too (a row's own: left out)
+        kept = pad_up(kept.astype(np.int64), layout.segment_multiple)
     per_token = (row_format or schema.RowFormat(1)).bytes_per_token()
     per_token /= _COMPRESSED_AT_MOST if config.compression else 1
     epoch = int(per_token * int(kept.sum(dtype=np.int64))) + _SHARD_BYTES_PER_EXAMPLE * len(kept)

@@ -1,6 +1,6 @@
 """Local data files read record by record, without `datasets`: JSON Lines and JSON by Python's ``json``,
-Parquet, Arrow and CSV by pyarrow. (Text files and every Hub dataset are read by `datasets`: see
-:mod:`packer.building.sources`.)
+Parquet, Arrow and CSV by pyarrow, text line by line as `datasets`' text builder reads it. (Every Hub
+dataset is read by `datasets`: see :mod:`packer.building.sources`.)
 
 Why not `datasets` for these: a JSON line read by ``json.loads`` is the record exactly as written. The
 Arrow JSON reader `datasets` uses infers a type per column and block, so a date-like string became a
@@ -12,7 +12,10 @@ CSV file has none, so every cell is the text it holds.
 
 A record is the n-th record of its file when it is the n-th object on a non-blank line (JSON Lines),
 or the n-th item of the top-level array (a JSON document). Every failure is a ``SourceError`` that
-names the file and, for JSON, the line.
+names the file and, for JSON, the line. A record that cannot be made (over ``MAX_RECORD_BYTES``, text
+that is not UTF-8) is found on the stream, before it is held, and stays in it as a placeholder
+(``unreadable``) that the formatter refuses as a ``RecordError``: one line, or under ``--on-error skip``
+skipped and counted.
 """
 
 from __future__ import annotations
@@ -23,14 +26,30 @@ import errno
 import gzip
 import itertools
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import SourceError
+from .formatting import UNREADABLE
 
-OWN = ("json", "parquet", "arrow", "csv")  # the builders (file kinds) read here
+OWN = ("json", "parquet", "arrow", "csv", "text")  # the builders (file kinds) read here
+
+# The most bytes of JSON one record may take, checked as it is read, before it is held whole (a gzip'd
+# line of 2 GB characters is 9 MB on disk, and reading it whole took 6.4 GB): 16 bytes for each of the
+# 4,194,304 characters a record's text may have (``tokenization.MAX_RECORD_CHARS``), so a text at that
+# limit written entirely in \uXXXX escapes still fits, with room for fields the format does not use.
+MAX_RECORD_BYTES = 1 << 26
+def unreadable(message: str, reason: str) -> dict[str, Any]:
+    """A record that cannot be made, as the placeholder the formatter refuses (or ``--on-error skip`` counts)."""
+    return {UNREADABLE: (message, reason)}
+
+
+def _too_large(where: str) -> dict[str, Any]:
+    return unreadable(f"{where} holds over {MAX_RECORD_BYTES:,} bytes of JSON, more than a record may have (its text "
+                      "may have 4,194,304 characters); split it into several records", "too_long")
 
 
 def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
@@ -39,6 +58,8 @@ def records(builder: str, path: str) -> Iterator[dict[str, Any]]:
         return _json_records(path)
     if builder == "csv":
         return _csv_records(path)
+    if builder == "text":
+        return _text_records(path)
     return _arrow_records(builder, path)
 
 
@@ -46,8 +67,8 @@ def count(builder: str, path: str, need: int) -> int:
     """How many records the file holds, counted up to ``need`` (more are not looked for), without making
     them where the format allows: non-blank lines of JSON Lines, Parquet's metadata, Arrow's batch
     lengths. A line that is not a record is counted here, and fails the build when it is read."""
-    if builder == "csv":  # quoted cells may span lines: the records are parsed, up to need
-        return sum(1 for _ in itertools.islice(_csv_records(path), need))
+    if builder in ("csv", "text"):  # quoted cells may span lines: the records are parsed, up to need
+        return sum(1 for _ in itertools.islice(records(builder, path), need))
     if builder != "json":
         with _arrow_errors(builder, path):
             if builder == "parquet":
@@ -73,7 +94,7 @@ def _json_records(path: str) -> Iterator[dict[str, Any]]:
             yield from _document_records(path, f)
             return
         for number, raw in _json_lines(f):
-            yield _record(path, number, raw)
+            yield _too_large(f"{path}:{number}: the line") if raw is None else _record(path, number, raw)
 
 
 def _open(path: str):
@@ -89,9 +110,17 @@ def _is_document(f) -> bool:
     return start.startswith(b"[")
 
 
-def _json_lines(f) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of every non-blank line."""
-    for number, raw in enumerate(f, start=1):
+def _json_lines(f) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of every non-blank line; the line is None where it is over ``MAX_RECORD_BYTES``,
+    which is passed over a block at a time, never held (``readline`` with a limit)."""
+    number = 0
+    while raw := f.readline(MAX_RECORD_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(_READ)
+            yield number, None
+            continue
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         if raw.strip():
@@ -129,9 +158,9 @@ def _unreadable(path: str, e: OSError) -> SourceError:
 def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
     try:
         line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SourceError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode "
-                          "the file as UTF-8") from None
+    except UnicodeDecodeError as e:  # the line's alone: the next lines are read as they are
+        return unreadable(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); re-encode the "
+                          "file as UTF-8", "not_utf8")
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -151,101 +180,165 @@ def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
 def _document_records(path: str, f) -> Iterator[dict[str, Any]]:
     """The items of a top-level JSON array, parsed one at a time from ``f`` (so ``--limit 10`` of a
     large array reads about 10 items' bytes, and no item is held after it is yielded)."""
-    for k, item in enumerate(_array_items(path, f)):
+    for k, item in enumerate(_Array(path, f).items()):
+        if item is _OVERSIZE:
+            yield _too_large(f"{path}: item {k + 1} of the array")
+            continue
         if isinstance(item, str):  # an array of texts is read as records {"text": ...}, as `datasets` reads it
             item = {"text": item}
         if not isinstance(item, dict):
             raise SourceError(f"{path}: item {k + 1} of the array is {_kind(item)}, not a record ({{...}}); give an "
                               "array of JSON objects")
-        if _has_lone_surrogate(item):
-            raise SourceError(f"{path}: item {k + 1} holds a \\uXXXX escape of half a surrogate pair (not a "
-                              "character); fix that text")
+        if _has_lone_surrogate(item):  # bytes that are not UTF-8 (decoded as lone surrogates), or such an escape
+            yield unreadable(f"{path}: item {k + 1} of the array holds text that is not UTF-8, or a \\uXXXX escape of half a "
+                             "surrogate pair (not a character); re-encode or fix that text", "not_utf8")
+            continue
         yield item
 
 
 _READ = 1 << 20  # bytes read at a time from a JSON array; doubled while one item does not fit
+_OVERSIZE = object()  # an array item over MAX_RECORD_BYTES, passed over unread
+# what ends a stretch of an item passed over: in a string, its quote or a backslash; outside, a bracket or quote
+_IN_STRING, _OUTSIDE = re.compile(r'["\\]'), re.compile(r'["\[\]{},]')
 _TAIL = 32  # characters at the end of the text read where a value or an error may be cut short, not end
 
 
-def _array_items(path: str, f) -> Iterator[Any]:
-    """Each value of the top-level array in ``f``, decoded by the stdlib's ``raw_decode`` from a text buffer
+class _Array:
+    """The values of the top-level array in ``f``, decoded by the stdlib's ``raw_decode`` from a text buffer
     that holds the current item (not the file). A value that reaches the buffer's end may be incomplete
-    (a number, a string cut in two): it is decoded again with more text."""
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8-sig")()
-    buf, pos, lines_before, read, eof, want = "", 0, 0, 0, False, _READ
+    (a number, a string cut in two): it is decoded again with more text. An item over ``MAX_RECORD_BYTES``
+    is passed over a block at a time (``_OVERSIZE``)."""
 
-    def more() -> bool:
-        nonlocal buf, pos, lines_before, read, eof
-        if eof:
+    def __init__(self, path: str, f):
+        self.path, self.f = path, f
+        self.decoder = json.JSONDecoder()
+        # bytes that are not UTF-8 become lone surrogates, found in their item (_document_records)
+        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+        self.buf, self.pos, self.lines_before, self.read, self.eof, self.want = "", 0, 0, 0, False, _READ
+
+    def more(self) -> bool:
+        """Read the next ``want`` bytes onto the text after ``pos`` (what is before it is dropped)."""
+        if self.eof:
             return False
-        data = f.read(want)
+        data = self.f.read(self.want)
         try:
-            text = utf8.decode(data, final=not data)
+            text = self.utf8.decode(data, final=not data)
         except UnicodeDecodeError as e:
-            raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {read + e.start}); re-encode the file as "
-                              "UTF-8") from None
-        read += len(data)
-        eof = not data
-        lines_before += buf.count("\n", 0, pos)
-        buf, pos = buf[pos:] + text, 0
+            raise SourceError(f"{self.path}: not UTF-8 text ({e.reason} at byte {self.read + e.start}); re-encode the "
+                              "file as UTF-8") from None
+        self.read += len(data)
+        self.eof = not data
+        self.lines_before += self.buf.count("\n", 0, self.pos)
+        self.buf, self.pos = self.buf[self.pos:] + text, 0
         return True
 
-    def malformed(message: str, at: int) -> SourceError:
-        return SourceError(f"{path}:{lines_before + buf.count(chr(10), 0, at) + 1}: malformed JSON ({message}); "
-                           "fix the document")
+    def malformed(self, message: str, at: int) -> SourceError:
+        return SourceError(f"{self.path}:{self.lines_before + self.buf.count(chr(10), 0, at) + 1}: malformed JSON "
+                           f"({message}); fix the document")
 
-    def skip_space() -> str:
+    def skip_space(self) -> str:
         """The next character that is not white space ("" at the end of the file)."""
-        nonlocal pos
         while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos < len(buf) or not more():
-                return buf[pos] if pos < len(buf) else ""
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos] if self.pos < len(self.buf) else ""
 
-    skip_space()
-    pos += 1  # the "[" that _is_document saw
-    if skip_space() == "]":
-        pos += 1
-    else:
-        while True:
+    def items(self) -> Iterator[Any]:
+        self.skip_space()
+        self.pos += 1  # the "[" that _is_document saw
+        if self.skip_space() == "]":
+            self.pos += 1
+        else:
             while True:
-                try:
-                    value, end = decoder.raw_decode(buf, pos)
-                except RecursionError:
-                    raise SourceError(f"{path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
-                                      "records") from None
-                except json.JSONDecodeError as e:
-                    # an error well before the text's end is one (a string may be longer than the text read)
-                    final = len(buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
-                    if not final and more():
-                        want *= 2
-                        continue
-                    raise malformed(e.msg, e.pos) from None
-                if eof or len(buf) - end > _TAIL:
+                value, self.pos = self.value()
+                yield value
+                self.want = _READ
+                after = self.skip_space()
+                self.pos += 1
+                if after == "]":
                     break
-                want *= 2
-                more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
-            pos = end
-            yield value
-            want = _READ
-            after = skip_space()
-            pos += 1
-            if after == "]":
-                break
-            if after != ",":
-                raise malformed("expecting ',' or ']' after an item" if after else "the array is not closed", pos - 1)
-            skip_space()
-    if skip_space():
-        raise malformed("extra data after the array", pos)
+                if after != ",":
+                    raise self.malformed("expecting ',' or ']' after an item" if after else "the array is not closed",
+                                         self.pos - 1)
+                self.skip_space()
+        if self.skip_space():
+            raise self.malformed("extra data after the array", self.pos)
+
+    def value(self) -> tuple[Any, int]:
+        """The item at ``pos`` and where it ends, read on until it is whole."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+            except RecursionError:
+                raise SourceError(f"{self.path}: JSON nested too deeply to read (over ~1,000 levels); flatten its "
+                                  "records") from None
+            except json.JSONDecodeError as e:
+                # an error well before the text's end is one (a string may be longer than the text read)
+                final = len(self.buf) - e.pos > _TAIL and not e.msg.startswith("Unterminated string")
+                if not final and len(self.buf) - self.pos > MAX_RECORD_BYTES:
+                    return _OVERSIZE, self.pass_over()
+                if not final and self.more():
+                    self.want *= 2
+                    continue
+                raise self.malformed(e.msg, e.pos) from None
+            if end - self.pos > MAX_RECORD_BYTES:  # decoded, but no smaller for that: refused as any larger one
+                return _OVERSIZE, end
+            if self.eof or len(self.buf) - end > _TAIL:
+                return value, end
+            self.want *= 2
+            self.more()  # a value that ends near the text read so far may go on ("1e" of "1e5")
+
+    def next_block(self, keep: int) -> int:
+        """Drop the text before ``keep`` and read on; where ``keep`` is now."""
+        self.pos = keep
+        if not self.more():
+            raise self.malformed("the array is not closed", len(self.buf))
+        return self.pos
+
+    def pass_over(self) -> int:
+        """Where the item at ``pos`` ends, read a block at a time and dropped as it is passed (the rest
+        of the array's syntax is checked as it is decoded after it)."""
+        depth, in_string, at = 0, False, self.pos
+        self.want = _READ
+        while True:
+            if at >= len(self.buf):
+                at = self.next_block(at)
+                continue
+            hit = (_IN_STRING if in_string else _OUTSIDE).search(self.buf, at)
+            if hit is None:
+                at = len(self.buf)
+                continue
+            c, at = hit.group(), hit.end()
+            if in_string:
+                if c == "\\":  # the escaped character, maybe in the next block, is passed over
+                    if at >= len(self.buf):
+                        at = self.next_block(at - 1) + 1
+                    at += 1
+                    continue
+                in_string = False
+                if depth == 0:
+                    return at
+            elif c == '"':
+                in_string = True
+            elif c in "[{":
+                depth += 1
+            elif depth == 0:  # the "," or "]" after a number or literal
+                return hit.start()
+            elif c in "]}":
+                depth -= 1
+                if depth == 0:
+                    return at
 
 
 def _refuse_one_object(path: str) -> None:
     """A .json file whose whole text is one object (not an array, not one object per line) says so."""
     try:
         with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            document = json.loads(f.read().decode("utf-8-sig"))
+            text = f.read(MAX_RECORD_BYTES + 1)  # a larger document is no one object worth naming
+            if len(text) > MAX_RECORD_BYTES:
+                return
+            document = json.loads(text.decode("utf-8-sig"))
     except (ValueError, RecursionError, OSError, EOFError):
         return
     if isinstance(document, dict):
@@ -273,6 +366,32 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _text_records(path: str) -> Iterator[dict[str, Any]]:
+    """Each line a record ``{"text": line}``, as `datasets`' text builder reads a file (which builds read
+    before): UTF-8, universal newlines, the line break dropped, blank lines kept. A line over
+    ``MAX_RECORD_BYTES`` characters is passed over a block at a time (that builder read it whole: 2 GB of
+    memory for a line of 256 MB)."""
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:  # a line that is not UTF-8: its own
+            number = 0
+            while line := f.readline(MAX_RECORD_BYTES + 1):
+                number += 1
+                if len(line) > MAX_RECORD_BYTES and not line.endswith("\n"):
+                    while line and not line.endswith("\n"):
+                        line = f.readline(_READ)
+                    yield unreadable(f"{path}:{number}: the line holds over {MAX_RECORD_BYTES:,} characters, more than a record "
+                                     "may have (4,194,304); split it into several lines", "too_long")
+                    continue
+                if _has_lone_surrogate(line):
+                    yield unreadable(f"{path}:{number}: not UTF-8 text; re-encode the file as UTF-8", "not_utf8")
+                    continue
+                yield {"text": line.removesuffix("\n")}
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}: not UTF-8 text ({e.reason}); re-encode the file as UTF-8") from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
 def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     """Every cell as the text it is (a CSV file has no types: `datasets`' pandas reader made a column of
     numbers floats, and "4" a completion the build refused as not text); an empty cell is null.
@@ -290,19 +409,66 @@ def _csv_records(path: str) -> Iterator[dict[str, Any]]:
     except OSError as e:
         raise _unreadable(path, e) from None
     _refuse_duplicates(path, names, "the header line")
+    # check_utf8 off: a row that is not UTF-8 is found by _batch_records, and --on-error skip skips it alone
     convert = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=True,
-                                  null_values=[""])
+                                  null_values=[""], check_utf8=False)
     with _arrow_errors("csv", path):
-        reader = pcsv.open_csv(path, parse_options=pcsv.ParseOptions(newlines_in_values=True),
-                               convert_options=convert)
+        # a row must fit in one block: a block of the record bound reads every row a record may be
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=MAX_RECORD_BYTES),
+                               parse_options=pcsv.ParseOptions(newlines_in_values=True), convert_options=convert)
+        row = 0
         for batch in reader:
-            yield from batch.to_pylist()
+            yield from _batch_records(path, batch, row)
+            row += batch.num_rows
 
 
 def _arrow_records(builder: str, path: str) -> Iterator[dict[str, Any]]:
     with _arrow_errors(builder, path):
+        row = 0
         for batch in _arrow_batches(builder, path):
+            yield from _batch_records(path, batch, row)
+            row += batch.num_rows
+
+
+def _batch_records(path: str, batch, first: int) -> Iterator[dict[str, Any]]:
+    """A batch's records, where each can be made: a row whose strings are not UTF-8 (Parquet and Arrow files
+    do not check it) or whose strings hold over ``MAX_RECORD_BYTES`` is its placeholder (``unreadable``),
+    found before it is made into Python objects."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sizes = None
+    for column in batch.columns:  # the strings of the top-level columns, measured in place
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_binary(column.type):
+            n = pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+            sizes = n if sizes is None else sizes + n
+    big = set() if sizes is None else set((sizes > MAX_RECORD_BYTES).nonzero()[0].tolist())
+    if not big:
+        try:
             yield from batch.to_pylist()
+            return
+        except UnicodeDecodeError:
+            pass  # which rows: one at a time below
+    for i in range(batch.num_rows):
+        if i in big:
+            yield unreadable(f"{path}: row {first + i + 1} holds over {MAX_RECORD_BYTES:,} bytes of text, more than a record "
+                             "may have (its text may have 4,194,304 characters); split it into several rows", "too_long")
+            continue
+        one = batch.slice(i, 1)
+        try:
+            yield one.to_pylist()[0]
+        except UnicodeDecodeError as e:
+            name = next((n for n, c in zip(one.schema.names, one.columns, strict=True) if _not_utf8(c)), "?")
+            yield unreadable(f"{path}: row {first + i + 1}, column {name!r}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "re-encode the file's text as UTF-8", "not_utf8")
+
+
+def _not_utf8(column) -> bool:
+    try:
+        column.to_pylist()
+        return False
+    except UnicodeDecodeError:
+        return True
 
 
 @contextmanager
@@ -316,6 +482,9 @@ def _arrow_errors(builder: str, path: str):
             raise _unreadable(path, e) from None
         if "invalid UTF8" in str(e):
             raise SourceError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
+        if "straddl" in str(e):  # pyarrow's CSV reader: a row larger than the block it reads
+            raise SourceError(f"{path}: a row holds over {MAX_RECORD_BYTES:,} bytes, more than a record may have (its "
+                              "text may have 4,194,304 characters); split it into several rows") from None
         raise SourceError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "check the file is complete and of that type") from None
 

@@ -1,8 +1,8 @@
 """Reading inputs as a stream: a recipe, a local file/folder/glob, or a Hub dataset id.
 
 ``resolve`` decides what SOURCE names (cheap, no I/O beyond listing); ``open_stream`` opens it as a
-:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet and Arrow files by
-:mod:`packer.building.readers`, CSV and text files and Hub datasets through `datasets`' streaming readers (an
+:class:`Stream`, records read in order, a chunk at a time: local JSON, Parquet, Arrow, CSV and text files
+by :mod:`packer.building.readers`, Hub datasets through `datasets`' streaming readers (an
 ``IterableDataset``). Nothing is converted to an Arrow cache and nothing is downloaded whole, so
 ``--limit N`` reads about N records and stops (a Hub dataset's later shards are never fetched, a local
 file is read only as far as its first N records). Every failure, at opening or mid-way, becomes a
@@ -19,17 +19,16 @@ import glob
 import itertools
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ..contract.recipes import RECIPES, Recipe, get_recipe
 from ..errors import ConfigError, PackerError, SourceError
-from . import readers
+from ..fs import expand_user
+from . import hub, readers
 
 BATCH = 1000  # records per read when only counting or peeking
 
@@ -78,7 +77,7 @@ def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | Non
     """
     if source == "":
         raise SourceError("SOURCE is empty; give a recipe, a file, a folder, a glob or a Hub id")
-    path = Path(source).expanduser()
+    path = expand_user(source, "source", SourceError)
     if path.is_file():
         return [str(path)], False
     if path.is_dir():
@@ -105,7 +104,7 @@ def _local_files(source: str, split: str | None) -> tuple[list[str], bool] | Non
     if glob.has_magic(source):
         seen: set[str] = set()
         files = []
-        for p in sorted(glob.glob(os.path.expanduser(source), recursive=True)):
+        for p in sorted(glob.glob(str(expand_user(source, "source", SourceError)), recursive=True)):
             real = os.path.realpath(p)
             if os.path.isfile(p) and real not in seen:
                 seen.add(real)
@@ -129,7 +128,7 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
     """What SOURCE names; ``files`` (a mix part's) picks files inside a Hub repo or a local folder."""
     named = get_recipe(recipe) if recipe else None
     if files is not None:
-        folder = Path(source).expanduser()
+        folder = expand_user(source, "source", SourceError)
         if folder.is_dir():
             return resolve(str(folder / files), recipe=recipe, split=split)
         if source in RECIPES or HUB_ID.match(source):
@@ -140,7 +139,7 @@ def resolve(source: str, *, recipe: str | None = None, split: str | None = None,
         raise SourceError(f"{source}: 'files' picks files inside a folder or a Hub dataset; this is neither")
     # A file or folder on disk wins over a recipe or Hub id of the same name (as over a Hub id, below);
     # a recipe's name then still sets the formatting, as --recipe does.
-    on_disk = source in RECIPES and Path(source).expanduser().exists()
+    on_disk = source in RECIPES and Path(source).exists()  # a recipe's name has no ~
     if source in RECIPES and not on_disk:
         if named is not None and named.name != source:
             raise ConfigError(f"SOURCE is the recipe {source!r} but --recipe says {named.name!r}; give one")
@@ -196,17 +195,11 @@ def _explain_local_failure(source: Source, error: BaseException) -> SourceError:
     )
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def _hub_reachable() -> bool:
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        return True  # offline mode reads the local cache; let datasets say whether it is there
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    # offline mode reads the local cache; let datasets say whether it is there
+    return constants.HF_HUB_OFFLINE or hub.reachable()
 
 
 def hub_revision(hub_id: str) -> str | None:
@@ -320,8 +313,15 @@ class Stream:
         mix part may have), or the source's features where `datasets` knows them in advance. A source
         without a single record is a ``SourceError``."""
         own = self.source.kind == "local" and self.source.builder in readers.OWN
+        first = None  # records its reader could not make name no fields: the fields are the next batch's
         for _, batch in Stream(self.source, self.files, None, self.revision).chunks(0, BATCH if own else 1):
-            return list(batch)
+            names = [name for name in batch if name != readers.UNREADABLE]
+            bad = batch.get(readers.UNREADABLE)
+            if names or not bad:  # records of no fields ({}) are the format's to refuse
+                return names
+            first = first or next(filter(None, bad))
+        if first is not None:
+            raise SourceError(f"{self.name}: holds no record that can be read; the first: {first[0]}")
         raise SourceError(f"{self.name}: holds no records; check the file or --split")
 
     def count(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,9 @@ def tokenize(
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
     bar = tqdm(total=stream.limit, initial=start, desc="tokenize", unit="ex", disable=not progress,
                dynamic_ncols=True)
+    if start and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently
+        bar.write(f"resuming: {start:,} records already tokenized"
+                  + (" (all of them)" if done.get("finished") else ""), file=sys.stderr)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     pending = 0
     try:

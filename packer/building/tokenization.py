@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import RecordError, TokenizerError
+from ..fs import expand_user
+from . import hub
 from .chat import chat_renderer
 from .formatting import FormatSpec, Formatter
 
@@ -104,7 +106,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
     cache first, then on the Hub. ``chat_template`` is a Jinja file that replaces the tokenizer's own
     template (e.g. a ``{% generation %}``-tagged training twin); the manifest records its hash.
     """
-    folder = Path(name_or_path).expanduser()
+    folder = expand_user(name_or_path, "--tokenizer", TokenizerError)
     if not folder.is_dir():
         # owner/name is a Hub id (offline, the Hub lookup says so); a longer or explicit path is a folder
         if name_or_path.startswith((".", "~", os.path.sep)) or name_or_path.count("/") > 1 or folder.exists():
@@ -127,7 +129,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
         )
     if chat_template is not None:
         try:
-            tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+            tokenizer.chat_template = expand_user(chat_template, "--chat-template", TokenizerError).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"--chat-template {chat_template}: cannot be read ({getattr(e, 'strerror', None) or e}); "
                                  "give a Jinja template file") from None
@@ -138,13 +140,16 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
 
 
 def _from_hub(repo_id: str) -> Path:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
+    # With no network, hf_hub_download would retry each file missing from the cache for ~24 s: ask
+    # once whether the Hub is there, and if not read only the cache (a miss then fails at once).
+    cache_only = constants.HF_HUB_OFFLINE or not hub.reachable()
     folder = None
     for filename in TOKENIZER_FILES:
         try:
-            folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5)).parent
+            folder = Path(hf_hub_download(repo_id, filename, etag_timeout=5, local_files_only=cache_only)).parent
         except EntryNotFoundError as e:
             if not isinstance(e, LocalEntryNotFoundError):  # its subclass: offline, or not in the cache
                 continue

@@ -199,7 +199,8 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
             trained_tokens=int(trained.sum()), ids=seg_ids.tolist(), trained=trained.tolist(),
             runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids, trained, elide)))
     return Row(row=index, shard=name, tokens=int(len(ids)), num_loss_tokens=record["num_loss_tokens"],
-               max_seqlen=record["max_seqlen"], segments=tuple(segments))
+               max_seqlen=record["max_seqlen"], segments=tuple(segments),
+               eos_token_id=manifest.tokenizer.get("eos_token_id"))
 
 
 def _elided_runs(tokenizer, ids: np.ndarray, trained: np.ndarray, keep: int | None) -> tuple[Run | Elided, ...]:

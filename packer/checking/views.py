@@ -135,6 +135,7 @@ class Row:
     num_loss_tokens: int
     max_seqlen: int
     segments: tuple[Segment, ...]
+    eos_token_id: int | None = None  # the manifest's, so a view can tell the EOS packer appends
 
     def to_json(self) -> dict[str, Any]:
         return {**_json(self), "segments": [s.to_json() for s in self.segments]}

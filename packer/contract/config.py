@@ -98,7 +98,7 @@ class BuildConfig:
         for name, value in self._normalised().items():
             object.__setattr__(self, name, value)
         self._check_mix()
-        if self.pack != "batch" and self.layout() is not None:  # padding that cannot fit: refused before tokenizing
+        if self.layout() is not None:  # padding that cannot fit, in any mode: refused before anything is read
             padded_budget(self.layout(), self.pack, self.max_len, self.max_tokens)
 
     def _check_names(self) -> None:

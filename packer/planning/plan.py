@@ -562,7 +562,7 @@ def plan(
     seed = _as_int("seed", seed, 0, "use a non-negative integer seed")
     world_size = _as_int("world_size", world_size, 1, "use the number of data-parallel ranks (>= 1)")
     batch_size, budget_cap = row_size(mode, max_len, max_tokens, batch_size)
-    if layout is not None and budget_cap is not None:
+    if layout is not None:
         budget_cap = padded_budget(layout, mode, max_len, budget_cap)
 
     lengths = _as_lengths(lengths)
@@ -616,17 +616,39 @@ def plan(
                 pad_id=0 if layout is None else layout.pad_id)
 
 
-def padded_budget(layout: Layout, mode: str, max_len: int, max_tokens: int) -> int:
-    """The row budget of a padded build (``Layout.budget``), refused where a segment could not fit."""
-    cap = layout.budget(max_tokens)
+def padded_budget(layout: Layout, mode: str, max_len: int, max_tokens: int | None) -> int | None:
+    """The one padding rule, the same in every mode (``BuildConfig`` checks it before anything is read,
+    :func:`plan` again): a segment of ``max_len`` tokens, padded, must fit what a segment may hold: the row
+    budget (``Layout.budget``: ``max_tokens`` rounded down to the padding's multiples) in the modes that fill
+    rows with tokens, ``max_len`` itself in ``batch``, whose rows have no token budget (a padding multiple
+    past it padded every segment there to that multiple: 5,000,000 tokens for a max_len of 4096); there a
+    row's own padding (contiguous CP), which its last segment takes, is less than max_len too. ``wrap``
+    cuts rows at the budget, so its budget must hold one row's multiple. Returns the row budget (None in
+    ``batch``)."""
     if mode == "wrap" and layout.segment_multiple > 1:
         raise ConfigError("mode 'wrap' cuts rows at the budget, so it cannot pad every segment (--cp-layout zigzag, "
                           "--pad-to-multiple-of); use --cp-layout contiguous, or mode 'bfd'")
-    longest = pad_up(max_len, layout.segment_multiple)
-    if mode in ("bfd", "optimal") and longest > cap:
-        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest}, more than the row budget of {cap} "
-                          f"(max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len "
-                          "or raise --max-tokens")
+    longest = int(pad_up(max_len, layout.segment_multiple))
+    if mode == "batch":
+        if longest <= max_len and layout.row_multiple > max_len:  # contiguous: the row's padding, on its last segment
+            raise ConfigError(f"every row is padded to a multiple of {layout.row_multiple:,} tokens, more than the "
+                              f"{max_len} tokens a segment may hold in mode 'batch' (its last segment takes the "
+                              "padding); lower --cp-size or --pad-to-multiple-of, or raise --max-len")
+        if longest > max_len:
+            raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest:,}, more than the {max_len} "
+                              f"tokens a segment may hold in mode 'batch' (every segment is padded to a multiple of "
+                              f"{layout.segment_multiple:,}); make --max-len a multiple of it, or lower "
+                              "--pad-to-multiple-of or --cp-size")
+        return None
+    cap = layout.budget(max_tokens)
+    if mode == "wrap" and cap < 1:
+        raise ConfigError(f"the row budget of max_tokens {max_tokens} rounded down to a multiple of the padding "
+                          f"({layout.row_multiple:,}) is 0 tokens; lower --cp-size or --pad-to-multiple-of, or raise "
+                          "--max-tokens")
+    if mode != "wrap" and longest > cap:
+        raise ConfigError(f"a segment of max_len {max_len} tokens pads to {longest:,}, more than the row budget of "
+                          f"{cap:,} (max_tokens {max_tokens} rounded down to a multiple of the padding); lower --max-len, "
+                          "raise --max-tokens, or lower --pad-to-multiple-of or --cp-size")
     return cap
 
 
