@@ -28,6 +28,8 @@ Cost: one render per record for a tagged template, two for an untagged one, plus
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import re
 from dataclasses import dataclass
@@ -43,8 +45,36 @@ TRAIN_ON = ("assistant", "last", "all")
 _MEDIA = ("image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "PACKERPROBEX"
+# The day a template that asks for the date (``strftime_now``: Llama 3.1's and 3.2's "Today Date") is given: the same
+# on every day, so a build's bytes and its verify do not depend on when they run. It is the date Llama 3.1's template
+# writes itself when no clock is given.
+RENDER_DATE = datetime.datetime(2024, 7, 26)
 # Real templates render a conversation in milliseconds; one that runs for seconds loops (a template is code)
 RENDER_TIME_LIMIT_S = 5.0
+
+
+@contextlib.contextmanager
+def fixed_clock(dated: bool):
+    """transformers' ``strftime_now`` (the template's clock) reads ``datetime.now()`` from its module; a keyword
+    argument cannot replace it (the renderer turns arguments into plain data), so for a template that asks for the
+    date that module's ``datetime`` says ``RENDER_DATE`` while packer renders (in the one thread that renders)."""
+    if not dated:
+        yield
+        return
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+    chat_template_utils.datetime = _RenderDate
+    try:
+        yield
+    finally:
+        chat_template_utils.datetime = real
+
+
+class _RenderDate(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return RENDER_DATE if tz is None else RENDER_DATE.replace(tzinfo=tz)
 
 
 def _marker(stem: str, i: int) -> str:
@@ -147,6 +177,7 @@ class ChatTemplate:
         self.control = re.compile("|".join(map(re.escape, tokens))) if tokens else None
         self.probe_tools = probe_tools  # a template picked for records with tools is probed with a tool
         self.tagged = bool(_GENERATION_TAG.search(source))
+        self.dated = "strftime_now" in source  # it asks for the date: it is rendered with RENDER_DATE
         try:  # a broken template is reported once, naming it, before any record is read
             _compile_jinja_template(source)
         except jinja2.TemplateSyntaxError as e:
@@ -158,7 +189,7 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            with time_limit(RENDER_TIME_LIMIT_S):
+            with time_limit(RENDER_TIME_LIMIT_S), fixed_clock(self.dated):
                 texts, indices = render_jinja_template(
                     conversations=[messages], tools=tools, chat_template=self.source,
                     return_assistant_tokens_mask=spans, add_generation_prompt=generation_prompt, **self.special_tokens,
@@ -329,9 +360,9 @@ class _Finder:
             # then the next call, in one model turn): the tail ends where they begin, past this turn's own calls
             at = after_mark
             for name in _tool_names(message):
-                if 0 <= (found := self.scaffold.find(name, at, limit)):
+                if (found := self.scaffold.find(name, at, limit)) >= 0:
                     at = found + len(name)
-            if 0 <= (found := self.scaffold.find(names[0], at, limit)):
+            if (found := self.scaffold.find(names[0], at, limit)) >= 0:
                 limit = found
         tail = self.scaffold[after_mark:limit]
         hits = [(tail.find(e), -len(e), e) for e in self.probe.ends if e in tail]
