@@ -308,9 +308,14 @@ class _Finder:
                     break
             if mark < 0 and not _has_text(message) and heads and (
                     k + 1 == len(self.turns) or base < self._next_marker(k, pos)):
-                # a turn with nothing the template renders (calls it leaves out): its header and end of turn
-                # are all of it, trained as the template's tagged twins train them
+                # a turn with nothing the template renders: an empty answer is its end of turn (as the template's
+                # tagged twins train it); but where the template left out its calls (DeepSeek V3's empty-content call)
+                # or reasoning, that end alone would teach the model to stop where it should have called
                 anchor, mark = "", base + len(next(h for h in probe.headers if scaffold.startswith(h, base)))
+                if _tool_names(message) or _reasoning(message):
+                    raise RecordError(f"{where}: the template renders none of its output (it leaves its calls out), "
+                                      "so only its end of turn would be trained; give a {% generation %}-tagged "
+                                      "template with --chat-template", "chat_turn_dropped")
         if mark < 0:
             raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
                               "chat_span_not_found")
