@@ -23,7 +23,8 @@ A template is code: whatever it raises is the record's error, and a render runs 
 Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them, and each
 is probed with what it will render (the one records with tools get is probed with a tool).
 
-Cost: one render per record for a tagged template, two for an untagged one, plus string searches.
+Cost: one render per record for a tagged template, three for an untagged one (real, guard, marked; see
+``chat_guard``), plus string searches.
 """
 
 from __future__ import annotations
