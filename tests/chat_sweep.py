@@ -98,6 +98,108 @@ def conversations() -> list[tuple[str, dict]]:
     ]
 
 
+
+def agentic_conversations() -> list[tuple[str, dict]]:
+    """Tool loops as agents write them: calls and results in turn, text beside calls, parallel calls, an answer
+    that echoes a result and a result that holds the answer, results without a name, a conversation that ends on
+    a result. Gemma 4 writes these into one model turn (call, result, text), which is where span finders slip."""
+    u, a, t = "user", "assistant", "tool"
+    m = lambda role, content, **kw: {"role": role, "content": content, **kw}  # noqa: E731
+    w = lambda city, cid: _call("get_weather", {"city": city}, cid=cid)  # noqa: E731
+    return [
+        ("agent_two_steps", {"tools": [WEATHER, CLOCK], "messages": [
+            m(u, "Weather in Paris and the time?"),  # arguments as JSON strings here (DeepSeek's template needs them)
+            m(a, "", tool_calls=[_call("get_weather", {"city": "Paris"}, as_string=True, cid="c1")]),
+            m(t, '{"temp": 18}', name="get_weather", tool_call_id="c1"),
+            m(a, "", tool_calls=[_call("get_time", {"tz": "Europe/Paris"}, as_string=True, cid="c2")]),
+            m(t, "10:00", name="get_time", tool_call_id="c2"), m(a, "18 °C, and it is 10:00.")]}),
+        ("agent_text_beside_calls", {"tools": [WEATHER, CLOCK], "messages": [
+            m("system", "Be brief."), m(u, "Paris?"), m(a, "Checking weather.", tool_calls=[w("Paris", "c1")]),
+            m(t, '{"temp": 18}', name="get_weather", tool_call_id="c1"),
+            m(a, "Now the time.", tool_calls=[_call("get_time", {"tz": "Europe/Paris"}, cid="c2")]),
+            m(t, "10:00", name="get_time", tool_call_id="c2"), m(a, "18 °C at 10:00."), m(u, "ok"), m(a, "Bye.")]}),
+        ("agent_parallel", {"tools": [WEATHER, CLOCK], "messages": [
+            m(u, "Oslo weather and time?"),
+            m(a, "", tool_calls=[_call("get_weather", {"city": "Oslo"}, as_string=True, cid="c1"),
+                                 _call("get_time", {"tz": "Europe/Oslo"}, as_string=True, cid="c2")]),
+            m(t, '{"temp": -3}', name="get_weather", tool_call_id="c1"), m(t, "09:12", name="get_time", tool_call_id="c2"),
+            m(a, "−3 °C at 09:12.")]}),
+        ("agent_reasoning_loops", {"tools": [WEATHER], "messages": [
+            m(u, "Weather in Bern?"), m(a, "", reasoning_content="I will call.", tool_calls=[w("Bern", "c1")]),
+            m(t, '{"temp": 12}', name="get_weather", tool_call_id="c1"), m(a, "12 °C.", reasoning_content="Done."),
+            m(u, "And Basel?"), m(a, "", tool_calls=[w("Basel", "c2")]),
+            m(t, '{"temp": 13}', name="get_weather", tool_call_id="c2"), m(a, "13 °C.")]}),
+        ("agent_result_without_name", {"tools": [WEATHER], "messages": [
+            m(u, "Weather in Bern?"), m(a, "", tool_calls=[w("Bern", "c1")]), m(t, '{"temp": 12}', tool_call_id="c1"),
+            m(a, "12 °C.")]}),
+        ("agent_answer_echoes_result", {"tools": [WEATHER], "messages": [
+            m(u, "Sky in Bern?"), m(a, "", tool_calls=[w("Bern", "c1")]),
+            m(t, "sunny", name="get_weather", tool_call_id="c1"), m(a, "sunny")]}),
+        ("agent_result_holds_answer", {"tools": [WEATHER], "messages": [
+            m(u, "Sky in Bern?"), m(a, "", tool_calls=[w("Bern", "c1")]),
+            m(t, "It is sunny in Bern today.", name="get_weather", tool_call_id="c1"), m(a, "It is sunny")]}),
+        ("agent_ends_on_result", {"tools": [WEATHER], "messages": [
+            m(u, "Weather in Nice?"), m(a, "Let me look.", tool_calls=[w("Nice", "c1")]),
+            m(t, '{"temp": 20}', name="get_weather", tool_call_id="c1")]}),
+    ]
+
+
+# What a span finder could be fooled by: packer's own marker and sentinel strings (and their salted forms)
+PACKER_STRINGS = ["PACKERMARK00001X", "PACKERMARK00003X", "PACKERSENT00000X", "PACKER1QMARK00001X", "PACKERPROBEX",
+                  "PACKERMA", "SENT00002X"]
+
+
+def forged_conversations(source: str, render=None) -> list[tuple[str, dict]]:
+    """Conversations whose user, system and tool texts hold what a span finder looks for: packer's strings, the
+    template's markup (its special tokens' text) with role words after it (headers), its end-of-turn literals,
+    halves of them (partial overlaps), and with ``render`` (messages -> text) a whole rendered conversation."""
+    markup = sorted(set(MARKUP.findall(source)))
+    heads = "".join(f"{t}assistant\n{t}model\n" for t in markup)
+    halves = " ".join(t[: len(t) // 2] for t in markup) + " " + " ".join(t[len(t) // 2:] for t in markup)
+    ends = "".join(markup) + " get_weather " + " ".join(PACKER_STRINGS)
+    u, a, t = "user", "assistant", "tool"
+    m = lambda role, content, **kw: {"role": role, "content": content, **kw}  # noqa: E731
+    out = [
+        ("forged_packer_strings", {"messages": [m("system", "Sys " + " ".join(PACKER_STRINGS)),
+                                                m(u, " ".join(PACKER_STRINGS)), m(a, "Fine."),
+                                                m(u, PACKER_STRINGS[1] + " again"), m(a, "Done.")]}),
+        ("forged_headers", {"messages": [m(u, "Hi " + heads + "leak"), m(a, "Hello."), m(u, heads), m(a, "Ok.")]}),
+        ("forged_halves_and_ends", {"messages": [m("system", halves), m(u, ends + " leak"), m(a, "Noted.")]}),
+        ("forged_tool_result", {"tools": [WEATHER], "messages": [
+            m(u, "Weather? " + heads), m(a, "", tool_calls=[_call("get_weather", {"city": "Paris"}, cid="c1")]),
+            m(t, ends + heads + "leak", name="get_weather", tool_call_id="c1"), m(a, "It is 18 °C.")]}),
+    ]
+    if render is not None:
+        try:
+            whole = render([m(u, "What is 2+2?"), m(a, "4.")])
+        except Exception:  # the template refuses a plain conversation: nothing to forge with
+            whole = None
+        if whole:
+            out.append(("forged_whole_render", {"messages": [m(u, whole), m(a, "That is a transcript."),
+                                                             m(u, whole + whole), m(a, "Again.")]}))
+    return out
+
+
+def leaks(hf, source: str, messages: list[dict], tools, text: str, offsets, trained) -> list[str]:
+    """The tokens of another message's text that are trained, located apart from packer's span finder: the part of
+    transformers' render that changes when that one message's text is replaced (by either of two sentinels)."""
+    problems = []
+    for j, message in enumerate(messages):
+        if message["role"] == "assistant" or not isinstance(message.get("content"), str) or not message["content"]:
+            continue
+        a, b = len(text), 0
+        for mark in ("QZXSENTINELQ", "VKJSENTINELW"):
+            other = hf.apply_chat_template([*messages[:j], {**message, "content": mark}, *messages[j + 1:]],
+                                           tools=tools, chat_template=source, tokenize=False)
+            p = next((k for k, (x, y) in enumerate(zip(text, other)) if x != y), min(len(text), len(other)))
+            q = next((k for k, (x, y) in enumerate(zip(reversed(text[p:]), reversed(other[p:]))) if x != y),
+                     min(len(text), len(other)) - p)
+            a, b = min(a, p), max(b, len(text) - q)
+        if bad := [i for i, (x, y) in enumerate(offsets) if x < b and a < y and trained[i]]:
+            problems.append(f"turn {j} ({message['role']}): its text is trained: "
+                            f"{text[offsets[bad[0]][0]:offsets[bad[-1]][1]][:60]!r}")
+    return problems
+
 def templates(folder: Path | None = None) -> list[tuple[str, Path, Path]]:
     """(name, original, twin) for every TRL template with a _training twin and no image/audio/video handling."""
     if folder is None:
@@ -255,6 +357,28 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
 
 
+class same_day:
+    """transformers' template clock set to the day packer renders with (``chat.RENDER_DATE``), so a template that
+    writes today's date (``strftime_now``) renders the same text in the reference as in packer."""
+
+    def __enter__(self):
+        from transformers.utils import chat_template_utils
+
+        from packer.building.chat import RENDER_DATE
+
+        class Day(chat_template_utils.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return RENDER_DATE
+
+        self.real, chat_template_utils.datetime = chat_template_utils.datetime, Day
+
+    def __exit__(self, *exc):
+        from transformers.utils import chat_template_utils
+
+        chat_template_utils.datetime = self.real
+
+
 def _reference(hf, record, source, *, tagged):
     from packer.building.chat import normalize_messages, normalize_tools
 
@@ -305,6 +429,11 @@ def _outside(hf, record, source, tokens, header):
 
 
 def check_pair(hf, folder, name, original, twin, cases) -> tuple[Outcome, Outcome]:
+    with same_day():
+        return _check_pair(hf, folder, name, original, twin, cases)
+
+
+def _check_pair(hf, folder, name, original, twin, cases) -> tuple[Outcome, Outcome]:
     eos = hf.eos_token_id
     results = {}
     for label, path in (("twin", twin), ("original", original)):
@@ -323,7 +452,10 @@ def check_pair(hf, folder, name, original, twin, cases) -> tuple[Outcome, Outcom
                     outcome.refused += 1
                 continue
             if error is not None:
-                outcome.failures.append(f"{case}: packer refuses: {error[:160]}")
+                if label == "original" and "renders none of its output" in error:
+                    outcome.refused += 1  # a turn the template drops: packer refuses it (the twin trains its end)
+                else:
+                    outcome.failures.append(f"{case}: packer refuses: {error[:160]}")
                 continue
             expected = ref_ids + ([eos] if not ref_ids or ref_ids[-1] != eos else [])
             if ids != expected:
@@ -376,8 +508,14 @@ class Checked:
     wrong: list[str] = field(default_factory=list)
 
 
-def check_template(hf, folder, path, cases) -> Checked:
-    """Every conversation through packer's build Encoder with the template, against the offset reference."""
+def check_template(hf, folder, path, cases, *, forged: bool = False) -> Checked:
+    with same_day():
+        return _check_template(hf, folder, path, cases, forged=forged)
+
+
+def _check_template(hf, folder, path, cases, *, forged: bool = False) -> Checked:
+    """Every conversation through packer's build Encoder with the template, against the offset reference
+    (``forged``: and no other message's text trained, by ``leaks``; a refusal there is right, not a fault)."""
     from packer.building.chat import normalize_messages, normalize_tools
 
     out = Checked()
@@ -407,12 +545,15 @@ def check_template(hf, folder, path, cases) -> Checked:
         if ids != ref_ids + ([eos] if not ref_ids or ref_ids[-1] != eos else []):
             out.wrong.append(f"{case}: tokens differ from apply_chat_template(tokenize=True)")
             continue
+        offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if forged and (problems := leaks(hf, source, messages, tools, text, offsets, trained)):
+            out.wrong.append(f"{case}: {'; '.join(problems)}")
+            continue
         if _GENERATION.search(source):  # a tagged template: packer trains what its tags hold, exactly
             mask = hf.apply_chat_template(messages, tools=tools, chat_template=source, tokenize=True,
                                           return_dict=True, return_assistant_tokens_mask=True)["assistant_masks"]
             problems = [] if trained[: len(ref_ids)] == list(mask) else ["mask differs from return_assistant_tokens_mask"]
         else:
-            offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
             problems = offset_reference(text, messages, offsets, trained)
         if problems:
             out.wrong.append(f"{case}: {'; '.join(problems)}")
@@ -454,38 +595,51 @@ def _with_tokens(markup: tuple[str, ...], base: Path) -> Path:
     return folder
 
 
-def reference_sweep(folder: Path = QWEN3, *, own: bool = True, verbose: bool = True,
-                    names: set[str] | None = None) -> dict[str, Checked]:
-    """Every TRL template x every conversation against the offset reference; prints a table. ``own``: each template
-    with ``folder``'s tokenizer plus the template's markup tokens (see ``own_tokenizer``), else ``folder``'s as it is
+CLASSES = ("plain", "agentic", "forged")
+
+
+def class_cases(kind: str, source: str, hf) -> list[tuple[str, dict]]:
+    if kind == "plain":
+        return conversations()
+    if kind == "agentic":
+        return agentic_conversations()
+    return forged_conversations(source, lambda messages: hf.apply_chat_template(messages, chat_template=source,
+                                                                                tokenize=False))
+
+
+def reference_sweep(folder: Path = QWEN3, *, own: bool = True, verbose: bool = True, names: set[str] | None = None,
+                    classes=CLASSES) -> dict[tuple[str, str], Checked]:
+    """Every TRL template x every conversation of each class against the offset reference (the forged class also
+    against ``leaks``); prints a line per template and class, and a table per class. ``own``: each template with
+    ``folder``'s tokenizer plus the template's markup tokens (see ``own_tokenizer``), else ``folder``'s as it is
     (the markup is then text to it)."""
     from transformers import AutoTokenizer
 
-    cases = conversations()
     report = {}
     for name, path in originals():
         if names is not None and name not in names:
             continue
-        tokenizer = own_tokenizer(path.read_text(), folder) if own else folder
+        source = path.read_text()
+        tokenizer = own_tokenizer(source, folder) if own else folder
         hf = AutoTokenizer.from_pretrained(str(tokenizer))
-        report[name] = c = check_template(hf, tokenizer, path, cases)
-        if verbose:
-            print(f"{name:28s} exact {c.exact:2d} · both refuse {c.refused_both:2d} · packer refuses "
-                  f"{sum(c.refused.values()):2d} · wrong {len(c.wrong):2d}")
-            for reason, n in c.refused.items():
-                print(f"    refused x{n}: {reason}")
-            for w in c.wrong:
-                print(f"    wrong: {w[:240]}")
+        for kind in classes:
+            report[name, kind] = c = check_template(hf, tokenizer, path, class_cases(kind, source, hf),
+                                                    forged=kind == "forged")
+            if verbose:
+                print(f"{name:24s} {kind:8s} exact {c.exact:2d} · both refuse {c.refused_both:2d} · packer refuses "
+                      f"{sum(c.refused.values()):2d} · wrong {len(c.wrong):2d}")
+                for reason, n in c.refused.items():
+                    print(f"    refused x{n}: {reason}")
+                for w in c.wrong:
+                    print(f"    wrong: {w[:240]}")
     if verbose:
-        total = len(report) * len(cases)
-        exact = sum(c.exact for c in report.values())
-        both = sum(c.refused_both for c in report.values())
-        refused = sum(sum(c.refused.values()) for c in report.values())
-        wrong = sum(len(c.wrong) for c in report.values())
-        clean = sum(not c.wrong and not c.refused for c in report.values())
-        print(f"{len(report)} templates x {len(cases)} conversations = {total}: exact {exact}, both refuse {both}, "
-              f"packer refuses {refused}, wrong {wrong}; templates with nothing wrong or refused: {clean}/{len(report)} "
-              f"({folder.name} tokenizer{' with each template' + chr(39) + 's markup tokens' if own else ', as it is'})")
+        tag = f"{folder.name} tokenizer{' with each template' + chr(39) + 's markup tokens' if own else ', as it is'}"
+        print(f"| class | conversations | exact | both refuse | packer refuses | wrong |  ({tag})")
+        for kind in classes:
+            rows = [c for (_, k), c in report.items() if k == kind]
+            exact, both = sum(c.exact for c in rows), sum(c.refused_both for c in rows)
+            refused, wrong = sum(sum(c.refused.values()) for c in rows), sum(len(c.wrong) for c in rows)
+            print(f"| {kind} | {exact + both + refused + wrong} | {exact} | {both} | {refused} | {wrong} |")
     return report
 
 

@@ -23,11 +23,14 @@ A template is code: whatever it raises is the record's error, and a render runs 
 Named templates (``default``, ``tool_use``, ...) are picked per record as transformers picks them, and each
 is probed with what it will render (the one records with tools get is probed with a tool).
 
-Cost: one render per record for a tagged template, two for an untagged one, plus string searches.
+Cost: one render per record for a tagged template, three for an untagged one (real, guard, marked; see
+``chat_guard``), plus string searches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import re
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import RecordError, TokenizerError
+from .chat_guard import align, salt, sentinel
 from .timelimit import TimeLimitExceeded, time_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
@@ -42,12 +46,40 @@ TRAIN_ON = ("assistant", "last", "all")
 _MEDIA = ("image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "PACKERPROBEX"
+# The day a template that asks for the date (``strftime_now``: Llama 3.1's and 3.2's "Today Date") is given: the same
+# on every day, so a build's bytes and its verify do not depend on when they run. It is the date Llama 3.1's template
+# writes itself when no clock is given.
+RENDER_DATE = datetime.datetime(2024, 7, 26)
 # Real templates render a conversation in milliseconds; one that runs for seconds loops (a template is code)
 RENDER_TIME_LIMIT_S = 5.0
 
 
-def _marker(i: int) -> str:
-    return f"PACKERMARK{i:05d}X"
+@contextlib.contextmanager
+def fixed_clock(dated: bool):
+    """transformers' ``strftime_now`` (the template's clock) reads ``datetime.now()`` from its module; a keyword
+    argument cannot replace it (the renderer turns arguments into plain data), so for a template that asks for the
+    date that module's ``datetime`` says ``RENDER_DATE`` while packer renders (in the one thread that renders)."""
+    if not dated:
+        yield
+        return
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+    chat_template_utils.datetime = _RenderDate
+    try:
+        yield
+    finally:
+        chat_template_utils.datetime = real
+
+
+class _RenderDate(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return RENDER_DATE if tz is None else RENDER_DATE.replace(tzinfo=tz)
+
+
+def _marker(stem: str, i: int) -> str:
+    return f"{stem}MARK{i:05d}X"  # stem: "PACKER", or one that no message of the record holds (chat_guard.salt)
 
 
 def drop_nones(value: Any) -> Any:
@@ -146,6 +178,7 @@ class ChatTemplate:
         self.control = re.compile("|".join(map(re.escape, tokens))) if tokens else None
         self.probe_tools = probe_tools  # a template picked for records with tools is probed with a tool
         self.tagged = bool(_GENERATION_TAG.search(source))
+        self.dated = "strftime_now" in source  # it asks for the date: it is rendered with RENDER_DATE
         try:  # a broken template is reported once, naming it, before any record is read
             _compile_jinja_template(source)
         except jinja2.TemplateSyntaxError as e:
@@ -157,7 +190,7 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            with time_limit(RENDER_TIME_LIMIT_S):
+            with time_limit(RENDER_TIME_LIMIT_S), fixed_clock(self.dated):
                 texts, indices = render_jinja_template(
                     conversations=[messages], tools=tools, chat_template=self.source,
                     return_assistant_tokens_mask=spans, add_generation_prompt=generation_prompt, **self.special_tokens,
@@ -215,123 +248,198 @@ class ChatTemplate:
                                  "template with --chat-template")
         return _learn(self, user, tools, bare, prompted)
 
-    def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[list[tuple[int, int]]]:
-        """Per assistant turn, the character spans of its output in ``text``."""
-        probe = self._probe
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        # only non-empty text is replaced by a marker: the template sees text where the record has text
-        marked = [{**m, "content": _marker(i)} if i in turns and _has_text(m) else m for i, m in enumerate(messages)]
+    def _scaffold(self, messages: list[dict], tools: list[dict] | None, what: str) -> str:
         try:
-            scaffold, _ = self.render(marked, tools)
+            return self.render(messages, tools)[0]
         except RecordError as e:
             if e.reason == "chat_template_timeout":
                 raise
-            raise RecordError(f"packer's probe render of this conversation (each assistant text replaced by a marker) "
-                              f"fails, though the conversation renders ({e}); give a {{% generation %}}-tagged "
-                              "template with --chat-template", "chat_probe_failed") from None
-        spans = []
-        pos = cur = 0  # in the marked render, in the real one
+            raise RecordError(f"packer's probe render of this conversation ({what}) fails, though the conversation "
+                              f"renders ({e}); give a {{% generation %}}-tagged template with --chat-template",
+                              "chat_probe_failed") from None
+
+    def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[list[tuple[int, int]]]:
+        """Per assistant turn, the character spans of its output in ``text``: found in the guard render, which holds
+        no other message's text (see ``chat_guard``), and carried over to ``text`` by the exact alignment."""
+        stem = salt(text, json.dumps([messages, tools], ensure_ascii=False, default=str))
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        contents = {j: m["content"] for j, m in enumerate(messages) if j not in turns and _has_text(m)}
+        guarded = [{**m, "content": sentinel(stem, j)} if j in contents else m for j, m in enumerate(messages)]
+        guard = self._scaffold(guarded, tools, "other messages' text replaced by sentinels") if contents else text
+        alignment = align(text, guard, stem, contents)
+        # only non-empty text is replaced by a marker: the template sees text where the record has text
+        marked = [{**m, "content": _marker(stem, i)} if i in turns and _has_text(m) else m for i, m in enumerate(guarded)]
+        scaffold = self._scaffold(marked, tools, "each assistant text replaced by a marker")
+        finder = _Finder(self, guarded, turns, scaffold, guard, stem)
+        out = []
         for k, i in enumerate(turns):
             where = f"assistant turn {i}"
-            message = messages[i]
-            mark, anchor = (scaffold.find(_marker(i), pos), _marker(i)) if _has_text(message) else (-1, "")
-            if mark < 0:  # no text (a tool call alone), or text a template leaves out beside tool calls (gpt-oss):
-                # anchor on the first call, or the reasoning, after the turn's header
-                heads = [found for h in probe.headers if (found := scaffold.find(h, pos)) >= 0]
-                base = min(heads) if heads else pos
-                for anchor in (*_tool_names(message), _reasoning(message)):
-                    if anchor and (mark := scaffold.find(anchor, base)) >= 0:
-                        break
-                if mark < 0 and not _has_text(message) and heads and (
-                        k + 1 == len(turns) or base < scaffold.find(_marker(turns[k + 1]), pos)):
-                    # a turn with nothing the template renders (calls it leaves out): its header and end of turn
-                    # are all of it, trained as the template's tagged twins train them
-                    anchor, mark = "", base + len(next(h for h in probe.headers if scaffold.startswith(h, base)))
-            if mark < 0:
-                raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
-                                  "chat_span_not_found")
-            before = scaffold[pos:mark]
-            header = next((h for h in probe.headers if h in before), None)
-            reasoning = _reasoning(message)
-            at = before.rfind(reasoning) if reasoning else -1
-            if at >= 0 and (header is None or header in before[:at]):
-                # the reasoning rendered before the content (gpt-oss's analysis channel, Gemma 4's thought channel
-                # in a model turn that goes on after tool results) is part of the turn's output
-                before = before[:at]
-            if header is not None:  # the output starts after the last such header before the content
-                start = cur
-                for _ in range(before.count(header)):
-                    found = text.find(header, start)
-                    start = found + len(header) if found >= 0 else -1
-                    if start < 0:
-                        break
-            else:  # no header (DeepSeek's reply after tool outputs): the output starts where the content does
-                found = text.find(before, cur)
-                start = found + len(before) if found >= 0 else -1
-            if start >= 0 and probe.prefill and text.startswith(probe.prefill, start) and not (
-                    reasoning and reasoning in text[start:start + len(probe.prefill) + len(reasoning)]):
-                start += len(probe.prefill)  # the generation prompt's own pre-fill (an empty think block), not output
-            after_mark = mark + len(anchor)
-            limit = scaffold.find(_marker(turns[k + 1]), after_mark) if k + 1 < len(turns) else -1
-            limit = len(scaffold) if limit < 0 else limit
-            tail = scaffold[after_mark:limit]
-            hits = [(tail.find(e), -len(e), e) for e in probe.ends if e in tail]
-            if start < 0:
-                raise RecordError(f"{where}: cannot locate its output in the rendered conversation", "chat_span_not_found")
-            if hits:
-                end_token = min(hits)[2]
-                found = text.find(end_token, start)
+            spans = finder.turn(k, i, where)
+            alignment.check(spans, where, messages)
+            out.append([(alignment.to_real(a, where), alignment.to_real(b, where)) for a, b in spans])
+        return out
+
+
+class _Finder:
+    """Each assistant turn's output in the guard render ``text`` (no other message's text is in it, only
+    sentinels), told by the marked render ``scaffold`` (each assistant text replaced by a marker): the header
+    before the marker, the end of turn after it. Turns are found in order; ``pos`` and ``cur`` are where the
+    last turn ended in the scaffold and in ``text``."""
+
+    def __init__(self, template: ChatTemplate, messages: list[dict], turns: list[int], scaffold: str, text: str,
+                 stem: str):
+        self.probe, self.messages, self.turns, self.scaffold, self.text = template._probe, messages, turns, scaffold, text
+        self.stem = stem
+        self.pos = self.cur = 0
+
+    def _next_marker(self, k: int, at: int) -> int:
+        return self.scaffold.find(_marker(self.stem, self.turns[k + 1]), at) if k + 1 < len(self.turns) else -1
+
+    def _anchor(self, k: int, i: int, where: str) -> tuple[int, str]:
+        """Where the turn's output is in the scaffold: its marker, else (no text, or text a template leaves out
+        beside tool calls: gpt-oss) its first call or its reasoning after the turn's header."""
+        scaffold, probe, message, pos = self.scaffold, self.probe, self.messages[i], self.pos
+        marker = _marker(self.stem, i)
+        mark, anchor = (scaffold.find(marker, pos), marker) if _has_text(message) else (-1, "")
+        if mark < 0:
+            heads = [found for h in probe.headers if (found := scaffold.find(h, pos)) >= 0]
+            base = min(heads) if heads else pos
+            for anchor in (*_tool_names(message), _reasoning(message)):
+                if anchor and (mark := scaffold.find(anchor, base)) >= 0:
+                    break
+            if mark < 0 and not _has_text(message) and heads and (
+                    k + 1 == len(self.turns) or base < self._next_marker(k, pos)):
+                # a turn with nothing the template renders: an empty answer is its end of turn (as the template's
+                # tagged twins train it); but where the template left out its calls (DeepSeek V3's empty-content call)
+                # or reasoning, that end alone would teach the model to stop where it should have called
+                anchor, mark = "", base + len(next(h for h in probe.headers if scaffold.startswith(h, base)))
+                if _tool_names(message) or _reasoning(message):
+                    raise RecordError(f"{where}: the template renders none of its output (it leaves its calls out), "
+                                      "so only its end of turn would be trained; give a {% generation %}-tagged "
+                                      "template with --chat-template", "chat_turn_dropped")
+        if mark < 0:
+            raise RecordError(f"{where} is not rendered by the chat template, so it cannot be trained on",
+                              "chat_span_not_found")
+        return mark, anchor
+
+    def _start(self, i: int, mark: int, where: str) -> int:
+        """Where the output starts in ``text``: after the last header before the anchor (the reasoning rendered
+        before the content is output), else where the content does."""
+        probe, text, message = self.probe, self.text, self.messages[i]
+        before = self.scaffold[self.pos:mark]
+        header = next((h for h in probe.headers if h in before), None)
+        reasoning = _reasoning(message)
+        at = before.rfind(reasoning) if reasoning else -1
+        if at >= 0 and (header is None or header in before[:at]):
+            # the reasoning rendered before the content (gpt-oss's analysis channel, Gemma 4's thought channel
+            # in a model turn that goes on after tool results) is part of the turn's output
+            before = before[:at]
+        if header is not None:  # the output starts after the last such header before the content
+            start = self.cur
+            for _ in range(before.count(header)):
+                found = text.find(header, start)
+                start = found + len(header) if found >= 0 else -1
+                if start < 0:
+                    break
+        else:  # no header (DeepSeek's reply after tool outputs): the output starts where the content does, or
+            # where its calls do if they come first (Gemma 4 goes on in the same model turn: calls, results, text)
+            found = text.find(before, self.cur)
+            start = found + len(before) if found >= 0 else -1
+            if start >= 0 and any(name in before for name in _tool_names(message)):
+                start -= len(before.lstrip())
+        if start >= 0 and probe.prefill and text.startswith(probe.prefill, start) and not (
+                reasoning and reasoning in text[start:start + len(probe.prefill) + len(reasoning)]):
+            start += len(probe.prefill)  # the generation prompt's own pre-fill (an empty think block), not output
+        if start < 0:
+            raise RecordError(f"{where}: cannot locate its output in the rendered conversation", "chat_span_not_found")
+        return start
+
+    def _end(self, k: int, i: int, start: int, mark: int, anchor: str, where: str) -> tuple[int, int]:
+        """Where the output ends in ``text`` (its end of turn, else its own text, else the end of the render),
+        and where the next turn's search starts in the scaffold."""
+        text, message = self.text, self.messages[i]
+        after_mark = mark + len(anchor)
+        limit = self._next_marker(k, after_mark)
+        limit = len(self.scaffold) if limit < 0 else limit
+        if k + 1 < len(self.turns) and (names := _tool_names(self.messages[self.turns[k + 1]])):
+            # the next turn's calls may come before its text, right after this turn's (Gemma 4 v5 writes text,
+            # then the next call, in one model turn): the tail ends where they begin, past this turn's own calls
+            at = after_mark
+            for name in _tool_names(message):
+                if (found := self.scaffold.find(name, at, limit)) >= 0:
+                    at = found + len(name)
+            if (found := self.scaffold.find(names[0], at, limit)) >= 0:
+                limit = found
+        tail = self.scaffold[after_mark:limit]
+        hits = [(tail.find(e), -len(e), e) for e in self.probe.ends if e in tail]
+        if hits:
+            # the n-th of its kind since the last turn's end, as in the scaffold: not the first after the start,
+            # which may close the turn's calls before its text (Gemma 4's <|tool_response>)
+            end_token = min(hits)[2]
+            closing = after_mark + tail.find(end_token) + len(end_token)
+            n = self.scaffold.count(end_token, self.pos, closing) + (
+                (message.get("content") or "").count(end_token) if anchor == _marker(self.stem, i) else 0)
+            found = self.cur - len(end_token)
+            for _ in range(n):
+                found = text.find(end_token, found + len(end_token))
                 if found < 0:
-                    raise RecordError(f"{where}: its end-of-turn {end_token!r} is not in the rendered conversation",
-                                      "chat_span_not_found")
-                end = found + len(end_token)
-                next_pos = after_mark + tail.find(end_token) + len(end_token)
-            elif k + 1 == len(turns) and not _rendered_after(messages, i, text, start):
-                end, next_pos = len(text), len(scaffold)  # a final turn that nothing closes: its span runs to the end,
-                # the EOS ends it
-            else:  # a turn that nothing closes, followed by more: it ends with its own text, written after its calls
-                visible = _visible(message)
-                found = text.find(visible, start) if visible and anchor == _marker(i) else -1
-                if found < 0 or any(not 0 <= text.find(name, start) < found for name in _tool_names(message)):
-                    raise RecordError(f"{where}: cannot tell where its output ends (the template writes no end-of-turn "
-                                      "token after it); give a {% generation %}-tagged template with --chat-template",
-                                      "chat_span_not_found")
-                end = found + len(visible)
-                next_pos = after_mark
-            _check_span(message, text, start, end, where, content_rendered=anchor == _marker(i))
-            spans.append(self._without_others(messages, i, turns[k + 1] if k + 1 < len(turns) else len(messages),
-                                              text, start, end, where))
-            pos, cur = next_pos, end
+                    break
+            if found < start:
+                raise RecordError(f"{where}: its end-of-turn {end_token!r} is not in the rendered conversation",
+                                  "chat_span_not_found")
+            return found + len(end_token), closing
+        if k + 1 == len(self.turns) and not _rendered_after(self.messages, i, text, start):
+            return len(text), len(self.scaffold)  # a final turn that nothing closes: its span runs to the end, the
+            # EOS ends it
+        # a turn that nothing closes, followed by more: it ends with its own text, written after its calls
+        visible = _visible(message)
+        found = text.find(visible, start) if visible and anchor == _marker(self.stem, i) else -1
+        if found < 0 or any(not 0 <= text.find(name, start) < found for name in _tool_names(message)):
+            raise RecordError(f"{where}: cannot tell where its output ends (the template writes no end-of-turn "
+                              "token after it); give a {% generation %}-tagged template with --chat-template",
+                              "chat_span_not_found")
+        return found + len(visible), after_mark
+
+    def turn(self, k: int, i: int, where: str) -> list[tuple[int, int]]:
+        """The spans of turn ``i`` (the ``k``-th assistant turn), in ``text``; turns are asked for in order."""
+        mark, anchor = self._anchor(k, i, where)
+        start = self._start(i, mark, where)
+        end, next_pos = self._end(k, i, start, mark, anchor, where)
+        _check_span(self.messages[i], self.text, start, end, where, content_rendered=anchor == _marker(self.stem, i))
+        nxt = self.turns[k + 1] if k + 1 < len(self.turns) else len(self.messages)
+        spans = _without_others(self.probe, self.messages, i, nxt, self.text, start, end, where)
+        self.pos, self.cur = next_pos, end
         return spans
 
-    def _without_others(self, messages: list[dict], i: int, next_turn: int, text: str, start: int, end: int,
-                        where: str) -> list[tuple[int, int]]:
-        """The turn's span, less the messages that follow it where the template writes them inside the turn
-        (Gemma 4 writes tool results into the model turn, after the calls and before the turn's text): the
-        output is the calls through the first end of turn before them, then the turn's own text after them."""
-        own = _visible(messages[i])
-        own_at = text.rfind(own, start, end) if own else -1
-        inside = []
-        for j in range(i + 1, next_turn):
-            other = messages[j]["content"].strip() if _has_text(messages[j]) else ""
-            for form in (other, json.dumps(other)[1:-1]) if other else ():  # as written, or as a JSON string
-                at = text.find(form, start, end)
-                if at >= 0 and not (own_at >= 0 and own_at <= at and at + len(form) <= own_at + len(own)):
-                    inside.append((at, at + len(form)))
-                    break
-        if not inside:
-            return [(start, end)]
-        first, last = min(a for a, _ in inside), max(b for _, b in inside)
-        cuts = [(found, e) for e in self._probe.ends if (found := text.find(e, start, first)) >= 0]
-        if not cuts:
-            raise RecordError(f"{where}: the template renders a later message inside it and packer finds no end of turn "
-                              "before it; give a {% generation %}-tagged template with --chat-template",
-                              "chat_span_not_found")
-        found, token = min(cuts, key=lambda c: (c[0], -len(c[1])))
-        pieces = [(start, found + len(token))]
-        if own_at >= last:
-            pieces.append((own_at, end))
-        return pieces
+
+def _without_others(probe: _Probe, messages: list[dict], i: int, next_turn: int, text: str, start: int, end: int,
+                    where: str) -> list[tuple[int, int]]:
+    """The turn's span, less the messages that follow it where the template writes them inside the turn
+    (Gemma 4 writes tool results into the model turn, after the calls and before the turn's text): the
+    output is the calls through the first end of turn before them, then the turn's own text after them."""
+    own = _visible(messages[i])
+    own_at = text.rfind(own, start, end) if own else -1
+    inside = []
+    for j in range(i + 1, next_turn):
+        other = messages[j]["content"].strip() if _has_text(messages[j]) else ""
+        for form in (other, json.dumps(other)[1:-1]) if other else ():  # as written, or as a JSON string
+            at = text.find(form, start, end)
+            if at >= 0 and not (own_at >= 0 and own_at <= at and at + len(form) <= own_at + len(own)):
+                inside.append((at, at + len(form)))
+                break
+    if not inside:
+        return [(start, end)]
+    first, last = min(a for a, _ in inside), max(b for _, b in inside)
+    cuts = [(found, e) for e in probe.ends if (found := text.find(e, start, first)) >= 0]
+    if not cuts:
+        raise RecordError(f"{where}: the template renders a later message inside it and packer finds no end of turn "
+                          "before it; give a {% generation %}-tagged template with --chat-template",
+                          "chat_span_not_found")
+    found, token = min(cuts, key=lambda c: (c[0], -len(c[1])))
+    pieces = [(start, found + len(token))]
+    if own_at >= last:
+        pieces.append((own_at, end))
+    return pieces
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "packer_probe", "description": "A probe.", "parameters": {
@@ -368,7 +476,7 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
     turn where it writes the same after an assistant turn."""
     control = template.control
     gen = prompted[_common(bare, prompted, control):]
-    said = _marker(0)
+    said = _marker("PACKER", 0)
     turn = {"role": "assistant", "content": said}
     call = {"type": "function", "function": {"name": "packer_probe", "arguments": {"q": _PROBE + "4"}}}
     one = template._try([*user, turn], tools=tools)
