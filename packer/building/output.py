@@ -157,7 +157,7 @@ def survey(out: Path) -> Contents:
     return Contents(finished, tuple(n for n in names if n not in ours))
 
 
-def _writes(name: str) -> bool:
+def writes(name: str) -> bool:
     """Whether a build writes an entry of this name (so a foreign one there cannot stay beside it)."""
     return schema.is_shard_name(name) or name in (MANIFEST_NAME, STAGING, *schema.DATASETS_FILES)
 
@@ -167,7 +167,7 @@ def refuse_foreign(out: Path, overwrite: bool) -> Contents:
     under a name a build writes (even with it); return the survey."""
     contents = survey(out)
     foreign = contents.foreign
-    clash = [n for n in foreign if _writes(n)]
+    clash = [n for n in foreign if writes(n)]
     if MANIFEST_NAME in clash:
         raise OutputError(
             f"--out {out}: its {MANIFEST_NAME} is not a manifest packer wrote (another tool's, or edited or damaged: "
