@@ -1,20 +1,18 @@
 """The `packer` command: parse → config → call the library → render → exit code.
 
 Exit codes: 0 success; 1 a check found problems (verify); 2 bad input or usage, reported in one line
-on stderr (never a traceback).
+on stderr (never a traceback; `terminal.py` decides how a command ends).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import sys
 
 import click
 
-from . import __version__, interrupt, render
+from . import __version__, interrupt, render, terminal
 from .building import output
 from .building.mix import parts_from_cli
 from .building.pipeline import build as run_build
@@ -32,63 +30,13 @@ from .contract.config import (
     TRAIN_ON,
     BuildConfig,
 )
-from .errors import PackerError
 from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
-class Interrupted(Exception):
-    """Ctrl-C, carried past click (which would take it for an aborted prompt)."""
-
-
-class OneLineErrors(click.Group):
-    """Usage errors and PackerErrors become one line on stderr and exit code 2; Ctrl-C is
-    "interrupted", exit code 130 (128 + SIGINT, as a shell reports it)."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            with interrupt.redelivered():
-                return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise Interrupted() from None
-        except EOFError as e:  # click would take it for Ctrl-C at a prompt ("aborted")
-            raise PackerError(f"an input ended unexpectedly ({type(e).__name__}: {e}); check it is complete") from e
-
-    def main(self, *args, **kwargs):
-        # the `packer` process itself (not a caller's, like click's test runner, which passes args)
-        interrupt.own_process(not args and kwargs.get("args") is None)
-        try:
-            self._main(*args, **kwargs)
-        finally:
-            interrupt.ignore()  # the outcome is decided: Ctrl-C while Python shuts down must not change it
-
-    def _main(self, *args, **kwargs):
-        kwargs["standalone_mode"] = False
-        try:
-            rv = super().main(*args, **kwargs)
-        except click.exceptions.Exit as e:
-            sys.exit(e.exit_code)
-        except (Interrupted, KeyboardInterrupt, click.Abort):
-            interrupt.ignore()  # the outcome is decided: a second Ctrl-C must not change it
-            # a build's staging and token spill stay for the rerun to resume; the lock is released
-            click.echo("packer: interrupted", err=True)
-            sys.exit(130)
-        except click.UsageError as e:
-            command = e.ctx.command_path if e.ctx else "packer"
-            click.echo(f"{command}: {e.format_message()} (see `{command} --help`)", err=True)
-            sys.exit(2)
-        except click.ClickException as e:
-            click.echo(f"packer: {e.format_message()}", err=True)
-            sys.exit(2)
-        except PackerError as e:
-            click.echo(f"packer: error: {e}", err=True)
-            sys.exit(2)
-        sys.exit(rv if isinstance(rv, int) else 0)
-
-
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=terminal.OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
@@ -187,7 +135,7 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
                                "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
         return
-    _echo(render.build_lines(result))
+    terminal.echo(render.build_lines(result))
 
 
 @main.command()
@@ -229,7 +177,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         if as_json:
             click.echo(json.dumps({**view.to_json(), **out}, indent=2))
         else:
-            _echo(render.example_lines(view, directory, _use_color()))
+            terminal.echo(render.example_lines(view, directory, terminal.use_color()))
         return rc
     if row_index is not None:
         name = tokenizer or schema.read_manifest(directory).tokenizer["name_or_path"]
@@ -239,7 +187,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
             click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
         else:
             width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
-            _echo(render.row_lines(view, show_ids=show_ids, color=_use_color(), width=width))
+            terminal.echo(render.row_lines(view, show_ids=show_ids, color=terminal.use_color(), width=width))
         return 0
     if plot_path is not None and not as_json:
         return 0
@@ -247,18 +195,8 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     if as_json:
         click.echo(json.dumps({**view.to_json(), **out}, indent=2))
     else:
-        _echo(render.summary_lines(view, _use_color()))
+        terminal.echo(render.summary_lines(view, terminal.use_color()))
     return 0
-
-
-# Colour: click.echo strips ANSI when stdout is not a terminal; NO_COLOR (https://no-color.org) turns it off too.
-def _use_color() -> bool:
-    if os.environ.get("NO_COLOR"):
-        return False
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None and ctx.color is not None:
-        return bool(ctx.color)
-    return not click.utils.should_strip_ansi(sys.stdout)
 
 
 def _note_staging(directory: str) -> None:
@@ -266,11 +204,6 @@ def _note_staging(directory: str) -> None:
     note = output.staging_note(directory)
     if note is not None:
         click.echo(f"packer: note: {note}", err=True)
-
-
-def _echo(lines: list[str]) -> None:
-    for line in lines:
-        click.echo(line, color=_use_color())
 
 
 @main.command()
@@ -296,7 +229,7 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
-        _echo(render.verify_lines(report))
+        terminal.echo(render.verify_lines(report))
     ctx.exit(0 if report.ok else 1)
 
 
