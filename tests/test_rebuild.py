@@ -214,9 +214,9 @@ EXAMPLES = int(os.environ.get("PACKER_REBUILD_EXAMPLES", "10"))
 def test_any_sequence_of_builds_leaves_the_last_committed_one(steps):
     """Builds into one folder beside the user's files (random small configs; some refused, some failing
     on a bad record, some killed or interrupted at a random moment): after each that ran to its end,
-    the folder holds the last committed build byte for byte (or nothing of packer's); after a kill,
-    nothing that packer cannot prove its own; after the last, once the next build takes the lock, the
-    last committed build."""
+    the folder holds the last committed build byte for byte (or nothing of packer's), and one refused
+    before it takes the lock leaves the folder as it was; after a kill, nothing there that packer cannot
+    prove its own, and once the next build takes the lock, the last committed build again."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         bad = Path(tmp) / "bad.jsonl"
@@ -240,25 +240,26 @@ def test_any_sequence_of_builds_leaves_the_last_committed_one(steps):
             else:
                 config = BuildConfig(source="flan", out=str(out), overwrite=what != REFUSED, num_proc=1,
                                      **CONFIGS[0 if what == REFUSED else what])
-            staged = (out / STAGING).exists()  # what a kill or Ctrl-C before left
+            before = tree(out)
+            # what a kill left (a commit halfway, a staging folder): put back by the next build to take the lock
+            dirty = packers() != expected()
             code = _run(config, stop)
             event(f"{'refused' if what == REFUSED else 'bad' if what == BAD else 'build'}: {code}")
             assert code in (0, 2, 130, -signal.SIGKILL), code
             assert {k: v for k, v in tree(out).items() if k in USERS} == USERS
             assert set(output.survey(out).foreign) == {"notes.txt", "sub"}  # all else provably packer's
             manifest = out / schema.MANIFEST_NAME
-            if code == 0 or (code == -signal.SIGKILL and manifest.exists()
-                             and not (out / STAGING / schema.PENDING).exists()):
-                if manifest.exists() and isinstance(what, int) and \
-                        manifest.read_bytes() == reference(what)[schema.MANIFEST_NAME]:
-                    committed = what  # it reached its commit point
-            if code != -signal.SIGKILL:
+            reached = code == 0 or (code == -signal.SIGKILL and not (out / STAGING / schema.PENDING).exists())
+            if reached and isinstance(what, int) and manifest.exists() and \
+                    manifest.read_bytes() == reference(what)[schema.MANIFEST_NAME]:
+                committed = what  # it reached its commit point
+            if what == REFUSED:  # refused before it takes the lock: it touches nothing
+                assert tree(out) == before, (what, stop, code)
+            elif code != -signal.SIGKILL and not (dirty and tree(out) == before):  # (or stopped before the lock)
                 left = {k: v for k, v in packers().items() if not k.startswith(STAGING + "/")}
                 assert left == expected(), (what, stop, code)
-                # a staging folder stays only for an interrupted build's spill with no build to keep, or as
-                # a kill left it when this build was refused before it took the lock
-                assert not (out / STAGING).exists() or (code == 130 and committed is None) or (
-                    staged and what == REFUSED), (what, stop, code)
+                # a staging folder stays only for an interrupted build's spill, with no build to keep
+                assert not (out / STAGING).exists() or (code == 130 and committed is None), (what, stop, code)
         output.remove_stale_staging(out)  # what the next build does first: take the lock, put back, release
         assert packers() == expected()
         assert {k: v for k, v in tree(out).items() if k in USERS} == USERS
