@@ -109,8 +109,10 @@ REBUILD_MOMENTS = [
 NEW = ["flan", "--limit", "300", "--shard-size", "1", "--batch-size", "2", "-q", "--overwrite"]
 
 
-@pytest.mark.parametrize("moment", REBUILD_MOMENTS, ids=lambda m: m.name)
-@pytest.mark.parametrize("action", ["kill", "ctrl_c"])
+@pytest.mark.parametrize(("action", "moment"), [
+    *(("kill", m) for m in REBUILD_MOMENTS),
+    *(("ctrl_c", m) for m in REBUILD_MOMENTS[::2]),  # Ctrl-C runs the same roll-back as the next build's
+], ids=lambda v: v if isinstance(v, str) else v.name)
 def test_a_rebuild_stopped_before_its_commit_point_leaves_the_build_it_found(out, moment, action):
     """Killed: whatever the kill left is packer's (nothing else appears), and the next build, even one
     that is refused under the lock, finds the old build back, byte for byte. Ctrl-C: the build rolls
