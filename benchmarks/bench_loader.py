@@ -9,8 +9,11 @@ enough to time; made in a temporary folder), tokens per second of:
 - the loader's later epochs (checked batches are not checked again),
 - ``check_rows`` alone over every batch,
 - transformers' ``DataCollatorWithFlattening`` on the same rows' examples (the peer),
-and the ratios loader/collator (the target: >= 40x). Times are wall seconds (as ``train/bench.py``
-measures), or with ``--clock cpu`` CPU seconds of this process; best of ``--repeats``.
+and the ratios loader/collator (the target: >= 40x). Each of these for a format-2 build (the
+default: uint16 ids and positions, the loss as a bit mask) and a format-1 build (``--format 1``, int32)
+of the same config, measured in the same run, and format 2's tokens/s over format 1's (the target:
+at least 1). Times are wall seconds (as ``train/bench.py`` measures), or with ``--clock cpu`` CPU
+seconds of this process; best of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from packer.training.loader import make_dataloader
 clock = time.perf_counter
 
 
-def build(out: Path, limit: int) -> None:
+def build(out: Path, limit: int, version: int) -> None:
     cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(out), "--limit", str(limit),
-           "--pack", "batch", "--batch-size", "8", "--max-len", "512"]
+           "--pack", "batch", "--batch-size", "8", "--max-len", "512", "--format", str(version)]
     subprocess.run(cmd, check=True, capture_output=True)
 
 
@@ -53,48 +56,78 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from transformers import DataCollatorWithFlattening
 
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        shards = Path(tmp) / "shards"
-        build(shards, args.limit)
-        dl = make_dataloader(shards, shuffle=False)
-        batches = list(dl)
-        tokens = sum(b["input_ids"].shape[1] for b in batches)
+        for version in (1, 2):
+            shards = Path(tmp) / f"shards{version}"
+            build(shards, args.limit, version)
+        # both formats' epochs interleaved, so a drift of the machine's load hits both alike
+        measured: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}
+        for _ in range(args.repeats):
+            for v in (1, 2):
+                for key, t in measure(Path(tmp) / f"shards{v}", 1).items():
+                    measured[v].setdefault(key, []).extend(t)
+        results = {v: {k: min(t) for k, t in m.items()} for v, m in measured.items()}
+        rows, tokens, nbatches = info(Path(tmp) / "shards2")
+        features = flattening_features(Path(tmp) / "shards2")
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
+    t_coll = best(lambda: [collator(f) for f in features], args.repeats)
 
-        def first_epoch(checks: bool = True) -> None:
-            fresh = make_dataloader(shards, shuffle=False)
-            # opening (maps, Arrow validation) is not per-row work: outside the timing
-            opened = fresh.dataset._open()
-            opened.checked = [not checks] * len(opened.batches)  # without checks: the same first read, marked checked
-            start = clock()
-            for _ in fresh:
-                pass
-            first_epoch.seconds = clock() - start
-
-        seconds: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(args.repeats):  # interleaved, so both see the same machine
-            for checks in (True, False):
-                first_epoch(checks)
-                seconds[checks].append(first_epoch.seconds)
-        t_first, t_first_unchecked = min(seconds[True]), min(seconds[False])
-        t_later = best(lambda: [None for _ in dl], args.repeats)
-        cols = dl.dataset._open().batches
-        t_check = best(lambda: [check_rows(c.rows, dl.dataset._vocab_size()) for c in cols], args.repeats)
-        features = []
-        for b in batches:
-            cu = b["cu_seq_lens_q"].tolist()
-            ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
-            features.append([{"input_ids": ids[a:z], "labels": labels[a:z]} for a, z in zip(cu[:-1], cu[1:])])
-        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
-        t_coll = best(lambda: [collator(f) for f in features], args.repeats)
-
-    print(f"loader checks: {len(batches)} rows, {tokens:,} tokens, {len(cols)} row batch(es); best of {args.repeats}, "
+    print(f"loader checks: {rows} rows, {tokens:,} tokens, {nbatches} row batch(es); best of {args.repeats}, "
           f"{args.clock} clock")
-    for name, t in (("loader, first epoch (checks)", t_first), ("loader, first epoch, no checks", t_first_unchecked),
-                    ("loader, later epochs", t_later),
-                    ("check_rows alone", t_check), ("DataCollatorWithFlattening", t_coll)):
-        print(f"  {name:30} {tokens / t:>14,.0f} tokens/s")
-    print(f"  loader/collator: first epoch {t_coll / t_first:.1f}x, later epochs {t_coll / t_later:.1f}x; "
-          f"first epoch without checks {t_coll / t_first_unchecked:.1f}x")
+    print(f"  {'':30} {'format 2':>14} {'format 1':>14}   2 / 1")
+    names = (("loader, first epoch (checks)", "first"), ("loader, first epoch, no checks", "unchecked"),
+             ("loader, later epochs", "later"), ("check_rows alone", "check"))
+    for name, key in names:
+        r2, r1 = tokens / results[2][key], tokens / results[1][key]
+        print(f"  {name:30} {r2:>14,.0f} {r1:>14,.0f}   {r2 / r1:.2f}x  tokens/s")
+    print(f"  {'DataCollatorWithFlattening':30} {tokens / t_coll:>14,.0f}")
+    for v in (2, 1):
+        r = results[v]
+        print(f"  format {v} loader/collator: first epoch {t_coll / r['first']:.1f}x, later epochs "
+              f"{t_coll / r['later']:.1f}x; first epoch without checks {t_coll / r['unchecked']:.1f}x")
+
+
+def measure(shards: Path, repeats: int) -> dict[str, list[float]]:
+    from packer.training.loader import make_dataloader
+
+    times: dict[str, list[float]] = {"first": [], "unchecked": [], "later": [], "check": []}
+    dl = make_dataloader(shards, shuffle=False)
+    list(dl)
+
+    def first_epoch(checks: bool) -> float:
+        fresh = make_dataloader(shards, shuffle=False)
+        # opening (maps, Arrow validation) is not per-row work: outside the timing
+        opened = fresh.dataset._open()
+        opened.checked = [not checks] * len(opened.batches)  # without checks: the same first read, marked checked
+        start = clock()
+        for _ in fresh:
+            pass
+        return clock() - start
+
+    cols = dl.dataset._open().batches
+    vocab = dl.dataset._vocab_size()
+    for _ in range(repeats):
+        times["first"].append(first_epoch(True))
+        times["unchecked"].append(first_epoch(False))
+        times["later"].append(best(lambda: [None for _ in dl], 1))
+        times["check"].append(best(lambda: [check_rows(c.rows, vocab) for c in cols], 1))
+    return times
+
+
+def info(shards: Path) -> tuple[int, int, int]:
+    dl = make_dataloader(shards, shuffle=False)
+    batches = list(dl)
+    return len(batches), sum(b["input_ids"].shape[1] for b in batches), len(dl.dataset._open().batches)
+
+
+def flattening_features(shards: Path) -> list:
+    features = []
+    for b in make_dataloader(shards, shuffle=False):
+        cu = b["cu_seq_lens_q"].tolist()
+        ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
+        features.append([{"input_ids": ids[a:z], "labels": labels[a:z]} for a, z in zip(cu[:-1], cu[1:])])
+    return features
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ random config (CPU, two layers, small windows, chunks and position thresholds), 
   eager attention, and the packed row's summed loss the same parameter gradients as the examples' losses
   summed alone, in train mode with dropout off (eval mode where the training forward draws random
   numbers); and the guard must stay on: switching any config or sub-config to sdpa afterwards makes a
-  packed forward, of the model and of its base model, raise. A mismatch is a false accept, the one
+  packed forward, of the model and of its base model, raise, and so does replacing a hybrid's mixer. A mismatch is a false accept, the one
   outcome the guard must never give.
 
 Types whose tiny config or model cannot be built (needs a checkpoint, a vision tower, ...) are listed
@@ -56,6 +56,9 @@ OVERRIDES = {
     "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=6),
     "ctrl": dict(dff=64),
+    # mixers' blocks and chunks below the rows' budget, so that the examples cross them
+    "minimax": dict(block_size=16),
+    "granitemoehybrid": dict(mamba_chunk_size=16),
 }
 # Configs made to fool the guard: name -> (model type, config overrides, dtype prepared in).
 VARIANTS = {
@@ -204,7 +207,39 @@ def _unguarded(model, row: dict) -> str | None:
                     pass
         finally:
             config._attn_implementation_internal = was
-    return None
+    return _mixer_unguarded(model, row)
+
+
+def _mixer_unguarded(model, row: dict) -> str | None:
+    """A hybrid's mixer replaced after prepare (an unwrapped copy in its place) whose packed forward runs."""
+    import copy
+
+    from packer.errors import ConfigError
+    from packer.training.mixers import mixer_modules
+
+    found = mixer_modules(model)
+    if not found:
+        return None
+    parent, name, mixer = found[0]
+    fresh = copy.deepcopy(mixer)
+    fresh.__dict__.pop("forward", None)
+    parent._modules[name] = fresh
+    try:
+        with torch.no_grad():
+            model(**row)
+        return f"a packed row ran after {type(mixer).__name__} was replaced"
+    except ConfigError:
+        return None
+    finally:
+        parent._modules[name] = mixer
+
+
+def lengths_for(model) -> list[int]:
+    """LENGTHS, the long one past every chunk, block and convolution width of the model's mixers below MAX_TOKENS."""
+    from packer.training.mixers import thresholds
+
+    reach = [t for t in thresholds(model) if t < MAX_TOKENS - 3]
+    return [LENGTHS[0], max([LENGTHS[1], *(t + 3 for t in reach)]), LENGTHS[2]]
 
 
 def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
@@ -221,7 +256,7 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
         return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:160])
     model.to(dtype).float()  # the weights the prepared model will have, for the reference too
     before = (model.config._attn_implementation, model.config.to_json_string())
-    exs = _examples(LENGTHS)
+    exs = _examples(lengths_for(model))
     # the reference: each example alone, through the model's own eager attention, no cache
     try:
         ref_logits, ref_grads = _loss_and_grads(model, [dict(input_ids=e.view(1, -1)) for e in exs])
@@ -256,7 +291,10 @@ REASONS = [
     ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
     ("non-causal", "non-causal attention module"),
     ("not a causal decoder", "not a causal decoder"),
-    ("mix tokens outside attention", "layers that are not plain attention (`layer_types`: conv, mamba, linear or indexed attention, ...)"),
+    ("the indexer picks", "indexed attention: keys picked through the mask transformers builds for sdpa/eager only (`implementation=\"sdpa\"` vets it)"),
+    ("pool blocks of consecutive tokens", "compressed attention: blocks of consecutive tokens of the row pooled into keys"),
+    ("token mixer packer does not know", "a token mixer packer does not know (named in the message)"),
+    ("additive position bias", "an additive position bias from the row's offsets (Inkling's relative logits)"),
     ("soft-capping / sinks", "attention logit soft-capping or sinks (use `implementation=\"flash_attention_2\"`)"),
     ("rope_type=", "RoPE frequencies from the longest example in the row (`dynamic`, `longrope`)"),
     ("attn_temperature_tuning", "query temperature from the offset in the row (Llama 4)"),

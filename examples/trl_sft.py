@@ -6,7 +6,9 @@
 A packer row is what TRL's packing makes: the examples' tokens concatenated, and their lengths. TRL
 names that column ``seq_lengths`` where packer's format says ``seq_lens``, so the shards are opened with
 ``datasets.load_from_disk`` (memory-mapped, no copy) and the column renamed at load time; the on-disk
-format does not change. ``dataset_kwargs={"skip_prepare_dataset": True}`` keeps SFTTrainer from
+format does not change. A format-2 build stores the loss as ``loss_mask`` (a bit per token) instead of
+``labels``; its labels (the ids where the mask is set, -100 elsewhere) are made as rows are read
+(``with_transform``: still memory-mapped, nothing written). ``dataset_kwargs={"skip_prepare_dataset": True}`` keeps SFTTrainer from
 re-tokenizing, and ``padding_free=True`` makes its collator (TRL's ``DataCollatorForLanguageModeling``)
 concatenate the batch, restart ``position_ids`` at every example from ``seq_lengths``, keep packer's
 ``labels`` (assistant-only, -100 at each example's first token) and pass ``cu_seq_lens_*`` /
@@ -38,7 +40,16 @@ def load_rows(directory):
     import datasets
 
     rows = datasets.load_from_disk(str(directory))
+    if schema.LOSS_MASK in rows.column_names:  # format 2: labels from the mask, as each row is read
+        return rows.select_columns(["input_ids", schema.LOSS_MASK, "seq_lens"]).with_transform(_labels)
     return rows.select_columns(["input_ids", "labels", "seq_lens"]).rename_column("seq_lens", "seq_lengths")
+
+
+def _labels(batch: dict) -> dict:
+    """A batch of format-2 rows with their labels: the id where the loss mask is set, else -100."""
+    labels = [[t if m else schema.IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+              for ids, mask in zip(batch["input_ids"], batch[schema.LOSS_MASK], strict=True)]
+    return {"input_ids": batch["input_ids"], "labels": labels, "seq_lengths": batch["seq_lens"]}
 
 
 def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: str = "trl-out", lr: float = 1e-3,
@@ -64,6 +75,7 @@ def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: 
         disable_tqdm=True,
         padding_free=True,
         dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,  # the columns are chosen in load_rows (a format-2 transform reads loss_mask)
         max_length=None,  # packer already bounded every row (--max-len, --max-tokens)
     )
     return trainer_cls(model=model, args=args, train_dataset=load_rows(directory), processing_class=tokenizer)

@@ -106,6 +106,13 @@ def main() -> None:
                    "multiple of 2N; contiguous (ring-flash-attn llama3): the row padded to a multiple of N.")
 @click.option("--pad-to-multiple-of", type=int, default=DEFAULTS["pad_to_multiple_of"], show_default=True,
               help="Pad every segment to a multiple of M (FP8 kernels: 16); composes with --cp-size.")
+@click.option("--format", "format_version", type=click.Choice(["1", "2"]), default=str(DEFAULTS["format_version"]),
+              show_default=True, callback=lambda ctx, param, value: int(value),
+              help="On-disk format: 2 stores ids and positions in uint16 where they fit and the loss as a bit "
+                   "mask (a third of the bytes); 1 is the int32 format of earlier packers (docs/format.md).")
+@click.option("--compression", type=click.Choice(["zstd"]),
+              help="Compress the shards' Arrow buffers (for shards that travel); readers then decompress them "
+                   "into memory instead of memory-mapping them.")
 def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet: bool, **options) -> None:
     """Read SOURCE, format, tokenize, pack and write Arrow shards to --out.
 

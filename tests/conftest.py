@@ -18,15 +18,13 @@ def rewrite_column(path: Path, column: str, change) -> None:
     (``offsets`` None for a scalar column); the other columns are written back as they were."""
     import pyarrow as pa
 
-    from packer.contract import schema
-
     table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
     columns = []
-    for name in schema.COLUMNS:
+    for name in table.schema.names:  # whichever format the shard is in, as it is
         col = table.column(name).chunk(0)
         if name == column:
             if isinstance(col, pa.ListArray):
-                values = col.values.to_numpy().copy()
+                values = col.values.to_numpy(zero_copy_only=False).copy()
                 change(values, col.offsets.to_numpy())
                 col = pa.ListArray.from_arrays(col.offsets, pa.array(values, col.type.value_type))
             else:
@@ -34,8 +32,8 @@ def rewrite_column(path: Path, column: str, change) -> None:
                 change(values, None)
                 col = pa.array(values, col.type)
         columns.append(col)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=table.schema))
 
 
 def one_line(result) -> str:
@@ -79,3 +77,16 @@ def gsm8k_file() -> Path:
     if not path.is_file():
         pytest.skip("../shared/data/gsm8k_train.jsonl is absent")
     return path
+
+
+def shard_rows(path: Path) -> list[dict]:
+    """A shard's rows as dicts, with ``labels`` whichever format it is in: a format-2 shard stores the
+    loss as ``loss_mask``, whose labels are the ids where it is set and -100 elsewhere."""
+    from packer.contract import schema
+
+    out = schema.open_shard(path).to_pylist()
+    for row in out:
+        if schema.LOSS_MASK in row:
+            row["labels"] = [t if m else schema.IGNORE_INDEX for t, m in zip(row["input_ids"], row[schema.LOSS_MASK],
+                                                                             strict=True)]
+    return out

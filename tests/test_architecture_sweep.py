@@ -18,7 +18,14 @@ EXPECTED = {
     # accepted by a probe that compares packed against alone through the same attention
     "phimoe": "refused",  # sliding window only in its mask
     "doge": "refused",  # dynamic mask (keep_window_size), refused by the probe
-    "lfm2": "refused",  # short-convolution layers
+    # hybrids: their mixers run once per example (the per-segment path), or refused for a named reason
+    "lfm2": "exact",  # short convolutions
+    "qwen3_5_text": "exact",  # GatedDeltaNet
+    "granitemoehybrid": "exact",  # Mamba2, attention without positions
+    "mamba": "exact",  # Mamba1, no attention at all, no kwargs reach the mixer
+    "minimax": "exact",  # lightning attention, blocks crossed
+    "inkling_text": "refused",  # additive position bias from the row's offsets
+    "deepseek_v32": "refused",  # indexed attention under packer_varlen
     "llama4_text": "refused",  # chunked attention, row-offset temperature tuning
     # attention output that is not contiguous: prepare must not crash on it
     "jetmoe": "exact",

@@ -27,6 +27,7 @@ from transformers import (
 
 import packer.training.attention as attention
 import packer.training.guard as guard
+import packer.training.mixers as mixers
 from packer.errors import ConfigError
 from packer.training.attention import packed_attention
 from packer.training.guard import prepare
@@ -96,12 +97,13 @@ def test_refuses_dynamic_masks_and_length_dependent_rope():
 
 def test_refuses_non_attention_mixers_by_structure_and_by_exact_gradient(monkeypatch):
     """LFM2's short convolution runs across the row. With a small init its leak is ~1e-5 at the probe
-    (it grows with training): refused by the layer_types rule, and, without it, by the gradient rule,
-    which asks for exactly zero, not for a small difference."""
+    (it grows with training): accepted only because its convolution runs once per example (the
+    per-segment path); without that path, refused by the gradient rule, which asks for exactly zero, not
+    for a small difference."""
     config = Lfm2Config(**{k: v for k, v in SMALL.items() if k != "head_dim"}, layer_types=["conv", "full_attention"],
                         full_attn_idxs=[1], initializer_range=1e-3)  # fmt: skip
-    assert_refused_unchanged(tiny(config), r"layer_types \['conv'\] mix tokens outside attention")
-    monkeypatch.setattr(guard, "config_refusals", lambda config, implementation: [])
+    assert prepare(tiny(config)).packer_path == "per-segment"
+    monkeypatch.setattr(mixers, "install", lambda model: [])
     assert_refused_unchanged(tiny(config), r"outputs depend on the tokens of the other examples .*must be exactly 0")
 
 

@@ -70,11 +70,11 @@ def test_epochs_the_disk_cannot_hold_are_refused_with_the_figures(tmp_path):
     out = tmp_path / "out"
     data = write_jsonl(tmp_path / "big.jsonl", [{"text": "word " * 4000}] * 300)  # ~1.2M tokens an epoch
     free = __import__("shutil").disk_usage(tmp_path).free
-    per_epoch = 12 * 300 * 4000  # at least 12 bytes a token, and each word is at least one token
+    per_epoch = 12 * 300 * 4000  # at least 12 bytes a token (format 1), and each word is at least one token
     if free > 9_000 * per_epoch:
         pytest.skip(f"the disk has {free / 1e12:.1f} TB free: 9,000 epochs of this source fit")
     line = one_line(CliRunner().invoke(main, ["build", str(data), "--text-field", "text", "--max-len", "8192",
-                                              "--epochs", "9000", "-q", "-j", "1", "--out", str(out)]))
+                                              "--epochs", "9000", "-q", "-j", "1", "--format", "1", "--out", str(out)]))
     assert line.startswith("packer: error: --epochs 9,000: the shards would take at least ") and " free; " in line
     assert not out.exists()
 

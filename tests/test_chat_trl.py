@@ -61,7 +61,8 @@ def test_sft_trainer_on_packer_rows_matches_packer_loop(chats, tmp_path):
         assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one row, no padding
         row = by_ids[tuple(batch["input_ids"][0].tolist())]
         assert batch["position_ids"][0].tolist() == row["position_ids"]  # restarts at every example
-        assert batch["labels"][0].tolist() == row["labels"]  # packer's assistant-only labels, untouched
+        labels = [t if m else schema.IGNORE_INDEX for t, m in zip(row["input_ids"], row[schema.LOSS_MASK])]
+        assert batch["labels"][0].tolist() == labels  # packer's assistant-only labels (format 2: from its mask)
         assert batch["cu_seq_lens_q"].tolist() == np.concatenate([[0], np.cumsum(row["seq_lens"])]).tolist()
     trl_losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     np.testing.assert_allclose(trl_losses, train_loop.train(chats, steps=2, grad_accum=2), rtol=1e-4)

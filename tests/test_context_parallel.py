@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_build
+from conftest import make_build, shard_rows
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 
 from packer.contract import schema
@@ -101,7 +101,7 @@ def test_build_pads_segments_untrained_with_positions_continuing(builds, layout)
     table = schema.open_shard(directory / manifest.shards[0].file)
     assert table.schema.names[-1] == schema.PAD_COLUMN
     pad_total = 0
-    for row in table.to_pylist():
+    for row in shard_rows(directory / manifest.shards[0].file):
         cu = np.concatenate([[0], np.cumsum(row["seq_lens"])])
         assert cu[-1] <= 600 and cu[-1] % GROUP == 0
         if layout == "zigzag":
@@ -307,13 +307,13 @@ def test_verify_accepts_padding_and_finds_trained_padding(builds, tmp_path):
     assert verify(directory, source="flan").ok
     path = directory / schema.read_manifest(directory).shards[0].file
     table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().combine_chunks()
-    labels, ids = table.column("labels").chunk(0), table.column("input_ids").chunk(0)
-    values = labels.values.to_numpy().copy()
+    loss = table.column(schema.LOSS_MASK).chunk(0)  # format 2: the mask
+    values = loss.values.to_numpy(zero_copy_only=False).copy()
     cu = np.cumsum(table.column("seq_lens").chunk(0).values.to_numpy())
     pads = table.column(schema.PAD_COLUMN).chunk(0).values.to_numpy()
     at = int(cu[np.flatnonzero(pads)[0]]) - 1  # the last token of a padded segment: padding
-    values[at] = ids.values.to_numpy()[at]
-    table = table.set_column(2, table.schema.field(2), pa.ListArray.from_arrays(labels.offsets, pa.array(values, pa.int32())))
+    values[at] = True
+    table = table.set_column(2, table.schema.field(2), pa.ListArray.from_arrays(loss.offsets, pa.array(values)))
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     messages = [p.message for p in verify(directory).problems]

@@ -72,10 +72,9 @@ def test_load_from_disk_gives_one_row_per_pack(flan_batch):
     manifest = schema.read_manifest(flan_batch)
     ds = datasets.load_from_disk(str(flan_batch))
     assert len(ds) == manifest.stats.rows
-    assert ds.column_names == list(schema.COLUMNS)
-    assert ds.features.arrow_schema.remove_metadata().equals(
-        schema.ROW_SCHEMA.with_metadata(None), check_metadata=False
-    ) or [str(f.type) for f in ds.features.arrow_schema] == [str(f.type) for f in schema.ROW_SCHEMA]
+    expected = manifest.row_format.schema()  # format 2: uint16 ids and positions, loss_mask booleans
+    assert ds.column_names == expected.names and schema.LOSS_MASK in ds.column_names
+    assert [str(f.type) for f in ds.features.arrow_schema] == [str(f.type) for f in expected]
     first = schema.open_shard(flan_batch / manifest.shards[0].file).slice(0, 1).to_pylist()[0]
     assert ds[0] == first
     assert ds.cache_files and all(f["filename"].endswith(schema.SHARD_SUFFIX) for f in ds.cache_files)  # mapped

@@ -72,7 +72,8 @@ def write_build(directory: Path, n_rows: int, *, rows_per_shard: int = 7, rows_p
         epochs=epochs if epochs > 1 else None,
     )
     manifest = schema.Manifest(
-        created_by="tests/test_loader.py", note=None, config=BuildConfig(source="test", out="", **(config or {"pack": "batch"})),
+        created_by="tests/test_loader.py", note=None, config=BuildConfig(
+            source="test", out="", format_version=1, **(config or {"pack": "batch"})),  # format 1's int32 columns
         tokenizer={"name_or_path": "test", "vocab_size": ROW_TAG + n_rows, "pad_token_id": 0}, source={},
         stats=stats, shards=tuple(shards),
     )
@@ -103,8 +104,11 @@ def test_batch_matches_row(build):
     for batch, row in zip(batches, rows, strict=True):
         assert set(batch) == {
             "input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k",
-            "max_length_q", "max_length_k", "num_items_in_batch",
+            "max_length_q", "max_length_k", "seq_idx", "num_items_in_batch",
         }  # fmt: skip
+        # each token's segment index: what causal-conv1d and the Mamba2 scan take
+        assert batch["seq_idx"].dtype == torch.int32 and batch["seq_idx"].shape == (1, len(row["input_ids"]))
+        assert batch["seq_idx"][0].tolist() == [i for i, n in enumerate(row["seq_lens"]) for _ in range(n)]
         for key in ("input_ids", "position_ids", "labels"):
             assert batch[key].dtype == torch.int64 and batch[key].shape == (1, len(row["input_ids"]))
             assert batch[key][0].tolist() == row[key]

@@ -22,9 +22,24 @@ def built(tmp_path_factory):
     return make_build(tmp_path_factory.mktemp("checks") / "out", limit=80, pack="bfd", max_len=512, num_proc=1)
 
 
+@pytest.fixture(scope="module")
+def built1(tmp_path_factory):
+    """The same in format 1, whose int32 columns (labels, signed ids) the CASES below damage."""
+    return make_build(tmp_path_factory.mktemp("checks1") / "out", limit=80, pack="bfd", max_len=512, num_proc=1,
+                      format_version=1)
+
+
 @pytest.fixture
-def copy(built, tmp_path):
+def copy(built1, tmp_path):
     out = tmp_path / "out"
+    shutil.copytree(built1, out)
+    return out
+
+
+@pytest.fixture
+def copy2(built, tmp_path):
+    """A copy of the format-2 build (uint16 ids and positions, the loss as a bit mask)."""
+    out = tmp_path / "out2"
     shutil.copytree(built, out)
     return out
 
@@ -63,6 +78,29 @@ CASES = {
     "max_seqlen": ("max_seqlen", lambda v, o: v.__setitem__(0, v[0] + 1), "max_seqlen"),
     "max_seqlen huge": ("max_seqlen", lambda v, o: v.__setitem__(0, 2**31 - 1), "max_seqlen"),
 }
+
+
+# Format 2's own: its ids are unsigned and its labels the ids by construction, so what can be damaged is
+# an id past the vocab, a mask bit at a segment start, and the positions
+CASES_2 = {
+    "id = vocab": ("input_ids", lambda v, o: v.__setitem__(1, 65_535), "outside"),
+    "mask at a start": ("loss_mask", lambda v, o: v.__setitem__(0, True), "segment start"),
+    "position restarts late": ("position_ids", lambda v, o: v.__setitem__(0, 1), "position_ids"),
+    "seq_lens shifted": ("seq_lens", _shift_boundary, "position_ids|max_seqlen"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_2))
+def test_damaged_format_2_row_is_refused_when_read(copy2, case):
+    from packer.checking.verify import verify
+
+    column, change, needle = CASES_2[case]
+    damage(copy2, column, change)
+    with pytest.raises(ShardFormatError, match=needle) as caught:
+        for _ in make_dataloader(copy2, shuffle=False):
+            pass
+    found = [p.message for p in verify(copy2).problems if p.check == "rows"]
+    assert found and f": {found[0]}; " in str(caught.value), (found, str(caught.value))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -216,9 +216,9 @@ def test_a_huge_seq_len_allocates_nothing_in_inspect_or_verify(copy):
     values = seq.values.to_numpy().copy()
     values[0] = 10**9
     columns = [pa.ListArray.from_arrays(seq.offsets, pa.array(values, pa.int32())) if name == "seq_lens"
-               else table.column(name).chunk(0) for name in schema.COLUMNS]
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.ROW_SCHEMA) as writer:
-        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema.ROW_SCHEMA))
+               else table.column(name).chunk(0) for name in table.schema.names]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=table.schema))
     code = f"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))

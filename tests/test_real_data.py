@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_build
+from conftest import make_build, shard_rows
 from transformers import AutoTokenizer
 
 from packer.contract import schema
@@ -29,7 +29,7 @@ def test_tokens_and_loss_mask_match_transformers(gsm8k_build, gsm8k_file, llama2
     manifest = schema.read_manifest(gsm8k_build)
     seen = 0
     for shard in manifest.shards:
-        for row in schema.open_shard(gsm8k_build / shard.file).to_pylist():
+        for row in shard_rows(gsm8k_build / shard.file):
             bounds = np.concatenate([[0], np.cumsum(row["seq_lens"])])
             ids, labels = np.array(row["input_ids"]), np.array(row["labels"])
             for k, example in enumerate(row["example_ids"]):

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, shard_rows
 
 from packer import BuildConfig, build, render
 from packer.checking import inspect_
@@ -30,9 +30,8 @@ def _segments(out) -> dict[int, tuple[list[int], list[int]]]:
     """example id -> (ids, labels) of its one segment."""
     found = {}
     for entry in schema.read_manifest(out).shards:
-        table = schema.open_shard(out / entry.file).to_pydict()
-        for ids, labels, lens, exids in zip(table["input_ids"], table["labels"], table["seq_lens"],
-                                            table["example_ids"], strict=True):
+        for row in shard_rows(out / entry.file):
+            ids, labels, lens, exids = row["input_ids"], row["labels"], row["seq_lens"], row["example_ids"]
             at = 0
             for n, ex in zip(lens, exids, strict=True):
                 assert ex not in found, "one segment per example"

@@ -6,7 +6,7 @@ An engine provides
 - ``encode_chunks(stream, encoder, start)``: the :class:`~packer.building.tokenization.Encoded` chunks of
   records ``start`` … of ``stream`` (a :class:`packer.building.mix.MixStream`, encoded by a
   :class:`packer.building.mix.MixEncoder`), ``spill.CHUNK`` records each, *in source order*;
-- ``write_shards(plan, spill, staging, shard_bytes, progress)``: every shard of the plan written into
+- ``write_shards(plan, spill, staging, shard_bytes, progress, row_format, compression)``: every shard of the plan written into
   ``staging``; a :class:`~packer.building.writer.Written`: their :class:`~packer.contract.schema.ShardEntry` in order
   and the counts the stats take from the rows.
 
@@ -46,6 +46,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from ..contract.config import BuildConfig
+from ..contract.schema import RowFormat
 from ..errors import WorkerError
 from ..planning.plan import Plan
 from . import spill as spill_
@@ -59,7 +60,7 @@ class Engine(Protocol):
     def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]: ...
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     progress: bool) -> Written: ...
+                     progress: bool, row_format: RowFormat | None = None, compression: str | None = None) -> Written: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +79,10 @@ class LocalEngine:
         return map(encoder.encode, chunks)
 
     def write_shards(self, plan: Plan, spill: spill_.Spill, staging: Path, *, shard_bytes: int,
-                     progress: bool) -> Written:
+                     progress: bool, row_format: RowFormat | None = None, compression: str | None = None) -> Written:
         with tqdm(total=plan.num_rows, desc="write", unit="row", disable=not progress, dynamic_ncols=True) as bar:
             return write_shards(plan, spill.store(), staging, shard_bytes=shard_bytes, on_rows=bar.update,
-                                threads=self.num_proc)
+                                threads=self.num_proc, row_format=row_format, compression=compression)
 
 
 def for_config(config: BuildConfig) -> Engine:

@@ -226,11 +226,13 @@ def _refuse_sources_inside(config: BuildConfig, out: Path) -> None:
         output.refuse_sources_inside(out, part["source"], [*paths, part["source"]])  # the files first: they say more
 
 
-# What the shards hold at least, per token (input_ids, position_ids, labels: int32) and per example
+# What the shards hold at least, per token (the row format's token columns: 12 bytes in format 1, 4⅛
+# or 6⅛ in format 2; a compressed shard is taken as no smaller than a quarter of that) and per example
 # (its seq_lens int32 and example_ids int64 entries), and what planning holds in memory per example
 # and epoch (the plan's three int64 arrays, twice while the epochs are concatenated) and per epoch
 # (its Plan and stats objects: a generous allowance).
-_SHARD_BYTES_PER_TOKEN, _SHARD_BYTES_PER_EXAMPLE = 12, 12
+_SHARD_BYTES_PER_EXAMPLE = 12
+_COMPRESSED_AT_MOST = 4
 _PLAN_BYTES_PER_EXAMPLE, _PLAN_BYTES_PER_EPOCH = 48, 4096
 # Epochs planned and stored: each is a whole copy of the data on disk, so past this many the loader's
 # replay of a build's epochs (set_epoch: epoch e plays planned epoch e mod E, reshuffled) is the way.
@@ -238,7 +240,8 @@ MAX_EPOCHS = 10_000
 _FEWER_EPOCHS = "lower --epochs (the loader can also replay a build's epochs, each reshuffled: set_epoch), "
 
 
-def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
+def check_room(config: BuildConfig, lengths: np.ndarray, out: Path, row_format: schema.RowFormat | None = None
+               ) -> None:
     """Refuse, before planning, a build whose shards the disk under ``out`` cannot hold, or whose plan
     memory cannot: ``--epochs E`` writes every example E times (E shuffles), so a large E on small data
     grows without bound. The shard size counted is a floor (no row overhead), so what fits is never refused."""
@@ -248,7 +251,9 @@ def check_room(config: BuildConfig, lengths: np.ndarray, out: Path) -> None:
         kept = lengths[lengths <= config.max_len]
     else:
         kept = np.minimum(lengths, config.max_len)
-    epoch = _SHARD_BYTES_PER_TOKEN * int(kept.sum(dtype=np.int64)) + _SHARD_BYTES_PER_EXAMPLE * len(kept)
+    per_token = (row_format or schema.RowFormat(1)).bytes_per_token()
+    per_token /= _COMPRESSED_AT_MOST if config.compression else 1
+    epoch = int(per_token * int(kept.sum(dtype=np.int64))) + _SHARD_BYTES_PER_EXAMPLE * len(kept)
     free = shutil.disk_usage(out).free
     if config.epochs * epoch > free:
         what = f"--epochs {config.epochs:,}: the shards" if config.epochs > 1 else "the shards"
@@ -275,22 +280,24 @@ def _size(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def _check_id_range(tokenizer, name: str) -> None:
+def _check_id_range(tokenizer, name: str) -> int:
     """Refuse token ids the int32 rows cannot hold, before anything costs: serialising a vocab with such
-    an id (its fingerprint) walks every id below it (minutes and gigabytes). One pass over the vocab."""
+    an id (its fingerprint) walks every id below it (minutes and gigabytes). One pass over the vocab.
+    Returns one past the largest id (and at least the vocab's size): what format 2's ids must hold."""
     top = max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
     if top > ROW_LIMIT:
         raise TokenizerError(
             f"--tokenizer {name}: has a token id of {top:,}, beyond the {ROW_LIMIT:,} of the int32 ids packer "
             "stores (as every model's embedding table indexes); check its vocab"
         )
+    return max(top + 1, len(tokenizer))
 
 
 def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
            ) -> BuildResult:
     started = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
-    _check_id_range(tokenizer, config.tokenizer or BUNDLED)
+    id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
                 "source": opened.source}
@@ -306,15 +313,18 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     if len(lengths) == 0:
         raise SourceError(f"{opened.stream.name}: every record was skipped ({skipped}); nothing to pack")
 
-    check_room(config, lengths, out)
     pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
+    row_format = schema.RowFormat.of(config.format_version, id_bound=id_bound, longest_segment=config.longest_segment(),
+                                     padded=pad_id is not None)
+    check_room(config, lengths, out, row_format)
     plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0)
     if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
         raise ConfigError(
             f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
             "them: nothing to pack; raise --max-len or use --overlong truncate or split"
         )
-    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress)
+    written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress,
+                                  row_format=row_format, compression=config.compression)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
     stats = schema.Stats(
         **plan.stats,
@@ -335,6 +345,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         source=identity["source"],
         stats=stats,
         shards=written.shards,
+        format_version=row_format.version,
+        columns=row_format.columns(),
     )
     output.commit(out, staging, manifest)
     return BuildResult(out, manifest, False, time.perf_counter() - started)

@@ -76,20 +76,24 @@ class RayEngine:
         while pending:
             yield ray.get(pending.popleft())
 
-    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, progress: bool) -> Written:
-        """Write every shard into ``staging`` as parallel Ray tasks; the manifest entries in order, and
-        their counts."""
+    def write_shards(self, plan: Plan, spill: Spill, staging: Path, *, shard_bytes: int, progress: bool,
+                     row_format: schema.RowFormat | None = None, compression: str | None = None) -> Written:
+        """Write every shard into ``staging`` as parallel Ray tasks, in ``row_format`` and
+        ``compression`` as the local engine writes them; the manifest entries in order, and their counts."""
         ray = _ray()
         task = ray.remote(num_cpus=1)(_write_shard)
         plan_ref, lengths_ref = ray.put(plan), ray.put(np.asarray(spill.lengths))
-        bounds = shard_bounds(plan, shard_bytes)
+        bounds = shard_bounds(plan, shard_bytes, row_format)
         names = [schema.shard_name(i) for i in range(len(bounds))]
-        refs = [task.remote(plan_ref, str(spill.folder), lengths_ref, str(staging / name), lo, hi)
+        refs = [task.remote(plan_ref, str(spill.folder), lengths_ref, str(staging / name), lo, hi, row_format,
+                            compression)
                 for name, (lo, hi) in zip(names, bounds, strict=True)]
         return Written.of([(shard_entry(staging / name, counts), counts)
                            for name, counts in zip(names, ray.get(refs), strict=True)])
 
 
-def _write_shard(plan: Plan, folder: str, lengths: np.ndarray, path: str, lo: int, hi: int) -> dict:
+def _write_shard(plan: Plan, folder: str, lengths: np.ndarray, path: str, lo: int, hi: int,
+                 row_format: schema.RowFormat | None, compression: str | None) -> dict:
     """One shard: rows [lo, hi) of the plan, assembled from the memory-mapped spill in ``folder``."""
-    return write_shard(plan, open_store(Path(folder), lengths), Path(path), lo, hi)
+    return write_shard(plan, open_store(Path(folder), lengths), Path(path), lo, hi, row_format=row_format,
+                       compression=compression)

@@ -3,7 +3,10 @@
 Row assembly works on a block of rows (a record batch of ≤ TOKENS_PER_BATCH tokens): each segment's
 ids and loss flags are read from the token spill straight into the batch's columns (``preadv``, one
 call per segment and file), and positions, labels and the per-row columns are computed with numpy over
-the whole block.
+the whole block. The columns take the build's :class:`~packer.contract.schema.RowFormat`: int32 ids,
+positions and labels (format version 1), or ids and positions in uint16/uint32 and the loss as a
+bit mask (version 2; positions are counted in their own type, whose wrap-around is exact below its
+top, so narrowing costs one cast of the ids and a bit-packing of the mask).
 """
 
 from __future__ import annotations
@@ -29,11 +32,19 @@ ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
 TOKENS_PER_BATCH = 1 << 20  # ... and this many tokens, which bounds the memory of assembling one
 
 
+def _version_1(plan: Plan) -> schema.RowFormat:
+    """What a caller that names no format gets: the format every packer wrote first."""
+    return schema.RowFormat(1, extra=(schema.PAD_COLUMN,) if plan.pad is not None else ())
+
+
 def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
-             counts: dict[str, int] | None = None) -> pa.RecordBatch:
-    """The Arrow record batch of rows [row_lo, row_hi) of the plan: three int32 token columns and a
-    one-byte loss flag per token are its only batch-sized arrays. Its counts (rows, tokens, loss
-    tokens, segments that hold no trained token) are added into ``counts``."""
+             counts: dict[str, int] | None = None, row_format: schema.RowFormat | None = None) -> pa.RecordBatch:
+    """The Arrow record batch of rows [row_lo, row_hi) of the plan in ``row_format`` (version 1 when
+    None): the token columns and a one-byte loss flag per token are its only batch-sized arrays. Its
+    counts (rows, tokens, loss tokens, segments that hold no trained token) are added into ``counts``."""
+    fmt = row_format or _version_1(plan)
+    if fmt.padded != (plan.pad is not None):
+        raise ValueError(f"row format {fmt} and a plan {'with' if plan.pad is not None else 'without'} padding")
     s_lo, s_hi = int(plan.row_splits[row_lo]), int(plan.row_splits[row_hi])
     seg_len = plan.length[s_lo:s_hi]
     seg_ex = plan.example[s_lo:s_hi]
@@ -42,9 +53,8 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     seg_out = np.zeros(len(seg_len) + 1, dtype=np.int64)
     np.cumsum(seg_len if seg_pad is None else seg_len + seg_pad, out=seg_out[1:])
     total = int(seg_out[-1])
-    input_ids = np.empty(total, dtype=np.int32)
-    position = np.empty(total, dtype=np.int32)
-    labels = np.empty(total, dtype=np.int32)
+    input_ids = np.empty(total, dtype=np.int32)  # the spill's type, read into in place
+    position = np.empty(total, dtype=np.int32 if fmt.version == 1 else np.dtype(fmt.positions))
     target = np.empty(total, dtype=bool)
     _read_segments(store, seg_src, seg_out, seg_len, input_ids, target)
     if seg_pad is not None:  # padding (packer.planning.context_parallel): after each segment's tokens, trained nowhere
@@ -52,15 +62,21 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
         input_ids[at] = plan.pad_id
         target[at] = False
         seg_len = seg_len + seg_pad
-    # positions count up from 0 in each segment: a running sum of ones, knocked back at each start
+    # positions count up from 0 in each segment: a running sum of ones, knocked back at each start (in
+    # an unsigned type the knock-back wraps around, and the sum with it: exact while positions fit)
     position.fill(1)
     if total:
-        position[seg_out[1:-1]] = 1 - seg_len[:-1]
+        position[seg_out[1:-1]] = (1 - seg_len[:-1]).astype(position.dtype, casting="unsafe")
         position[0] = 0
         np.cumsum(position, out=position)
     target[seg_out[:-1][seg_len > 0]] = False  # unshifted labels; -100 at every segment start
-    labels[:] = input_ids
-    labels[~target] = schema.IGNORE_INDEX
+    if fmt.version == 1:
+        loss = input_ids.copy()
+        loss[~target] = schema.IGNORE_INDEX
+        loss_values, ids_values = _arrow(loss), _arrow(input_ids)
+    else:
+        loss_values = _bits(target)
+        ids_values = _arrow(input_ids.astype(fmt.ids))  # every id is below the type's top (RowFormat.of)
 
     seg_splits = plan.row_splits[row_lo : row_hi + 1] - s_lo
     token_splits = seg_out[seg_splits]
@@ -76,9 +92,9 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     tok_off = _arrow(token_splits.astype(np.int32))
     seg_off = _arrow(seg_splits.astype(np.int32))
     columns = [
-        pa.ListArray.from_arrays(tok_off, _arrow(input_ids)),
+        pa.ListArray.from_arrays(tok_off, ids_values),
         pa.ListArray.from_arrays(tok_off, _arrow(position)),
-        pa.ListArray.from_arrays(tok_off, _arrow(labels)),
+        pa.ListArray.from_arrays(tok_off, loss_values),
         pa.ListArray.from_arrays(seg_off, _arrow(seg_len.astype(np.int32))),
         pa.ListArray.from_arrays(seg_off, _arrow(store.example_ids[seg_ex].astype(np.int64))),
         _arrow(num_loss),
@@ -86,7 +102,12 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
     ]
     if seg_pad is not None:
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
-    return pa.RecordBatch.from_arrays(columns, schema=schema.row_schema(seg_pad is not None))
+    return pa.RecordBatch.from_arrays(columns, schema=fmt.schema())
+
+
+def _bits(flags: np.ndarray) -> pa.Array:
+    """A bool array as an Arrow BooleanArray (a bit each, least significant first), no nulls."""
+    return pa.Array.from_buffers(pa.bool_(), len(flags), [None, pa.py_buffer(np.packbits(flags, bitorder="little"))])
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
@@ -117,12 +138,13 @@ def _read_segments(store: TokenStore, seg_src, seg_out, seg_len, input_ids: np.n
         os.close(fd_trained)
 
 
-def shard_bounds(plan: Plan, shard_bytes: int) -> list[tuple[int, int]]:
-    """Cut the rows into shards of about ``shard_bytes`` (never an empty shard, always ≥ 1 row)."""
+def shard_bounds(plan: Plan, shard_bytes: int, row_format: schema.RowFormat | None = None) -> list[tuple[int, int]]:
+    """Cut the rows into shards of about ``shard_bytes`` uncompressed (never an empty shard, always ≥ 1 row)."""
     if plan.num_rows == 0:
         return []
     segments = np.diff(plan.row_splits)
-    row_bytes = plan.row_lengths() * 12 + segments * 12 + 16  # three int32 token columns, two seg columns
+    per_token = (row_format or _version_1(plan)).bytes_per_token()  # the token columns; then the two segment columns
+    row_bytes = plan.row_lengths() * per_token + segments * 12 + 16
     ends = np.cumsum(row_bytes)
     bounds, lo, base = [], 0, 0
     while lo < plan.num_rows:
@@ -148,14 +170,18 @@ def batch_bounds(plan: Plan, lo: int, hi: int) -> Iterator[tuple[int, int]]:
 
 
 def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
-                on_rows: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> dict[str, int]:
-    """Write rows [lo, hi) as one Arrow stream file; returns its counts (rows, tokens, loss tokens and
-    segments that hold no trained token, which a truncated completion-only example becomes). When
-    ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
+                on_rows: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None, *,
+                row_format: schema.RowFormat | None = None, compression: str | None = None) -> dict[str, int]:
+    """Write rows [lo, hi) as one Arrow stream file in ``row_format`` (version 1 when None), its
+    buffers compressed by ``compression`` (None or "zstd"); returns its counts (rows, tokens, loss
+    tokens and segments that hold no trained token, which a truncated completion-only example
+    becomes). When ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
+    fmt = row_format or _version_1(plan)
+    options = pa.ipc.IpcWriteOptions(compression=compression)
     with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
-          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema.row_schema(plan.pad is not None)) as writer):
-        for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts):
+          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, fmt.schema(), options=options) as writer):
+        for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts, fmt):
             if stop is not None and stop.is_set():
                 break
             writer.write_batch(batch)
@@ -165,12 +191,12 @@ def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
 
 
 def _assembled_ahead(pool: ThreadPoolExecutor, plan: Plan, store: TokenStore, bounds: Iterator[tuple[int, int]],
-                     counts: dict[str, int]) -> Iterator[tuple[pa.RecordBatch, int]]:
+                     counts: dict[str, int], fmt: schema.RowFormat) -> Iterator[tuple[pa.RecordBatch, int]]:
     """(record batch, rows) for each of ``bounds``, the next one assembled in ``pool`` while this one is
     written: the reads and numpy release the GIL, so assembling and writing overlap."""
     ahead: deque = deque()
     for b_lo, b_hi in bounds:
-        ahead.append((pool.submit(assemble, plan, store, b_lo, b_hi, counts), b_hi - b_lo))
+        ahead.append((pool.submit(assemble, plan, store, b_lo, b_hi, counts, fmt), b_hi - b_lo))
         if len(ahead) > 1:
             yield _take(ahead)
     while ahead:
@@ -206,17 +232,19 @@ class Written:
 
 
 def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: int,
-                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1) -> Written:
+                 on_rows: Callable[[int], None] = lambda n: None, threads: int = 1,
+                 row_format: schema.RowFormat | None = None, compression: str | None = None) -> Written:
     """Write every shard into ``staging``, ``threads`` at a time; their manifest entries, in order, and
     their counts. Threads, not processes: assembling is numpy, and writing
     and hashing are pyarrow's and hashlib's, which release the GIL; each thread writes whole shards, so
     the bytes do not depend on ``threads``."""
-    bounds = shard_bounds(plan, shard_bytes)
+    bounds = shard_bounds(plan, shard_bytes, row_format)
     stop = threading.Event()
 
     def one(index: int) -> tuple[schema.ShardEntry, dict[str, int]]:
         path = staging / schema.shard_name(index)
-        counts = write_shard(plan, store, path, *bounds[index], on_rows, stop)
+        counts = write_shard(plan, store, path, *bounds[index], on_rows, stop, row_format=row_format,
+                             compression=compression)
         return shard_entry(path, counts) if not stop.is_set() else None, counts
 
     if threads <= 1 or len(bounds) <= 1:

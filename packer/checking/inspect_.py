@@ -50,7 +50,7 @@ def _segments(directory: PathLike, manifest: Manifest) -> Segments:
     for entry in manifest.shards:
         path = join(directory, entry.file)
         first = 0
-        for batch in schema.open_shard(path).to_batches():
+        for batch in schema.open_shard(path, manifest.row_format).to_batches():
             _check_layout(path, first, batch)
             rb = rows.RowBatch.from_arrow(batch)
             seq_lens.append(rb.seq_lens.values)
@@ -183,15 +183,17 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     manifest = schema.read_manifest(directory)
     name, local = _locate(manifest, index)
     path = join(directory, name)
-    one = schema.open_shard(path).slice(local, 1).combine_chunks().to_batches()[0]
+    one = schema.open_shard(path, manifest.row_format).slice(local, 1).combine_chunks().to_batches()[0]
     _check_layout(path, local, one)
     record = one.to_pylist()[0]
     ids = np.asarray(record["input_ids"])
-    labels = np.asarray(record["labels"])
+    # format 1 stores labels, format 2 a loss mask (packer.contract.schema)
+    trained_all = (np.asarray(record["labels"]) != schema.IGNORE_INDEX if "labels" in record
+                   else np.asarray(record[schema.LOSS_MASK], bool))
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        seg_ids, trained = ids[lo:hi], labels[lo:hi] != schema.IGNORE_INDEX
+        seg_ids, trained = ids[lo:hi], trained_all[lo:hi]
         segments.append(Segment(
             segment=k, example_id=record["example_ids"][k], offset=int(lo), length=int(hi - lo),
             trained_tokens=int(trained.sum()), ids=seg_ids.tolist(), trained=trained.tolist(),
@@ -260,7 +262,7 @@ def _pieces(directory: PathLike, manifest: Manifest, example_id: int) -> list[Pi
     pieces = []
     first_row = 0
     for entry in manifest.shards:
-        for batch in schema.open_shard(join(directory, entry.file)).to_batches():
+        for batch in schema.open_shard(join(directory, entry.file), manifest.row_format).to_batches():
             rb = rows.RowBatch.from_arrow(batch)
             hits = np.flatnonzero(rb.example_ids.values == example_id)
             if hits.size:
@@ -294,7 +296,7 @@ def _token(directory: PathLike, manifest: Manifest, piece: Piece, at: int) -> in
         if entry.file == piece.shard:
             break
         shard_start += entry.rows
-    table = schema.open_shard(join(directory, piece.shard))
+    table = schema.open_shard(join(directory, piece.shard), manifest.row_format)
     ids = table.column("input_ids")[piece.row - shard_start].values
     return ids[piece.offset + at].as_py()
 

@@ -34,12 +34,13 @@ class Totals:
     example_ids: list[np.ndarray] = field(default_factory=list)
     seq_lens: list[np.ndarray] = field(default_factory=list)
     input_ids: list[np.ndarray] = field(default_factory=list)  # only when the source check needs them
-    labels: list[np.ndarray] = field(default_factory=list)
+    trained: list[np.ndarray] = field(default_factory=list)  # ... and per token whether it is trained
 
     def add(self, batch: rows.RowBatch, keep_tokens: bool) -> None:
         self.rows += batch.num_rows
         self.tokens += int(batch.input_ids.values.size)
-        self.loss_tokens += int((batch.labels.values != schema.IGNORE_INDEX).sum())
+        trained = batch.trained()  # labels ≠ -100 (format 1) or the loss mask (format 2)
+        self.loss_tokens += int(trained.sum())
         self.segments += int(batch.seq_lens.values.size)
         if batch.num_rows:
             self.max_row_tokens = max(self.max_row_tokens, int(batch.input_ids.lengths.max()))
@@ -50,7 +51,7 @@ class Totals:
         self.seq_lens.append((batch.seq_lens.values - pads).astype(np.int64))
         if keep_tokens:
             self.input_ids.append(batch.input_ids.values if padding is None else batch.input_ids.values[~padding])
-            self.labels.append(batch.labels.values if padding is None else batch.labels.values[~padding])
+            self.trained.append(trained if padding is None else trained[~padding])
 
 
 def limits(config: BuildConfig) -> rows.Limits:
@@ -70,7 +71,7 @@ def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEn
     for entry in entries:
         path = directory / entry.file
         try:
-            table = schema.open_shard(path)
+            table = schema.open_shard(path, manifest.row_format)
         except ShardFormatError as e:
             report.add("rows", str(path), str(e).removeprefix(f"{path}: "))
             complete = False

@@ -28,7 +28,6 @@ from ..building.engines import LocalEngine
 from ..building.pipeline import Opened, open_source, plan_rows
 from ..building.spill import CHUNK
 from ..building.tokenization import Skipped, tokenizer_info
-from ..contract import schema
 from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ConfigError
@@ -181,7 +180,7 @@ def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, wh
     np.cumsum(p.length, out=seg_out[1:])
     position = np.arange(int(seg_out[-1]), dtype=np.int64) - np.repeat(seg_out[:-1], p.length)
     index = np.repeat(offsets[p.example] + p.start, p.length) + position
-    got_ids, got_labels = np.concatenate(totals.input_ids), np.concatenate(totals.labels)
+    got_ids, got_trained = np.concatenate(totals.input_ids), np.concatenate(totals.trained)
     differ = int((got_ids != reread.ids[index]).sum())
     if differ:
         report.add("source", where, f"{differ:,} tokens differ from the source's tokens at the same place")
@@ -190,7 +189,7 @@ def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, wh
         report.add("source", where, "re-tokenizing the source's records gives other lengths than the build's encoder")
         return
     want_trained = reference[index] & (position != 0)
-    differ = int((want_trained != (got_labels != schema.IGNORE_INDEX)).sum())
+    differ = int((want_trained != got_trained).sum())
     if differ:
         report.add("source", where, f"{differ:,} tokens are trained where the source's loss mask says otherwise (or "
                    "the reverse)")

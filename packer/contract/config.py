@@ -28,14 +28,20 @@ DEFAULT_BATCH_SIZE = 8
 # Fields added after the first manifests: recorded only when they differ from their default, so a
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
 _RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs", "cp_size", "cp_layout",
-                      "pad_to_multiple_of")
+                      "pad_to_multiple_of", "compression")
+# Fields whose absence from a recorded config means a value other than their default: the format
+# version, whose default moved to 2 when it became a field, is absent from every version-1 manifest.
+_ABSENT_MEANS = {"format_version": 1}
+FORMAT_VERSIONS = (1, 2)  # what a build can write (packer.contract.schema: what each holds)
+COMPRESSIONS = (None, "zstd")  # Arrow IPC buffer compression of the shards
 ROW_LIMIT = 2**31 - 1  # tokens a row can hold: its int32 positions, seq_lens and Arrow list offsets
 RECORD_LIMIT = 2**63 - 1  # records a build can number: example ids are int64
 
 
 def _option(field: str) -> str:
     """The command-line option of a field (they differ where the field names its unit)."""
-    return {"shard_size_mb": "--shard-size", "mode": "--pack"}.get(field, "--" + field.replace("_", "-"))
+    return {"shard_size_mb": "--shard-size", "mode": "--pack", "format_version": "--format"}.get(
+        field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +86,10 @@ class BuildConfig:
     # several sources: the parts of a mix (packer.building.mix), each {source, weight | records, recipe, split, fields};
     # ``source`` then only names the mix in messages
     mix: tuple | None = None
+    # the on-disk format (packer.contract.schema.RowFormat): 2 narrows the token columns, 1 is the int32
+    # format every packer before it wrote; and the shards' compression (None, or "zstd": not memory-mapped)
+    format_version: int = 2
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -135,6 +145,11 @@ class BuildConfig:
         if self.max_len < 2:
             raise ConfigError(f"--max-len must be at least 2 tokens (BOS and EOS), got {self.max_len}")
         check_epochs(self.pack, self.epochs, name=_option)
+        if isinstance(self.format_version, bool) or self.format_version not in FORMAT_VERSIONS:
+            raise ConfigError(f"--format must be one of {', '.join(map(str, FORMAT_VERSIONS))}, got "
+                              f"{self.format_version!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"--compression must be zstd or left out (no compression), got {self.compression!r}")
         if self.cp_layout not in (None, *CP_LAYOUTS):
             raise ConfigError(f"--cp-layout must be one of {', '.join(CP_LAYOUTS)}, got {self.cp_layout!r}")
         if self.cp_layout is not None and self.cp_size == 1:
@@ -175,7 +190,8 @@ class BuildConfig:
         if self.mix is None:
             skip.add("mix")  # absent from a one-source build's manifest, as it always was
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)}
+               if f.name not in skip and not (f.name in _RECORDED_WHEN_SET and getattr(self, f.name) == f.default)
+               and not (f.name in _ABSENT_MEANS and getattr(self, f.name) == _ABSENT_MEANS[f.name])}
         if self.mix is not None:
             out["mix"] = [dict(p) for p in self.mix]
         return out
@@ -195,6 +211,19 @@ class BuildConfig:
             return None
         layout = self.layout()
         return self.max_tokens if layout is None else layout.budget(self.max_tokens)
+
+    def longest_segment(self) -> int:
+        """The most tokens a segment may hold, padding included (what version 2's positions must count
+        to): the row budget in mode ``wrap``, else ``max_len`` padded (a contiguous layout's last
+        segment also takes its row's padding), and never more than the row budget."""
+        if self.pack == "wrap":
+            return self.row_budget()
+        layout = self.layout()
+        if layout is None:
+            return self.max_len
+        longest = -(-self.max_len // layout.segment_multiple) * layout.segment_multiple + layout.row_multiple - 1
+        budget = self.row_budget()
+        return longest if budget is None else min(longest, budget)
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

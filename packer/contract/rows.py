@@ -8,13 +8,17 @@ A row holds segments (examples, or pieces of one) one after another. For every r
 - **row** (``ROW_RULES``, from the list offsets and the small columns only): ``max_seqlen`` is
   ``max(seq_lens)``; example ids are ≥ 0; and, when :class:`Limits` are given, the row keeps to the
   build's budget;
-- **tokens** (``TOKEN_RULES``): ``position_ids`` run ``0..len-1`` inside each segment; ``labels``
-  are -100 at every segment start (labels are unshifted: this is what keeps a label from crossing an
-  example boundary) and elsewhere -100 or the input id; ``num_loss_tokens`` counts the labels
-  ≠ -100; token ids are in ``[0, vocab)``.
+- **tokens** (``TOKEN_RULES``): ``position_ids`` run ``0..len-1`` inside each segment (and a segment
+  is no longer than their type can count); ``labels`` are -100 at every segment start (labels are
+  unshifted: this is what keeps a label from crossing an example boundary) and elsewhere -100 or the
+  input id; ``num_loss_tokens`` counts the labels ≠ -100; token ids are in ``[0, vocab)``.
 
-Before all of them, the three token columns (``input_ids``, ``position_ids``, ``labels``) must have
-one length per row, or nothing else can be read.
+A trained token is one whose label is not -100: format version 1 stores ``labels``, version 2 a
+``loss_mask`` bit per token (:class:`Bits`, unpacked only where read), whose labels are the ids where
+it is set, so "the input id" holds by construction and the other rules read :meth:`RowBatch.trained`.
+
+Before all of them, the three token columns (``input_ids``, ``position_ids`` and ``labels`` or
+``loss_mask``) must have one length per row, or nothing else can be read.
 
 Each rule is one small function in one of the three tuples; a new rule, or a change to one (padding
 segments, say), is made there and every reader follows: the loader raises the first problem
@@ -35,7 +39,36 @@ import numpy as np
 import pyarrow as pa
 
 from ..planning.context_parallel import padding_positions
-from .schema import COLUMNS, IGNORE_INDEX, PAD_COLUMN
+from .schema import EXTRA_SEGMENT_COLUMNS, IGNORE_INDEX, LOSS_MASK
+
+
+@dataclass(frozen=True, slots=True)
+class Bits:
+    """Booleans as Arrow packs them (a bit each, least significant first), read in place: ``bits`` is
+    the bitmap's bytes (a view of the memory map), ``start`` the bit of value 0, ``size`` the values."""
+
+    bits: np.ndarray
+    start: int
+    size: int
+
+    @classmethod
+    def of(cls, array: pa.Array) -> Bits:
+        """A BooleanArray without nulls, zero copy."""
+        buf = array.buffers()[1]
+        bits = np.frombuffer(buf, np.uint8) if buf is not None else np.zeros(0, np.uint8)
+        return cls(bits, array.offset, len(array))
+
+    def __getitem__(self, part: slice) -> Bits:
+        lo, hi, _ = part.indices(self.size)
+        return Bits(self.bits, self.start + lo, max(hi - lo, 0))
+
+    def unpack(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Values ``[lo, hi)`` as a bool array (a byte each: 1/8 of what int32 labels take to read)."""
+        hi = self.size if hi is None else hi
+        a, n = self.start + lo, hi - lo
+        if n <= 0:
+            return np.zeros(0, bool)
+        return np.unpackbits(self.bits[a >> 3 :], count=(a & 7) + n, bitorder="little")[a & 7 :].view(bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +92,53 @@ class Column:
 
 @dataclass(frozen=True, slots=True)
 class RowBatch:
-    """A batch of rows as numpy arrays. ``example_ids`` may be None (the loader does not read them)."""
+    """A batch of rows as numpy arrays. ``example_ids`` may be None (the loader does not read them).
+    One of ``labels`` (format version 1) and ``loss_mask`` (version 2, its values :class:`Bits`) is set."""
 
     input_ids: Column
     position_ids: Column
-    labels: Column
+    labels: Column | None
     seq_lens: Column
     example_ids: Column | None
     num_loss_tokens: np.ndarray
     max_seqlen: np.ndarray
     pad_lens: Column | None = None  # a padded build's (packer.planning.context_parallel): padding ending each segment
+    loss_mask: Column | None = None  # format version 2's, in place of labels
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch, *, example_ids: bool = True) -> RowBatch:
         """Zero copy where Arrow allows; the token values are not read until a token rule needs them.
         ``example_ids=False`` leaves that column out (None), as the loader needs no example ids."""
-        names = ["input_ids", "position_ids", "labels", "seq_lens"] + ["example_ids"] * example_ids
-        names += [PAD_COLUMN] if PAD_COLUMN in batch.schema.names else []
+        present = batch.schema.names
+        names = ["input_ids", "position_ids", "seq_lens"] + ["example_ids"] * example_ids
+        names += [n for n in ("labels", *EXTRA_SEGMENT_COLUMNS) if n in present]
         lists = {name: Column.of(batch.column(name).values.to_numpy(zero_copy_only=False), batch.column(name).offsets)
                  for name in names}
+        if LOSS_MASK in present:
+            mask = batch.column(LOSS_MASK)
+            lists[LOSS_MASK] = Column.of(Bits.of(mask.values), mask.offsets)
         lists.setdefault("example_ids", None)
+        lists.setdefault("labels", None)
         return cls(**lists, num_loss_tokens=batch.column("num_loss_tokens").to_numpy(),
                    max_seqlen=batch.column("max_seqlen").to_numpy())
+
+    @property
+    def loss(self) -> Column:
+        """The loss column, whichever the format stores (``labels`` or ``loss_mask``)."""
+        return self.labels if self.labels is not None else self.loss_mask
+
+    def trained(self) -> np.ndarray:
+        """Per token of the batch, whether it is trained (its label is not -100)."""
+        if self.labels is not None:
+            return self.labels.values != IGNORE_INDEX
+        return self.loss_mask.values.unpack()
+
+    def labels_of(self, lo: int, hi: int, ids: np.ndarray) -> np.ndarray:
+        """The int64 labels of flat tokens ``[lo, hi)``, whose ids (int64) are ``ids``: the stored labels
+        (version 1), or the ids where the mask is set and -100 elsewhere (version 2)."""
+        if self.labels is not None:
+            return self.labels.values[lo:hi].astype(np.int64)
+        return np.where(self.loss_mask.values.unpack(lo, hi), ids, IGNORE_INDEX)  # one pass, int64 out
 
     def padding(self) -> np.ndarray | None:
         """Per token, whether it is padding (None: the build has none); the layout must hold."""
@@ -125,6 +183,14 @@ class _Layout:
         self.seg_row = np.repeat(np.arange(self.n), self.nseg)
         self.bad = np.zeros(self.n, bool)
         self._starts: np.ndarray | None = None
+        self._trained: np.ndarray | None = None
+
+    @property
+    def trained(self) -> np.ndarray:
+        """Per token, whether it is trained (the batch's labels or mask, read once)."""
+        if self._trained is None:
+            self._trained = self.batch.trained()
+        return self._trained
 
     def rows_of_segments(self, mask: np.ndarray) -> np.ndarray:
         """The rows holding a segment where ``mask`` (one entry per segment) is set."""
@@ -214,7 +280,7 @@ def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
 def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     padding = lay.batch.padding()
     if padding is not None:
-        yield lay.rows_of_tokens(padding & (lay.batch.labels.values != IGNORE_INDEX)), "a padding token is trained"
+        yield lay.rows_of_tokens(padding & lay.trained), "a padding token is trained"
 
 
 # -- tokens: the rows whose layout holds ------------------------------------------------------------
@@ -222,6 +288,10 @@ def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
 
 def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     pos, starts = lay.batch.position_ids.values, lay.starts
+    if pos.dtype.itemsize < 4 and lay.seq.size:  # narrow positions (format 2): their steps wrap past the type's top
+        count = int(np.iinfo(pos.dtype).max) + 1
+        yield ~lay.bad & lay.rows_of_segments(lay.seq > count), \
+            f"a segment longer than its {pos.dtype} position_ids can count ({count:,})"
     # 0 at every segment start and +1 everywhere else: the steps into a start are set to 1 first
     step = pos[1:] - pos[:-1]
     step[starts[starts > 0] - 1] = 1
@@ -237,27 +307,29 @@ def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
 
 
 def _labels(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
-    labels, ids, starts = lay.batch.labels.values, lay.batch.input_ids.values, lay.starts
-    trained = labels != IGNORE_INDEX
+    ids, starts, trained = lay.batch.input_ids.values, lay.starts, lay.trained
     if trained[starts].any():
-        at_start = np.zeros(labels.size, bool)
+        at_start = np.zeros(trained.size, bool)
         at_start[starts] = trained[starts]
         yield lay.rows_of_tokens(at_start), ("a label is not -100 at a segment start: a label crosses an example "
                                              "boundary")
-    other = labels != ids
-    other &= trained
-    yield lay.rows_of_tokens(other), "a label is neither -100 nor the input id at its position"
+    if lay.batch.labels is not None:  # a mask's labels are the ids by construction
+        other = lay.batch.labels.values != ids
+        other &= trained
+        yield lay.rows_of_tokens(other), "a label is neither -100 nor the input id at its position"
     loss = np.zeros(lay.n, np.int64)
     held = lay.row_len > 0
-    if labels.size:  # int32 sums: a row holds < 2**31 tokens, and they take half the time of int64's
+    if trained.size:  # int32 sums: a row holds < 2**31 tokens, and they take half the time of int64's
         loss[held] = np.add.reduceat(trained.view(np.uint8), lay.batch.input_ids.offsets[:-1][held], dtype=np.int32)
     yield ~lay.bad & (loss != lay.batch.num_loss_tokens), "num_loss_tokens differs from the count of labels ≠ -100"
 
 
 def _vocab(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     ids = lay.batch.input_ids.values
-    if lay.vocab is not None and ids.size and int(ids.view(np.uint32).max()) >= lay.vocab:  # a negative id is huge
-        yield lay.rows_of_tokens(ids.view(np.uint32) >= lay.vocab), \
+    if ids.dtype.kind == "i":  # a negative id is huge, so one comparison finds both
+        ids = ids.view(np.dtype(f"u{ids.dtype.itemsize}"))
+    if lay.vocab is not None and ids.size and int(ids.max()) >= lay.vocab:
+        yield lay.rows_of_tokens(ids >= lay.vocab), \
             f"token ids outside [0, {lay.vocab:,}) (the tokenizer's vocab size)"
 
 
@@ -274,7 +346,7 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
     ``tokens=False`` checks the layout and the small columns only, never reading the token values."""
     problems: list[Problem] = []
     ids_len = batch.input_ids.lengths
-    for name in ("position_ids", "labels"):
+    for name in ("position_ids", "labels" if batch.labels is not None else LOSS_MASK):
         off = getattr(batch, name).offsets
         wrong = ids_len != np.diff(off) if off.size == ids_len.size + 1 else np.ones(batch.num_rows, bool)
         if wrong.any():  # the flat token columns no longer line up: no other rule can be read
@@ -297,7 +369,7 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
 def check_arrow(batch: pa.RecordBatch, vocab: int | None, limits: Limits | None = None, *,
                 tokens: bool = True) -> list[Problem]:
     """:func:`check_rows` of an Arrow record batch of the row schema; nulls are a problem of their own."""
-    nulls = [name for name in COLUMNS if batch.column(name).null_count]
+    nulls = [name for name in batch.schema.names if batch.column(name).null_count]
     if nulls:
         return [Problem(np.arange(batch.num_rows), f"null values in {', '.join(nulls)}")]
     return check_rows(RowBatch.from_arrow(batch), vocab, limits, tokens=tokens)

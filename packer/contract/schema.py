@@ -1,4 +1,4 @@
-"""The on-disk contract, format version 1, in one place.
+"""The on-disk contract, format versions 1 and 2, in one place.
 
 A shard directory holds Arrow IPC *stream* files ``shard-00000.arrow``, ... and ``manifest.json``,
 written last: its presence means the build is complete. One Arrow row is one pack, one training row::
@@ -10,6 +10,16 @@ written last: its presence means the build is complete. One Arrow row is one pac
 
 Labels are *unshifted* (a model shifts them left), so a label of -100 at every segment start is what
 keeps the last token of one example from being trained to predict the first token of the next.
+
+Two versions, one meaning (:class:`RowFormat`). Version 1 stores the three token columns as int32.
+Version 2 (the default) stores each in the narrowest type its values need, decided from the build
+and recorded in the manifest's ``columns``: ``input_ids`` uint16 when every id of the tokenizer is
+below 65,536, else uint32; ``position_ids`` uint16 when the longest segment the config allows
+(``BuildConfig.longest_segment``) is at most 65,536 tokens, else uint32; and the loss as
+``loss_mask``, one Arrow boolean (a bit) per token, instead of ``labels``: labels are ``input_ids``
+where the mask is set and -100 elsewhere, so the mask is False at every segment start. The
+per-segment and per-row columns are the same in both. Readers read both; the loader yields the same
+batches from both.
 
 Beside them, ``dataset_info.json`` and ``state.json`` (``DATASETS_FILES``) are what
 ``datasets.load_from_disk(DIR)`` needs to open the folder as a ``Dataset`` with one row per pack; they
@@ -31,7 +41,7 @@ Changing the manifest (docs/design.md says the same):
 - *Anything else* (a field renamed, removed or meaning something new, the row schema, the file
   layout) is a new ``FORMAT_VERSION``, with the pinned digests updated in the same commit. A reader
   refuses a manifest of another version in one line (rebuild with this packer, or read it with the
-  packer that wrote it); there is no reading of older versions.
+  packer that wrote it). Every version packer wrote stays readable (``READ_VERSIONS``).
 - Types come from the dataclasses' annotations (``typing.get_type_hints``): a new field is checked
   as it is declared, ``float | None`` included.
 """
@@ -50,10 +60,11 @@ import pyarrow as pa
 
 from .. import fs
 from ..errors import ConfigError, ShardFormatError
-from .config import BuildConfig
+from .config import _ABSENT_MEANS, BuildConfig
 
 FORMAT_NAME = "packer"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what a build writes unless told otherwise (BuildConfig.format_version)
+READ_VERSIONS = (1, 2)  # what every reader reads: every version packer ever wrote
 MANIFEST_NAME = "manifest.json"
 # The manifest's key holding the sha256 of the rest of it (canonical bytes): any edit shows, and the
 # shards' own sha256s are in what it hashes.
@@ -66,7 +77,7 @@ DATASETS_INFO_NAME = "dataset_info.json"
 DATASETS_STATE_NAME = "state.json"
 DATASETS_FILES = (DATASETS_INFO_NAME, DATASETS_STATE_NAME)
 
-ROW_SCHEMA = pa.schema(
+ROW_SCHEMA = pa.schema(  # format version 1
     [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
@@ -82,10 +93,99 @@ COLUMNS = tuple(ROW_SCHEMA.names)
 # padding tokens at the end of each segment, which its seq_lens include.
 PAD_COLUMN = "pad_lens"
 PADDED_ROW_SCHEMA = ROW_SCHEMA.append(pa.field(PAD_COLUMN, pa.list_(pa.int32()), nullable=False))
+LOSS_MASK = "loss_mask"  # version 2's loss column: a bit per token, set where the token is trained
+# The optional per-segment columns, each present only in builds that use it, appended in this order
+# after the fixed columns in every version (a new one is one entry here and its test in RowFormat.of).
+EXTRA_SEGMENT_COLUMNS: dict[str, pa.DataType] = {PAD_COLUMN: pa.int32()}
+# Version 2's choices for the ids and the positions: the narrowest that holds them (RowFormat.of).
+NARROW_TYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
+_UINT16_VALUES = 1 << 16
 
 
 def row_schema(padded: bool) -> pa.Schema:
+    """Format version 1's row schema (see :class:`RowFormat` for every version's)."""
     return PADDED_ROW_SCHEMA if padded else ROW_SCHEMA
+
+
+@dataclass(frozen=True, slots=True)
+class RowFormat:
+    """What a build's shards hold: the format version, the value types of ``input_ids`` and
+    ``position_ids``, and the optional per-segment columns present (``EXTRA_SEGMENT_COLUMNS``).
+
+    Version 1: int32 ids, positions and ``labels``. Version 2: ids and positions as recorded in the
+    manifest's ``columns`` (uint16 or uint32), and ``loss_mask`` (booleans) in place of ``labels``."""
+
+    version: int = 1
+    ids: str = "int32"
+    positions: str = "int32"
+    extra: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, version: int, *, id_bound: int, longest_segment: int, padded: bool) -> RowFormat:
+        """The format a build writes: in version 2, ids in uint16 when every id is below 65,536
+        (``id_bound``: one past the tokenizer's largest id) and positions in uint16 when every segment
+        holds at most 65,536 tokens (``longest_segment``: what the config allows), else uint32."""
+        extra = (PAD_COLUMN,) if padded else ()
+        if version == 1:
+            return cls(1, extra=extra)
+        return cls(version, "uint16" if id_bound <= _UINT16_VALUES else "uint32",
+                   "uint16" if longest_segment <= _UINT16_VALUES else "uint32", extra)
+
+    @property
+    def loss(self) -> str:
+        """The loss column's name: ``labels`` (version 1) or ``loss_mask`` (version 2)."""
+        return "labels" if self.version == 1 else LOSS_MASK
+
+    @property
+    def padded(self) -> bool:
+        return PAD_COLUMN in self.extra
+
+    def schema(self) -> pa.Schema:
+        if self.version == 1:
+            base = ROW_SCHEMA
+        else:
+            base = pa.schema([
+                pa.field("input_ids", pa.list_(NARROW_TYPES[self.ids]), nullable=False),
+                pa.field("position_ids", pa.list_(NARROW_TYPES[self.positions]), nullable=False),
+                pa.field(LOSS_MASK, pa.list_(pa.bool_()), nullable=False),
+                *(ROW_SCHEMA.field(name) for name in COLUMNS[3:]),
+            ])
+        for name in self.extra:
+            base = base.append(pa.field(name, pa.list_(EXTRA_SEGMENT_COLUMNS[name]), nullable=False))
+        return base
+
+    def columns(self) -> dict[str, str] | None:
+        """What a version-2 manifest records as ``columns`` (None in version 1: its types are fixed)."""
+        if self.version == 1:
+            return None
+        return {"input_ids": self.ids, "position_ids": self.positions, LOSS_MASK: "bool"}
+
+    def bytes_per_token(self) -> float:
+        """The token columns' bytes per token (what a shard holds beside the per-segment columns)."""
+        if self.version == 1:
+            return 12
+        return (NARROW_TYPES[self.ids].bit_width + NARROW_TYPES[self.positions].bit_width + 1) / 8
+
+
+def _column_problem(version: int, columns: Any) -> str | None:
+    """What is wrong with a manifest's ``columns`` for its version (None: nothing)."""
+    if version == 1:
+        return None if columns is None else "a version-1 manifest records no columns (its types are fixed)"
+    if not isinstance(columns, dict) or set(columns) != {"input_ids", "position_ids", LOSS_MASK} \
+            or columns.get(LOSS_MASK) != "bool" \
+            or any(not isinstance(columns.get(k), str) or columns[k] not in NARROW_TYPES
+                   for k in ("input_ids", "position_ids")):
+        return (f"missing or not {{input_ids, position_ids: {' or '.join(NARROW_TYPES)}, {LOSS_MASK}: bool}}; "
+                "rebuild the folder")
+    return None
+
+
+def row_formats() -> list[RowFormat]:
+    """Every row format packer writes (what :func:`open_shard` accepts without a manifest)."""
+    extras = [(), *((name,) for name in EXTRA_SEGMENT_COLUMNS)]
+    out = [RowFormat(1, extra=e) for e in extras]
+    out += [RowFormat(2, i, p, e) for i in NARROW_TYPES for p in NARROW_TYPES for e in extras]
+    return out
 
 
 def shard_name(index: int) -> str:
@@ -224,7 +324,7 @@ def recorded_config(recorded: dict[str, Any]) -> BuildConfig:
     theirs (``out`` empty). A ConfigError names the first key that is mistyped or that BuildConfig
     refuses."""
     types_ = _field_types(BuildConfig)
-    values = {**recorded, "out": ""}
+    values = {**_ABSENT_MEANS, **recorded, "out": ""}
     if isinstance(values.get("mix"), list):
         values["mix"] = tuple(values["mix"])
     unknown = sorted(set(values) - set(types_))
@@ -248,12 +348,24 @@ class Manifest:
     stats: Stats
     shards: tuple[ShardEntry, ...]
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    # A manifest made without naming its version is version 1's (fixed int32 types, no ``columns``); a
+    # build names both (RowFormat.of, RowFormat.columns)
+    format_version: int = 1
+    columns: dict | None = None  # version 2: the token columns' value types (RowFormat.columns)
+
+    @property
+    def row_format(self) -> RowFormat:
+        """What the shards hold, from the version, ``columns`` and the stats (a padded build's ``pad_lens``)."""
+        extra = (PAD_COLUMN,) if self.stats.padded else ()
+        if self.format_version == 1 or self.columns is None:
+            return RowFormat(1, extra=extra)
+        return RowFormat(self.format_version, self.columns["input_ids"], self.columns["position_ids"], extra)
 
     def to_json(self) -> dict[str, Any]:
         content = {
             "format": self.format,
             "format_version": self.format_version,
+            **({} if self.columns is None else {"columns": self.columns}),
             "created_by": self.created_by,
             "note": self.note,
             "config": self.config.identity(),
@@ -289,9 +401,10 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         return None, [("", f"not a packer manifest (no \"format\": \"{FORMAT_NAME}\")")]
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
-        return None, [("", f"format version {version!r}, this packer reads version {FORMAT_VERSION}; rebuild the "
-                       "shards with this packer or use the packer that wrote them")]
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        return None, [("", f"format version {version!r}, this packer reads versions "
+                       f"{', '.join(map(str, READ_VERSIONS))}; rebuild the shards with this packer or use the "
+                       "packer that wrote them")]
     recorded = data.get(CONTENT_HASH)
     if not isinstance(recorded, str):
         edited = [(CONTENT_HASH, "missing or not a string: the manifest cannot prove it is unedited (written by "
@@ -304,9 +417,11 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
     problems = [(key, f"missing or not a {kind.__name__}") for key, kind in _TOP.items() if not _typed(data.get(key), kind)]
     if not _typed(data.get("note"), str | None):
         problems.append(("note", "not a string or null"))
-    unknown = sorted(set(data) - {*_TOP, "note", CONTENT_HASH})
+    unknown = sorted(set(data) - {*_TOP, "note", "columns", CONTENT_HASH})
     if unknown:
         problems.append(("", f"unknown keys {', '.join(unknown)}"))
+    if (wrong := _column_problem(version, data.get("columns"))) is not None:
+        problems.append(("columns", wrong))
     if problems:
         return None, edited + problems
     stat_types = _field_types(Stats)
@@ -331,6 +446,10 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
         config = recorded_config(data["config"])
     except (ConfigError, TypeError) as e:
         problems.append(("config", f"not a valid build config ({e})"))
+    else:
+        if config.format_version != version:
+            problems.append(("config", f"format_version {config.format_version} differs from the manifest's "
+                             f"format_version {version}"))
     if problems:
         return None, edited + problems
     manifest = Manifest(
@@ -341,6 +460,8 @@ def parse_manifest(data: Any) -> tuple[Manifest | None, list[tuple[str, str]]]:
         source=data["source"],
         stats=Stats(**data["stats"]),
         shards=tuple(ShardEntry(**e) for e in data["shards"]),
+        format_version=version,
+        columns=data.get("columns"),
     )
     return manifest, edited
 
@@ -371,9 +492,11 @@ def load_json(data: bytes, where: str) -> Any:
         raise ShardFormatError(f"{where}: not valid JSON ({e}); the manifest is corrupted, rebuild the folder") from e
 
 
-def open_shard(path: fs.PathLike) -> pa.Table:
-    """Open one shard and check its schema against the contract: memory-mapped (zero copy) when local
-    or ``file://``, read whole into memory from any other fsspec filesystem."""
+def open_shard(path: fs.PathLike, row_format: RowFormat | None = None) -> pa.Table:
+    """Open one shard and check its schema against the contract (``row_format``: the manifest's; None:
+    any format packer writes): memory-mapped (zero copy) when local or ``file://``, read whole into
+    memory from any other fsspec filesystem. A compressed shard (``--compression``) is decompressed
+    into memory whole, wherever it is."""
     local = fs.local_path(path)
     try:
         if local is not None:
@@ -384,8 +507,14 @@ def open_shard(path: fs.PathLike) -> pa.Table:
         table.validate(full=True)  # offsets in bounds: a broken row fails here, not mid-epoch (cost: O(rows))
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot be read as an Arrow stream ({e}); the shard is corrupted, rebuild it") from e
-    if not any(table.schema.remove_metadata().equals(s) for s in (ROW_SCHEMA, PADDED_ROW_SCHEMA)):
-        raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format version {FORMAT_VERSION})")
+    found = table.schema.remove_metadata()
+    if row_format is not None and not found.equals(row_format.schema()):
+        raise ShardFormatError(f"{path}: schema {table.schema} is not the row schema the manifest records (format "
+                               f"version {row_format.version}: {row_format.schema()}); the shard is from another "
+                               "build, rebuild the folder")
+    if row_format is None and not any(found.equals(f.schema()) for f in row_formats()):
+        raise ShardFormatError(f"{path}: schema {table.schema} is not packer's row schema (format versions "
+                               f"{', '.join(map(str, READ_VERSIONS))})")
     return table
 
 
@@ -423,8 +552,8 @@ def datasets_files(manifest: Manifest) -> dict[str, bytes]:
     fingerprint = hashlib.sha256("".join(s.sha256 for s in shards).encode()).hexdigest()[:16]
     info = {
         "citation": "",
-        "description": f"packer shards (format version {FORMAT_VERSION}): one row per pack; see {MANIFEST_NAME}",
-        "features": {f.name: _datasets_feature(f.type) for f in row_schema(manifest.stats.padded)},
+        "description": f"packer shards (format version {manifest.format_version}): one row per pack; see {MANIFEST_NAME}",
+        "features": {f.name: _datasets_feature(f.type) for f in manifest.row_format.schema()},
         "homepage": "",
         "license": "",
     }

@@ -202,8 +202,11 @@ class RowView:
         for key, values in (("input_ids", ids), ("position_ids", pos), ("labels", labels),
                             ("shift_labels", shifted)):
             out[key] = values[idx].astype(np.int64)[None]
+        # each token's segment in the (padded) row, the rank's share of it (the padding segment has its own)
+        out["seq_idx"] = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))[idx][None]
         return {**out, "cu_seq_lens_q": local, "cu_seq_lens_k": local, "max_length_q": longest,
-                "max_length_k": longest, "num_items_in_batch": batch["num_items_in_batch"]}
+                "max_length_k": longest, "seq_idx": out.pop("seq_idx"),
+                "num_items_in_batch": batch["num_items_in_batch"]}
 
     def _fixed(self, ids, pos, labels, cu, pads):
         """The row padded to the budget by one padding segment, cu_seqlens to the fixed count."""

@@ -34,6 +34,7 @@ semantics (tests/test_varlen_kernels.py), and against the real kernels where CUD
 from __future__ import annotations
 
 import importlib.util
+import threading
 from typing import Any
 
 import torch
@@ -50,10 +51,36 @@ __all__ = [
     "calls",
     "backend_for",
     "segments_from_position_ids",
+    "current_row",
+    "enter_row",
+    "leave_row",
 ]
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _calls = 0  # how many times packed_attention ran: prepare's probe checks the model routes through it
+# The boundaries (cu_seqlens) of the row the outermost prepared model is running, for the layers that
+# receive no kwargs: Mamba1 mixers, GraniteMoeHybrid's position-free attention. A stack per thread:
+# a prepared model inside another (a composite's language model) inherits the outer row's.
+_rows = threading.local()
+
+
+def enter_row(owner: object, cu: torch.Tensor | None) -> None:
+    """Push the row ``owner``'s forward runs (``cu``: its cu_seqlens, empty: unpacked; None: inherit)."""
+    stack = _rows.__dict__.setdefault("stack", [])
+    stack.append((id(owner), cu if cu is not None or not stack else stack[-1][1]))
+
+
+def leave_row(owner: object) -> None:
+    """Pop ``owner``'s row (only its own: a forward refused before its push pops nothing)."""
+    stack = _rows.__dict__.get("stack")
+    if stack and stack[-1][0] == id(owner):
+        stack.pop()
+
+
+def current_row() -> torch.Tensor | None:
+    """cu_seqlens of the row being run by a prepared model's forward (None: outside one; empty: unpacked)."""
+    stack = _rows.__dict__.get("stack")
+    return stack[-1][1] if stack else None
 
 
 def _varlen_attn():
@@ -149,13 +176,7 @@ def packed_attention(
     several rows without either is treated as unpadded causal sequences."""
     global _calls
     _calls += 1
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise ConfigError(
-            f"{type(module).__name__}: attention logit soft-capping / sinks are not supported by packer_varlen; "
-            "use the model's flash_attention_2 implementation with the loader's cu_seq_lens kwargs instead"
-        )
-    if getattr(module, "is_causal", True) is False:
-        raise ConfigError(f"{type(module).__name__}: non-causal attention cannot be packed by packer_varlen")
+    _refuse_unsupported(module, softcap, kwargs)
     bsz, _, t_q, _ = query.shape
     if key.shape[2] != t_q:  # shapes only: no host sync
         raise ConfigError(
@@ -164,6 +185,8 @@ def packed_attention(
             "pass no cache with packed rows (use_cache=False), and switch back with set_attn_implementation "
             "to generate"
         )
+    if cu_seq_lens_q is None and bsz == 1 and position_ids is None:
+        cu_seq_lens_q, max_length_q = _from_row(module, t_q)
     if cu_seq_lens_q is None:
         if position_ids is not None and bsz == 1 and position_ids.shape[-1] == t_q:
             cu_seq_lens_q, max_length_q = segments_from_position_ids(position_ids)
@@ -205,6 +228,36 @@ def packed_attention(
         out = _sdpa_segments(query[0], key[0], value[0], cu_q, cu_k, scaling, dropout, window)
     # contiguous: some models (JetMoe, AFMoE, Dory) `.view` the output, which a transposed tensor refuses
     return out.unsqueeze(0).contiguous(), None
+
+
+def _refuse_unsupported(module: torch.nn.Module, softcap: float | None, kwargs: dict) -> None:
+    """What packer_varlen does not compute: soft-capping, sinks, an additive position bias, non-causal."""
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise ConfigError(
+            f"{type(module).__name__}: attention logit soft-capping / sinks are not supported by packer_varlen; "
+            "use the model's flash_attention_2 implementation with the loader's cu_seq_lens kwargs instead"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise ConfigError(
+            f"{type(module).__name__}: an additive position bias (Inkling's relative logits, computed from the row's "
+            "offsets) is not supported by packer_varlen"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise ConfigError(f"{type(module).__name__}: non-causal attention cannot be packed by packer_varlen")
+
+
+def _from_row(module: torch.nn.Module, t_q: int) -> tuple[torch.Tensor | None, int | None]:
+    """The boundaries of the row a prepared model runs, for a layer that gets no boundary kwargs and no
+    positions (GraniteMoeHybrid's attention); (None, None) outside one or on an unpacked row."""
+    row = current_row()
+    if row is None or row.numel() <= 2:
+        return None, None
+    if int(row[-1]) != t_q:
+        raise ConfigError(
+            f"{type(module).__name__}: the row's cu_seq_lens cover {int(row[-1])} tokens, the attention {t_q}; "
+            "pass the loader's batch as it is"
+        )
+    return row, int((row[1:] - row[:-1]).max())
 
 
 def _gqa(query, key, value):

@@ -4,8 +4,10 @@ A model is accepted only when all of these hold (else ``ConfigError``, and the m
 it was: attention implementation of every sub-config, config values, no hook):
 
 1. **Structure**: a transformers causal decoder whose attention goes through ``AttentionInterface``,
-   and whose layers all mix tokens by attention (``layer_types`` has no ``conv``, ``mamba``,
-   ``linear_attention``, ...: such a mixer runs across the whole row, whatever the attention does).
+   and whose other token mixers (``layer_types`` ``conv``, ``mamba``, ``linear_attention``, ...: run
+   across the whole row, whatever the attention does) are ones ``mixers`` runs once per example (the
+   per-segment path, installed on the probe copy and, once accepted, on the model); an unknown mixer is
+   refused naming its class, indexed attention under ``packer_varlen`` and compressed attention by type.
 2. **Config rules**, settings used by the model whose output depends on the row rather than the
    example, named in the message: RoPE types that pick frequencies from the longest position in the row
    (``dynamic``, ``longrope``) and Llama 4's attention temperature tuning (scales queries by the offset in
@@ -39,7 +41,10 @@ row) raises ``ConfigError`` if the attention implementation of any config or sub
 (``set_attn_implementation``, ``config._attn_implementation = ...``), if a non-empty cache is passed
 (``cache``/``past_key_values``: PEFT prefix tuning), if the row is longer than ``max_tokens``, or, for the implementations that
 find the packing from ``position_ids`` (sdpa, eager, flex), if a cache is used (transformers then builds
-no packed mask). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
+no packed mask); and whatever implementation, if an ``attention_mask`` comes with the row, if
+``cu_seq_lens`` come without ``position_ids`` (PEFT prompt tuning) or cover another length, or, on a
+hybrid model, if a mixer was replaced, a context-parallel share arrives, or gradient checkpointing would
+recompute a mixer out of the boundaries' reach (``_boundaries_lost``). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
 """
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -54,14 +60,11 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import attention
+from . import attention, mixers
 
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.
 MASK_FROM_POSITIONS = ("sdpa", "eager", "flex_attention")
-# Layer types that mix tokens by attention; any other (conv, mamba, linear_attention, ...) is a mixer
-# running across the row.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # RoPE types whose frequencies depend on max(position_ids) + 1: in a row, the longest example's length.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Config values past which a model may behave differently (a window, a chunk, a RoPE switch point).
@@ -76,6 +79,7 @@ PROBE_MIN_LEN = 8
 PROBE_TOLERANCE = math.sqrt(torch.finfo(torch.float32).eps)
 
 __all__ = ["prepare", "PROBE_TOLERANCE"]
+log = logging.getLogger("packer")
 
 
 def _configs(model: Any) -> Iterator[Any]:
@@ -97,8 +101,9 @@ def _text_config(model: Any) -> Any:
 
 def _refuse(model: Any, why: str) -> ConfigError:
     return ConfigError(
-        f"{type(model).__name__}: packed rows would not be exact ({why}); use a decoder whose every layer "
-        "is attention through transformers' AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...) "
+        f"{type(model).__name__}: packed rows would not be exact ({why}); use a decoder whose layers are "
+        "attention through transformers' AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...) or mixers packer "
+        "runs per example (Qwen3.5, LFM2, Granite 4, Jamba, Mamba, MiniMax: docs/attention.md), "
         "or train it on padded batches"
     )
 
@@ -116,9 +121,7 @@ def _rope_dicts(config: Any) -> Iterator[dict]:
 def config_refusals(config: Any, implementation: str) -> list[str]:
     """Settings of a (text) config that make an example's output depend on its row; each names itself."""
     why = []
-    mixers = sorted({t for t in getattr(config, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES})
-    if mixers:
-        why.append(f"layer_types {mixers} mix tokens outside attention, across the whole row")
+    # layer_types that are not attention are the per-segment path's (mixers.refusals judges them on the model)
     ropes = {p.get(key) for p in _rope_dicts(config) for key in ("rope_type", "type")}
     for rope in sorted(ropes & set(LENGTH_DEPENDENT_ROPE)):
         why.append(
@@ -131,12 +134,13 @@ def config_refusals(config: Any, implementation: str) -> list[str]:
     return why
 
 
-def probe_lengths(config: Any, max_tokens: int | None = None) -> list[int]:
+def probe_lengths(config: Any, max_tokens: int | None = None, extra: list[int] = ()) -> list[int]:
     """The probe row's example lengths: a short one, one past every threshold a row can reach, a short one.
 
     The short ones stay below the smallest threshold, so that whatever the model picks from the row's
-    longest position (a scale, a frequency) differs between them alone and them packed beside the long one."""
-    values = [getattr(config, name, None) for name in THRESHOLDS]
+    longest position (a scale, a frequency) differs between them alone and them packed beside the long one.
+    ``extra``: the thresholds of the model's mixers (chunks, blocks, convolution widths: ``mixers.thresholds``)."""
+    values = [getattr(config, name, None) for name in THRESHOLDS] + list(extra)
     values += [p.get("original_max_position_embeddings") for p in _rope_dicts(config)]
     if getattr(config, "attn_temperature_tuning", False):
         values.append(getattr(config, "floor_scale", None))
@@ -167,6 +171,7 @@ def _row(exs: list[torch.Tensor]) -> dict:
 def _probe_copy(model: Any) -> Any:
     """A float32 copy in train mode with dropout off, without packer's hooks and parameter gradients."""
     probe = copy.deepcopy(model).float()
+    mixers.uninstall_hooks(probe)
     for m in probe.modules():
         for key in [k for k, h in m._forward_pre_hooks.items() if getattr(h, "packer_guard", False)]:
             del m._forward_pre_hooks[key]
@@ -259,7 +264,8 @@ def _compare(model: Any, implementation: str, exs: list[torch.Tensor], extra: di
                 f"probe: example {i}'s gradient packed is {d:.3g} away from its gradient alone through eager "
                 f"attention (tolerance {PROBE_TOLERANCE * scale:.2g}), with attn_implementation={implementation!r}",
             )
-    if implementation == attention.ATTN_IMPLEMENTATION and attention.calls() == before:
+    attention_free = mixers.attention_free(model, _text_config(model))
+    if implementation == attention.ATTN_IMPLEMENTATION and attention.calls() == before and not attention_free:
         raise _refuse(model, "its forward never called the registered attention function")
 
 
@@ -284,7 +290,8 @@ def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
     if probe.config._attn_implementation != implementation:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
-    exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens))
+    mixers.install(probe)  # the per-segment path is what is probed (one segment alone runs the mixer as it is)
+    exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens, mixers.thresholds(probe)))
     heads = [e[: PROBE_MIN_LEN + 1] for e in exs]
     # random draws show on any tokens: the short row, not the long one (quadratic in the eager reference)
     if _random_in_training(probe, {**_row(heads), "use_cache": False}):
@@ -320,6 +327,14 @@ def _cache(kwargs: dict) -> Any:
     return kwargs.get("past_key_values") if given is None else given
 
 
+def _cached_positions(past: Any) -> int:
+    """The positions a cache holds (0: none, or a cache of only linear-attention / mamba states)."""
+    try:
+        return int(past.get_seq_length()) if past is not None and hasattr(past, "get_seq_length") else 0
+    except ValueError:  # transformers: "can only be called on Attention layers" (a hybrid's fresh cache)
+        return 0
+
+
 def _is_packed(kwargs: dict) -> bool:
     if kwargs.get("cu_seq_lens_q") is not None:
         return True
@@ -334,24 +349,61 @@ def _row_length(args: tuple, kwargs: dict) -> int:
     return 0 if x is None else x.shape[1]
 
 
-def _guard(model: Any, implementation: str, max_tokens: int | None):
+def _boundaries_lost(module: Any, kwargs: dict, found: list, row_length: int) -> str | None:
+    """What, in a forward's own inputs, makes a packed row's boundaries no longer the examples' (None: nothing).
+
+    Shapes and attributes only, no host sync (cu_seq_lens on the CPU are read: free)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if kwargs.get("attention_mask") is not None:
+        return ("an attention_mask is passed with it (sdpa and eager then build their mask from it, across the "
+                "examples): drop the attention_mask column, the row's position_ids and cu_seq_lens carry its boundaries")
+    if cu is not None and kwargs.get("position_ids") is None:
+        return ("its cu_seq_lens come without position_ids (PEFT prompt tuning drops them and prepends virtual "
+                "tokens to the whole row): pass the loader's batch as it is, with an adapter that leaves the tokens "
+                "alone (LoRA, ...)")
+    if cu is not None and cu.device.type == "cpu" and cu.numel() and row_length and int(cu[-1]) != row_length:
+        return f"its cu_seq_lens cover {int(cu[-1])} tokens but the row has {row_length} (tokens added to the row)"
+    if not found:
+        return None
+    moved = mixers.installed(found)
+    if moved:
+        return f"{moved}, so it is no longer run once per example"
+    if any(k.startswith("cp_") for k in kwargs):
+        return ("a context-parallel share of the row: its mixers carry a state from one rank's tokens to the next "
+                "rank's, which the per-segment path cannot pass; train hybrid models without context parallelism")
+    checkpointing = "is_activation_checkpointing" if hasattr(type(module), "is_activation_checkpointing") else (
+        "is_gradient_checkpointing")
+    if module.training and getattr(module, checkpointing, False) and torch.is_grad_enabled():
+        blind = sorted({type(m).__name__ for _, _, m in found if not mixers.MIXERS[type(m).__name__]})
+        if cu is None or blind:
+            who = f"{', '.join(blind)} get no kwargs" if blind else "the batch has no cu_seq_lens kwargs"
+            return (f"gradient checkpointing recomputes its mixers in the backward pass, where only cu_seq_lens "
+                    f"kwargs reach them and {who}: turn gradient checkpointing off, or pass the loader's batch")
+    return None
+
+
+def _guard(model: Any, implementation: str, max_tokens: int | None, found: list | None = None):
     """The pre-hook: a packed forward raises if the setting that prepare() vetted no longer holds."""
     expected = [(c, c._attn_implementation) for c in _configs(model)]
     text = _text_config(model)
+    found = found or []
 
     def hook(module, args, kwargs):
         changed = [(c, was) for c, was in expected if c._attn_implementation != was]
         past = _cache(kwargs)
-        prefix = past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0
+        prefix = _cached_positions(past) > 0
         cached = implementation in MASK_FROM_POSITIONS and _uses_cache(text, kwargs)
         longer = max_tokens is not None and _row_length(args, kwargs) > max_tokens
-        if not (changed or prefix or cached or longer) or not _is_packed(kwargs):
+        lost = _boundaries_lost(module, kwargs, found, _row_length(args, kwargs))
+        if not (changed or prefix or cached or longer or lost) or not _is_packed(kwargs):
             return None
-        if changed:
+        if lost:
+            what = lost
+        elif changed:
             c, was = changed[0]
             what = f"{type(c).__name__}'s attn_implementation changed from {was!r} to {c._attn_implementation!r}"
         elif prefix:
-            what = f"its cache holds {past.get_seq_length()} positions (a prefix, e.g. PEFT prefix tuning)"
+            what = f"its cache holds {_cached_positions(past)} positions (a prefix, e.g. PEFT prefix tuning)"
         elif cached:
             what = "use_cache is on, so transformers builds no packed mask"
         else:
@@ -394,7 +446,7 @@ def prepare(
     # No check of the model class's `_supports_attention_backend` flag: StableLM calls the interface
     # without setting it, and Falcon/GPT-Neo are exact with transformers' sdpa. transformers refuses a
     # custom implementation it cannot set, and the probes judge what the forward actually does.
-    why = config_refusals(text, implementation)
+    why = config_refusals(text, implementation) + mixers.refusals(model, text, implementation)
     if why:
         raise _refuse(model, "; ".join(why))
     attention.register()
@@ -426,7 +478,13 @@ def prepare(
         ) from e
     for handle in getattr(model, "_packer_guard", None) or []:
         handle.remove()
-    hook = _guard(model, implementation, max_tokens)
+    found = mixers.install(model)  # before the guard's hooks: the row's boundaries are pushed first
+    model.packer_path = "per-segment" if found else "attention"
+    if found:
+        names = sorted({type(m).__name__ for _, _, m in found})
+        log.info("prepare: %s: %d mixers (%s) run once per example of a packed row (the per-segment path)",
+                 type(model).__name__, len(found), ", ".join(names))
+    hook = _guard(model, implementation, max_tokens, found)
     model._packer_guard = [
         m.register_forward_pre_hook(hook, with_kwargs=True)
         for m in model.modules()

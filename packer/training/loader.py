@@ -7,6 +7,7 @@ batch one row becomes (docs/design.md, "The read side")::
     input_ids, position_ids, labels   int64 [1, T]
     cu_seq_lens_q, cu_seq_lens_k      int32 [n + 1]     = [0, cumsum(seq_lens)]
     max_length_q, max_length_k        int               Python ints: no host-device sync per layer
+    seq_idx                           int32 [1, T]      each token's segment (0, 0, 0, 1, 1, 2, ...)
     num_items_in_batch                int               loss tokens of the whole global step (below)
 
 ``model(**batch)`` works for a transformers causal LM prepared with ``packer.prepare``.
@@ -56,8 +57,14 @@ first row; each pass (``iter()``) starts its epoch over unless a state was loade
 and ``PackedDataLoader`` share the position: the loader moves it as it hands batches out, so workers
 and their prefetching do not matter.
 
+Both format versions give the same batches (packer.contract.schema): version 1's int32 columns are
+widened, version 2's uint16/uint32 ids and positions too, and its labels are the ids where the loss
+mask's bit is set, -100 elsewhere. A compressed build (``--compression``) is decompressed into memory
+when opened, not memory-mapped.
+
 Cost: opening maps the shards (no read) and builds one int64 index per row batch; each step slices
-buffers and makes three int64 copies of T tokens (the int32 → int64 widening).
+buffers and makes three int64 copies of T tokens (the widening; version 2 reads a third of the bytes
+for them and unpacks T bits of mask) and ``seq_idx`` (int32).
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
-                 vocab_size: int) -> None:
+                 vocab_size: int, row_format: schema.RowFormat | None = None) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
@@ -119,7 +126,7 @@ class _Shards:
         n = 0
         for entry in shard_entries:
             path = fs.join(directory, entry.file)
-            table = schema.open_shard(path)
+            table = schema.open_shard(path, row_format)
             if table.num_rows != entry.rows:
                 raise ShardFormatError(
                     f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
@@ -182,19 +189,23 @@ class _Shards:
         r.seq_lens.values[s0:s1].cumsum(out=cu[1:])
         cu_t = torch.from_numpy(cu)
         # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
+        ids = r.input_ids.values[o0:o1].astype(np.int64)
         if filler:
             labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
-        else:
-            labels = torch.from_numpy(r.labels.values[o0:o1].astype(np.int64)[None])
+        else:  # the stored labels (format 1) or the ids where the loss mask is set (format 2)
+            labels = torch.from_numpy(r.labels_of(o0, o1, ids)[None])
         max_len = int(r.max_seqlen[j])
+        # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
+        seq_idx = np.repeat(np.arange(s1 - s0, dtype=np.int32), r.seq_lens.values[s0:s1])[None]
         return {
-            "input_ids": torch.from_numpy(r.input_ids.values[o0:o1].astype(np.int64)[None]),
+            "input_ids": torch.from_numpy(ids[None]),
             "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
             "labels": labels,
             "cu_seq_lens_q": cu_t,
             "cu_seq_lens_k": cu_t,
             "max_length_q": max_len,
             "max_length_k": max_len,
+            "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
 
@@ -337,7 +348,7 @@ class PackedDataset(IterableDataset):
 
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size())
+            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format)
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
