@@ -31,7 +31,8 @@ from packer.contract.schema import STAGING
 from packer.errors import PackerError
 
 USERS = {"notes.txt": b"mine", "sub/shard-00000.arrow": b"nested, mine"}
-OLD = ["flan", "--limit", "600", "--shard-size", "1", "--batch-size", "4", "-q"]  # several shards
+# several shards (format 1's 12 bytes a token, as in test_crash: the commit is the same code in every format)
+OLD = ["flan", "--limit", "600", "--shard-size", "1", "--batch-size", "4", "--format", "1", "-q"]
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -72,13 +73,13 @@ def _inputs(tmp: Path) -> dict[str, list[str]]:
                                         str(tmp / "raise.jinja")],
         # 80 × 15,000 tokens × 10,000 epochs: 144 GB of shards at least
         "no room on the disk": [str(tmp / "long.jsonl"), "--text-field", "text", "--max-len", "16384",
-                                "--epochs", "10000"],
+                                "--epochs", "10000", "--format", "1"],
         "no such tokenizer": ["flan", "--limit", "20", "--tokenizer", str(tmp / "nothing")],
     }
 
 
 LONG_RECORDS = 80
-ROOM = 12 * LONG_RECORDS * 15_000 * 10_000  # bytes: what check_room counts for that case
+ROOM = 12 * LONG_RECORDS * 15_000 * 10_000  # bytes: what check_room counts for that case (format 1)
 
 
 CASES = ["a bad record", "every example dropped", "a chat template that raises", "no room on the disk",
@@ -106,7 +107,7 @@ REBUILD_MOMENTS = [
     Moment("new files being moved in", "os.rename", f"{STAGING}/{SHARD}"),
     Moment("before the commit point", "os.rename", f"{STAGING}/{schema.PENDING}"),
 ]
-NEW = ["flan", "--limit", "300", "--shard-size", "1", "--batch-size", "2", "-q", "--overwrite"]
+NEW = ["flan", "--limit", "300", "--shard-size", "1", "--batch-size", "2", "--format", "1", "-q", "--overwrite"]
 
 
 @pytest.mark.parametrize(("action", "moment"), [
