@@ -231,6 +231,8 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     """
     _note_staging(directory)
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
+    for note in report.notes:
+        click.echo(f"packer: note: {note}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:

@@ -8,15 +8,19 @@ is someone else's: a build refuses a folder holding it, and with ``--overwrite``
 deleting only the previous build's files; a foreign file with a name a build writes is refused even
 then. No source file may lie inside the folder (:func:`refuse_sources_inside`).
 
-A build holds an exclusive ``flock`` on ``STAGING/LOCK`` from start to end (:func:`lock`). The staging
-folder records every move before it happens, so what a kill leaves is still provably packer's: the
-previous build's manifest is moved to ``STAGING/PREVIOUS`` before its files are deleted (the folder
-stops looking complete at once), and the new manifest is written to ``STAGING/PENDING`` before the
-shards are moved into place; renaming it to ``manifest.json`` is the commit point. A folder without
-``manifest.json`` is never a finished build. When the lock is released, a build that failed with a
-reported error leaves nothing (its staging, and the files the staged manifests list, are removed; a
-folder it created too), an interrupted one keeps its staging (the token spill, which the rerun
-resumes), and a finished one loses its staging.
+A build holds an exclusive ``flock`` on ``STAGING/LOCK`` from start to end (:func:`lock`). A build found
+in the folder stays whole until the new one's commit: the new shards are written in ``STAGING``, and
+:func:`commit` swaps the builds with renames, recording each move before it happens so that whatever a
+kill or a failure leaves can be undone or proven packer's. It stages the new manifest
+(``STAGING/PENDING``), moves the old manifest to ``STAGING/PREVIOUS`` (the folder stops looking complete),
+moves the old build's files into ``STAGING/REPLACING``, renames that folder ``STAGING/REPLACED`` (every
+old file is out), moves the new files in, and renames the staged manifest to ``manifest.json``: the
+commit point. A commit stopped before it is rolled back (:func:`_roll_back`), when the lock is released
+and when the next build takes it: the folder holds the build it held, byte for byte. A folder without
+``manifest.json`` is never a finished build. When the lock is released, a build that failed for a
+reason it reports leaves nothing new (its staging removed; a folder it created too), an interrupted
+one keeps its token spill for the rerun when no build is there to keep, and otherwise the staging
+folder goes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from .. import fs
 from ..contract import schema
 from ..contract.schema import LOCK, LOCK_BYTES, MANIFEST_NAME, PENDING, PREVIOUS, STAGING, TOKENS_DIR
 from ..errors import OutputError, PackerError, ShardFormatError, SourceError
+
+# inside STAGING, during a commit: the old build's files being moved out of the folder, then all of them
+REPLACING, REPLACED = "replacing", "replaced"
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 
@@ -150,7 +157,7 @@ def survey(out: Path) -> Contents:
     return Contents(finished, tuple(n for n in names if n not in ours))
 
 
-def _writes(name: str) -> bool:
+def writes(name: str) -> bool:
     """Whether a build writes an entry of this name (so a foreign one there cannot stay beside it)."""
     return schema.is_shard_name(name) or name in (MANIFEST_NAME, STAGING, *schema.DATASETS_FILES)
 
@@ -160,7 +167,7 @@ def refuse_foreign(out: Path, overwrite: bool) -> Contents:
     under a name a build writes (even with it); return the survey."""
     contents = survey(out)
     foreign = contents.foreign
-    clash = [n for n in foreign if _writes(n)]
+    clash = [n for n in foreign if writes(n)]
     if MANIFEST_NAME in clash:
         raise OutputError(
             f"--out {out}: its {MANIFEST_NAME} is not a manifest packer wrote (another tool's, or edited or damaged: "
@@ -241,6 +248,14 @@ def lock(out: Path) -> Iterator[Path]:
         _remove_empty(created)
         raise
     _HELD.add(fd)
+    try:
+        _recover(out, staging)  # a commit a kill stopped: the folder gets back the build it held
+    except BaseException as e:
+        _HELD.discard(fd)
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise OutputError(f"--out {out}: cannot write there ({_reason(e)}); choose a writable folder") from e
+        raise
     # A build that failed for a reason it reports (a PackerError) leaves nothing; one stopped from
     # outside (Ctrl-C) or by the unforeseen keeps its spill, for the rerun to resume.
     keep_spill = True
@@ -322,18 +337,58 @@ def _take(out: Path, staging: Path) -> int:
 
 
 def _release(out: Path, staging: Path, *, keep_spill: bool) -> None:
-    """End a build's hold on ``out``: keep the spill of an interrupted unfinished build (the rerun
-    resumes it), else remove the staging folder, and after a failure the files its manifests list."""
+    """End a build's hold on ``out``: roll back a commit that did not reach its commit point, then keep
+    the spill of an interrupted build when no finished build is there (the rerun resumes it), else
+    remove the staging folder."""
+    _recover(out, staging)
     finished = schema.listed_files(_json(out / MANIFEST_NAME)) is not None
     if keep_spill and not finished and set(os.listdir(staging)) - {LOCK}:
         return
-    if not finished:
-        _remove_listed(out, staging)
     for entry in staging.iterdir():
         if entry.name != LOCK:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     (staging / LOCK).unlink()
     staging.rmdir()
+
+
+def _recover(out: Path, staging: Path) -> None:
+    """Put back the build a stopped commit was replacing (:func:`_roll_back`); clear what a packer of
+    before this protocol left when killed while clearing a build (its manifest in ``PREVIOUS``, its files
+    being deleted: there is nothing left to put back)."""
+    if (staging / PENDING).exists():
+        _roll_back(out, staging)
+    elif (staging / PREVIOUS).exists() and not (out / MANIFEST_NAME).exists():
+        _remove_listed(out, staging)
+
+
+def _roll_back(out: Path, staging: Path) -> None:
+    """Undo a commit stopped before its commit point (``PENDING`` still staged), so that the folder
+    holds the build it held before, byte for byte. Each step is safe to repeat after a kill: which
+    files in ``out`` are new is known from the folder the old ones are in (see the module docstring)."""
+    pending, replacing, replaced = staging / PENDING, staging / REPLACING, staging / REPLACED
+    previous = staging / PREVIOUS
+    if replaced.is_dir():  # every old file is out of the folder: what of the new build's is there goes
+        for name in sorted(_proven(out, _json(pending)) - {MANIFEST_NAME}):
+            with suppress(FileNotFoundError):
+                (out / name).unlink()
+        _fsync_dir(out)
+        os.replace(replaced, replacing)  # and from here on, nothing of the new build is in the folder
+        _fsync_dir(staging)
+    elif not replacing.is_dir():
+        # No old file moved yet, so none of the new build's is in the folder, unless a packer of before
+        # this protocol was committing (it deleted the old files first, then moved the new ones in).
+        kept = _proven(out, _json(previous if previous.exists() else out / MANIFEST_NAME))
+        for name in sorted(_proven(out, _json(pending)) - kept - {MANIFEST_NAME}):
+            with suppress(FileNotFoundError):
+                (out / name).unlink()
+    if replacing.is_dir():
+        for entry in sorted(replacing.iterdir()):
+            os.replace(entry, out / entry.name)
+        replacing.rmdir()
+    if previous.exists():
+        os.replace(previous, out / MANIFEST_NAME)
+    _fsync_dir(out)
+    pending.unlink()
 
 
 def remove_stale_staging(out: Path) -> None:
@@ -414,13 +469,9 @@ def damage(out: Path, data: dict[str, Any]) -> str | None:
 
 
 def prepare(out: Path, staging: Path) -> None:
-    """Clear the previous build (the files its manifest lists) and the staging folder, keeping a token
-    spill (it checks its own identity and is resumed)."""
+    """Clear the staging folder for this build, keeping a token spill (it checks its own identity and is
+    resumed). A build in the folder stays untouched until :func:`commit` replaces it."""
     try:
-        if schema.listed_files(_json(out / MANIFEST_NAME)) is not None:
-            os.replace(out / MANIFEST_NAME, staging / PREVIOUS)  # first: the folder stops looking complete
-            _fsync_dir(out)
-        _remove_listed(out, staging)
         for entry in staging.iterdir():
             if entry.name not in (LOCK, TOKENS_DIR):
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -429,8 +480,8 @@ def prepare(out: Path, staging: Path) -> None:
 
 
 def _remove_listed(out: Path, staging: Path) -> None:
-    """Delete from ``out`` the files the staged manifests list (a build being cleared or half-committed),
-    then those manifests. ``manifest.json`` itself is only ever moved into staging, never deleted here."""
+    """Delete from ``out`` the files the staged manifests list (what a packer of before the current commit
+    protocol left, killed while clearing a build or committing one), then those manifests. ``manifest.json`` itself is only ever moved into staging, never deleted here."""
     for name in sorted(_staged_files(out, staging)):
         with suppress(FileNotFoundError):
             (out / name).unlink()
@@ -440,18 +491,35 @@ def _remove_listed(out: Path, staging: Path) -> None:
 
 
 def commit(out: Path, staging: Path, manifest: schema.Manifest) -> None:
-    """Move the staged shards into place, write what ``datasets.load_from_disk`` reads beside them
-    (``schema.DATASETS_FILES``), then the manifest last (the commit point). The manifest is staged
-    first: until the rename, it is what proves the moved files are packer's."""
+    """Replace the build in ``out`` (if any) with the one staged: everything is written and fsynced in
+    the staging folder first, then the builds are swapped by renames (module docstring), the manifest
+    last (the commit point). Until then the staged manifest proves the moved files packer's, and a
+    stop anywhere is rolled back to the build that was there."""
+    for entry in manifest.shards:
+        _fsync(staging / entry.file)
+    datasets = schema.datasets_files(manifest)
+    for name, data in datasets.items():
+        (staging / name).write_bytes(data)
+        _fsync(staging / name)
     pending = staging / PENDING
     pending.write_bytes(manifest.dumps())
     _fsync(pending)
-    for entry in manifest.shards:
-        _fsync(staging / entry.file)
-        os.replace(staging / entry.file, out / entry.file)
-    for name, data in schema.datasets_files(manifest).items():
-        (staging / name).write_bytes(data)
-        _fsync(staging / name)
+    _fsync_dir(staging)
+    found = _json(out / MANIFEST_NAME)
+    old: list[str] = []
+    if schema.listed_files(found) is not None:
+        old = sorted(_proven(out, found) - {MANIFEST_NAME})
+        os.replace(out / MANIFEST_NAME, staging / PREVIOUS)  # first: the folder stops looking complete
+        _fsync_dir(out)
+    replacing = staging / REPLACING
+    replacing.mkdir()
+    for name in old:
+        os.replace(out / name, replacing / name)
+    _fsync_dir(out)
+    _fsync_dir(replacing)
+    os.replace(replacing, staging / REPLACED)  # every old file is out: the new ones may come in
+    _fsync_dir(staging)
+    for name in (*(e.file for e in manifest.shards), *datasets):
         os.replace(staging / name, out / name)
     os.replace(pending, out / MANIFEST_NAME)
     _fsync_dir(out)

@@ -30,6 +30,7 @@ class Report:
     quick: bool
     problems: list[Problem] = field(default_factory=list)
     checked: dict[str, Any] = field(default_factory=dict)  # what was looked at: shards, rows, tokens, ...
+    notes: list[str] = field(default_factory=list)  # what was left out, and why (the user's files): no problem
 
     @property
     def ok(self) -> bool:
@@ -53,6 +54,7 @@ class Report:
             "quick": self.quick,
             "checked": self.checked,
             "problems": [asdict(p) for p in self.problems],
+            "notes": self.notes,
         }
 
 

@@ -4,7 +4,8 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
 
 1. **manifest** — present, valid JSON, ``format`` packer, a known ``format_version``, a config that
    ``BuildConfig`` accepts, stats that add up (examples and tokens accounted for), shard entries
-   with file/rows/tokens/bytes/sha256; no file in the folder that the manifest does not list.
+   with file/rows/tokens/bytes/sha256; no file under a name a build writes that the manifest does not
+   list (the user's files beside a build, under other names, are noted and left out).
 2. **files** — every listed shard exists with the recorded size and sha256 (``quick`` stops here).
 3. **rows** — every shard is an Arrow IPC stream with ``schema.ROW_SCHEMA``; per row, vectorised over
    whole columns (flat values + offsets, no Python per row): ``sum(seq_lens) == len(input_ids)``,

@@ -3,7 +3,8 @@
 - **manifest**: present, valid JSON, parsed by the contract's own parser (:func:`packer.contract.schema.parse_manifest`:
   format, version, every key and type, a config ``BuildConfig`` accepts), and stats that add up
   (examples and tokens accounted for);
-- **files**: nothing in the folder that the manifest does not list; every listed shard with the
+- **files**: nothing under a name a build writes that the manifest does not list (a file under any
+  other name is the user's, which a build leaves beside it: noted, not judged); every listed shard with the
   recorded size and sha256, and the ``datasets`` files as the manifest implies them (the checks
   :func:`packer.contract.schema.shard_file_problems` and :func:`packer.contract.schema.datasets_file_problems`).
 """
@@ -61,8 +62,11 @@ def check_stats_arithmetic(manifest: Manifest, report: Report) -> None:
 
 
 def check_folder_contents(directory: Path, manifest: Manifest | None, report: Report) -> None:
-    """Nothing in the folder that the manifest does not list; the ``datasets`` files as it implies them."""
+    """Nothing under a name a build writes that the manifest does not list; the ``datasets`` files as it
+    implies them. Entries under other names are the user's (``packer build --overwrite`` builds beside
+    them and never touches them): a note says they were left out."""
     listed = {e.file for e in manifest.shards} if manifest else set()
+    users = []
     for path in sorted(directory.iterdir()):
         name = path.name
         # of packer's own names, only what a finished build holds is expected here
@@ -73,9 +77,16 @@ def check_folder_contents(directory: Path, manifest: Manifest | None, report: Re
         if name == schema.STAGING and (left := output.staging_left(directory)):
             report.add("files", str(path), left)
             continue
+        if not output.writes(name):
+            users.append(name)
+            continue
         # a build refuses to write beside another's file under one of its names, so rebuilding is no fix
         report.add("files", str(path), "not listed in the manifest (a leftover of another build or a foreign "
-                   "file); move it away")
+                   "file under a name a build writes); move it away")
+    if users:
+        shown = ", ".join(users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
+        report.notes.append(f"{directory}: holds {shown}, which packer did not write (yours: a build leaves them "
+                            "untouched); not checked")
     if manifest is None:
         return
     for name, problem in schema.datasets_file_problems(directory, manifest):  # what datasets.load_from_disk reads
