@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import RecordError
 from .chat import normalize_messages, normalize_tools
-from .tokenization import Encoded, Skipped
+from .tokenization import Encoded, Skipped, each_record
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -111,21 +111,12 @@ class PairEncoder:
         return pc, pr, plen
 
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
-        names = list(records)
         ids: list[list[int]] = []
         prompts: list[int] = []
         kept: list[int] = []
         skipped: dict[str, int] = {}
-        rows = zip(*(records[name] for name in names)) if names else iter(())
-        for i, row in enumerate(rows):
-            try:
-                pc, pr, plen = self.pair(dict(zip(names, row)))
-            except RecordError as e:
-                if not self.skip_errors:
-                    raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip",
-                                      e.reason) from None
-                skipped[e.reason] = skipped.get(e.reason, 0) + 1
-                continue
+        for i, (pc, pr, plen) in each_record(records, first_index, self.pair, skipped,
+                                             skip_errors=self.skip_errors, where=where):
             ids += [pc, pr]
             prompts += [plen, plen]
             kept += [first_index + i] * 2

@@ -226,6 +226,25 @@ class Encoded:
     skipped: Skipped = field(default_factory=Skipped)
 
 
+def each_record(records: dict[str, list], first_index: int, make, skipped: dict[str, int], *,
+                skip_errors: bool, where: str):
+    """``(i, make(record))`` for each record of a column chunk; a record ``make`` refuses (a RecordError) is
+    counted in ``skipped`` by its reason under --on-error skip, else raised naming its place and the fix.
+    The one rule every encoder (text, chat, preference pairs) applies to a bad record."""
+    names = list(records)
+    rows = zip(*(records[name] for name in names)) if names else iter(())
+    for i, row in enumerate(rows):
+        try:
+            value = make(dict(zip(names, row)))
+        except RecordError as e:
+            if not skip_errors:
+                raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip",
+                                  e.reason) from None
+            skipped[e.reason] = skipped.get(e.reason, 0) + 1
+            continue
+        yield i, value
+
+
 class Encoder:
     """Formats and tokenizes chunks of records. Picklable by construction arguments (for worker pools)."""
 
@@ -256,22 +275,14 @@ class Encoder:
         return not ids or ids[-1] != self.eos
 
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
-        names = list(records)
         texts: list[str] = []
         span_example: list[int] = []  # per trained span: the kept example it belongs to
         span_chars: list[tuple[int, int]] = []  # per trained span: [start, end) in that example's text
         last_trained: list[bool] = []
         kept: list[int] = []
         skipped: dict[str, int] = {}
-        rows = zip(*(records[name] for name in names)) if names else iter(())
-        for i, row in enumerate(rows):
-            try:
-                text, spans, eos_trained = self.example(dict(zip(names, row)))
-            except RecordError as e:
-                if not self.skip_errors:
-                    raise RecordError(f"{where} {first_index + i + 1}: {e}; fix the record or pass --on-error skip", e.reason) from None
-                skipped[e.reason] = skipped.get(e.reason, 0) + 1
-                continue
+        for i, (text, spans, eos_trained) in each_record(records, first_index, self.example, skipped,
+                                                          skip_errors=self.skip_errors, where=where):
             span_example += [len(texts)] * len(spans)
             span_chars += spans
             texts.append(text)
