@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,37 @@ from packer import BuildConfig, build
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 BUNDLED_TOKENIZER = ROOT / "packer" / "data" / "tokenizer"
+
+
+def _files_signature(folder: Path) -> tuple:
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_folders_loaded_once():
+    """In this process, transformers loads each tokenizer folder once (0.2-0.6 s for a real vocabulary), not
+    once per build: hundreds of builds use the same few folders. packer's own code then reads that load as
+    it always does (``Tokenizer``); it never changes it. A folder whose files change (size or mtime), or a
+    copy elsewhere, is loaded again, and a load that fails is not kept, so every refusal runs each time.
+    Builds in subprocesses (the CLI, Ctrl-C, the wheel) load their own."""
+    from packer.building import tokenization
+
+    real = tokenization._tokenizer_class
+    loaded: dict[tuple, object] = {}
+
+    class Once:
+        def __init__(self, cls):
+            self.cls = cls
+
+        def from_pretrained(self, path: str, **kwargs):
+            key = (self.cls, str(Path(path).resolve()), _files_signature(Path(path)), tuple(sorted(kwargs.items())))
+            if key not in loaded:
+                loaded[key] = self.cls.from_pretrained(path, **kwargs)
+            return loaded[key]
+
+    tokenization._tokenizer_class = lambda folder: Once(real(folder))
+    yield
+    tokenization._tokenizer_class = real
 
 
 def rewrite_column(path: Path, column: str, change) -> None:

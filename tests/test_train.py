@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image as plt_image
 import numpy as np
 import pytest
 import torch
+from conftest import make_build
 
 from packer import prepare
 from packer.contract import schema
@@ -23,27 +22,14 @@ from train.bench import BenchError, check_cuda
 from train.loader_bench import bench_loader
 from train.model import SIZES, random_llama
 from train.train import load_model
-
-ROOT = Path(__file__).resolve().parent.parent
+from train.train import main as train_main
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """The bundled sample through the CLI: 64 records, batch mode of 4, max_len 128 (small rows)."""
-    out = tmp_path_factory.mktemp("train_shards")
-    cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(out), "--limit", "64"]
-    cmd += [
-        "--pack",
-        "batch",
-        "--batch-size",
-        "4",
-        "--max-len",
-        "128",
-        "--tokenizer",
-        str(ROOT / "packer/data/tokenizer"),
-    ]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
-    return out
+    """The bundled sample: 64 records, batch mode of 4, max_len 128 (small rows). Built in this process:
+    what the CLI adds to a build is tested in test_cli."""
+    return make_build(tmp_path_factory.mktemp("train_shards"), limit=64, pack="batch", batch_size=4, max_len=128)
 
 
 def test_loader_batches_feed_the_model(shards):
@@ -81,12 +67,14 @@ def test_grad_accum_normalisation_equals_the_big_batch(shards):
     assert torch.allclose(acc_grad, model.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_train_cli_lowers_the_loss(shards, tmp_path):
+def test_train_cli_lowers_the_loss(shards, tmp_path, capsys):
+    """``python -m train.train``'s own entry (``main``, which its ``__main__`` calls), in this process: torch
+    is imported here already, and a fresh interpreter would only add its import."""
     save = tmp_path / "model"
-    cmd = [sys.executable, "-m", "train.train", "--shards", str(shards), "--steps", "6", "--grad-accum", "2"]
-    cmd += ["--save", str(save)]
-    out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    result = train_main(["--shards", str(shards), "--steps", "6", "--grad-accum", "2", "--save", str(save)])
+    out = capsys.readouterr().out
     first, last = map(float, re.search(r"loss first ([\d.]+) last ([\d.]+)", out).groups())
+    assert (first, last) == (pytest.approx(result["losses"][0], abs=1e-4), pytest.approx(result["losses"][-1], abs=1e-4))
     assert last < first - 0.1, out
     assert (save / "config.json").is_file() and (save / "loader_state.json").is_file()
 
