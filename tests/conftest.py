@@ -14,7 +14,8 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 BUNDLED_TOKENIZER = ROOT / "packer" / "data" / "tokenizer"
 
 
-def _files_signature(folder: Path) -> tuple:
+def files_signature(folder: Path) -> tuple:
+    """What changes when a file of ``folder`` is rewritten: each file's name, size and mtime."""
     return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
 
 
@@ -35,7 +36,7 @@ def _tokenizer_folders_loaded_once():
             self.cls = cls
 
         def from_pretrained(self, path: str, **kwargs):
-            key = (self.cls, str(Path(path).resolve()), _files_signature(Path(path)), tuple(sorted(kwargs.items())))
+            key = (self.cls, str(Path(path).resolve()), files_signature(Path(path)), tuple(sorted(kwargs.items())))
             if key not in loaded:
                 loaded[key] = self.cls.from_pretrained(path, **kwargs)
             return loaded[key]
