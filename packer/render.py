@@ -163,7 +163,7 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
     padding = f", {s.pad_tokens:,} of them padding" if s.pad_tokens else ""  # modes plan the padded segments
-    unit = modes[0].unit
+    unit = "pairs" if s.paired else "examples"  # a preference build's modes place pairs whole
     what = (f"{s.segments // 2:,} pairs ({s.segments:,} segments, each pair placed whole, " if unit == "pairs"
             else f"{s.segments:,} segments (")
     lines = ["", click.style(f"  the modes on these {what}{modes[0].tokens:,} tokens{padding}"
@@ -279,6 +279,8 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
             if not color and run.trained:
                 text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
             pieces.append((text, "trained" if run.trained else "masked"))
+        if seg.pad_tokens and seg.runs is not None:  # the runs stop at the segment's own end
+            pieces.append((f" + {seg.pad_tokens:,} padding", "elided"))
         for line in _wrap(pieces, width):
             merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
             for t, kind in line:
@@ -301,7 +303,7 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
 def _appended_after_own_end(seg, eos: int | None) -> bool:
     """A chat render that ends with its end-of-turn token (the EOS) and a newline gets one more EOS from
     packer: `<|im_end|>` twice, which reads like a bug unless said."""
-    ids = seg.ids
+    ids = seg.ids[: len(seg.ids) - (seg.pad_tokens or 0)]  # padding (often the EOS id) is not the render's
     return eos is not None and len(ids) >= 2 and ids[-1] == eos and eos in ids[-3:-1] and seg.runs is not None
 
 

@@ -174,7 +174,7 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
         return Mode(mode=mode, rows=rows, tokens=tokens, computed_tokens=computed,
                     padding=1 - tokens / computed if computed else 0.0, peak_row_tokens=peak,
                     fill=tokens / (rows * peak) if rows and peak else 0.0, optimizer_steps=steps,
-                    examples_per_step=len(units) / max(1, steps), built=mode == config.pack, note=note, unit=unit)
+                    examples_per_step=len(units) / max(1, steps), built=mode == config.pack, note=note)
 
     seqs = f" ({per * b} sequences)" if paired else ""
     return [
@@ -202,7 +202,8 @@ def _locate(manifest: Manifest, row: int) -> tuple[str, int]:
 
 def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = ELIDE_KEEP) -> Row:
     """Row ``index`` segment by segment: example id, offset, length, trained tokens, ids, and (with a
-    tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens. With ``elide``, a
+    tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens (a padded build's padding
+    left out of them, counted in ``pad_tokens``; a preference build's segments say their pair and role). With ``elide``, a
     segment longer than ``3 * elide`` tokens keeps ``elide`` tokens at each end and the runs hold
     an :class:`~packer.checking.views.Elided` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
@@ -220,10 +221,11 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], trained_all[lo:hi]
+        own = int(hi - lo) - (0 if pads is None else int(pads[k]))  # the runs decode the segment's own tokens
         segments.append(Segment(
             segment=k, example_id=record["example_ids"][k], offset=int(lo), length=int(hi - lo),
             trained_tokens=int(trained.sum()), ids=seg_ids.tolist(), trained=trained.tolist(),
-            runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids, trained, elide),
+            runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids[:own], trained[:own], elide),
             pad_tokens=None if pads is None else int(pads[k]),
             # the stored role, as stored: a row whose roles are out of turn shows them so (verify says why)
             pair=None if roles is None else k // 2, role=None if roles is None else ROLE_NAMES.get(roles[k], str(roles[k]))))

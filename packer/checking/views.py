@@ -38,10 +38,9 @@ class Mode:
     peak_row_tokens: int  # what memory is sized for: the largest row (or padded batch, or budget)
     fill: float
     optimizer_steps: int
-    examples_per_step: float  # units per step: examples, or a preference build's pairs (``unit``)
+    examples_per_step: float  # what a step trains on: examples, or a preference build's pairs (its examples)
     built: bool  # the mode of this build, measured on its rows
     note: str
-    unit: str = "examples"  # what the modes place whole: "pairs" in a preference build (never split)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +90,7 @@ class Summary:
         }
         if self.modes is not None:
             out["modes"] = [dataclasses.asdict(m) for m in self.modes]
+            out["modes_unit"] = "pairs" if self.stats.paired else "examples"  # what every mode places whole
         if self.row_pairs is not None:  # stats.pairs is one epoch's; the rows hold every epoch's
             fewest, mean, most = self.row_pairs
             out["pairs"] = {"pairs": self.stats.pairs, "sequences": self.stats.segments,
