@@ -207,7 +207,7 @@ def example_lines(view: Example, directory: str, color: bool) -> list[str]:
     lines: list[str] = []
     ex = view.example_id
     if not view.found:
-        lines.append(f"example {ex}: in no row; {view.why_missing}")
+        lines.append(f"{'pair' if view.paired else 'example'} {ex}: in no row; {view.why_missing}")
         return _plain(lines, color)
     pieces = view.pieces
     what = []

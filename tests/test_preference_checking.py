@@ -322,6 +322,9 @@ def test_build_output_counts_pairs(batch_build, cp_build, src, tmp_path):
     stats = json.loads(out[out.index("{"):])["stats"]
     assert stats["pairs"] + stats["examples_dropped"] == 24 and stats["examples_dropped"] > 0
     assert stats["segments"] == 2 * stats["pairs"] and stats["dropped_by_reason"] == {"overlong": stats["examples_dropped"]}
+    gone = next(i for i in range(24) if not inspect_.find_example(tmp_path / "drop", i).found)
+    said = example_lines(inspect_.find_example(tmp_path / "drop", gone), "drop", color=False)
+    assert said == [f"pair {gone}: in no row; it was dropped (overlong: {stats['examples_dropped']} in this build)"]
     text = "\n".join(build_lines(BuildResult(out=tmp_path / "drop", manifest=schema.read_manifest(tmp_path / "drop"),
                                              reused=False, seconds=0.1)))
     assert f"dropped: overlong {stats['examples_dropped']}" in text and f"{stats['pairs']} pairs →" in text
