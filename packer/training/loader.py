@@ -70,7 +70,6 @@ for them and unpacks T bits of mask) and ``seq_idx`` (int32).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
 import os
 import warnings
