@@ -117,6 +117,19 @@ def flan_bfd(tmp_path_factory) -> Path:
     return make_build(tmp_path_factory.mktemp("flan_bfd"), limit=300, pack="bfd", max_len=1024, overlong="split")
 
 
+# several chunks (of spill.CHUNK records: three, the last of one) and several shards: what parallel engines split
+PARALLEL = dict(source="flan", limit=2001, pack="bfd", max_len=1024, overlong="split", shard_size_mb=1)
+
+
+@pytest.fixture(scope="session")
+def parallel_reference(tmp_path_factory) -> Path:
+    """PARALLEL built in one process (num_proc=1): the bytes every engine and worker count must give."""
+    out = tmp_path_factory.mktemp("parallel_reference") / "one"
+    build(BuildConfig(out=str(out), num_proc=1, **PARALLEL))
+    assert len(list(out.glob("shard-*.arrow"))) > 1
+    return out
+
+
 @pytest.fixture(scope="session")
 def llama2_tokenizer() -> Path:
     return need_shared("llama2-tokenizer")
