@@ -162,7 +162,7 @@ def test_count_without_reading_records(tmp_path):
 
 def test_the_tokenize_bar_has_the_sources_record_count(tmp_path, monkeypatch):
     """The total a build's tokenize bar shows without --limit: the records where the file says so cheaply
-    (metadata, line breaks), a gzip'd file over COUNTED_GZIP estimated from its first lines, a JSON
+    (metadata, line breaks), a large file estimated from its first lines, a JSON
     document none; a mix's from its parts; and the bar of a build ends at the records read."""
     from packer.building import mix, readers
 
@@ -179,9 +179,12 @@ def test_the_tokenize_bar_has_the_sources_record_count(tmp_path, monkeypatch):
               for name in ("d.parquet", "d.arrow", "d.jsonl", "d.jsonl.gz", "d.txt", "d.csv", "a.json")}
     assert totals == {"d.parquet": 700, "d.arrow": 700, "d.jsonl": 700, "d.jsonl.gz": 700, "d.txt": 4, "d.csv": 2,
                       "a.json": None}
-    monkeypatch.setattr(readers, "COUNTED_GZIP", 1)  # as a large file: lines in its first 20 kB, scaled
-    monkeypatch.setattr(readers, "INFLATED", 20_000)
+    # as large files: the lines in their first 20 kB, scaled by the bytes of the file they took
+    monkeypatch.setattr(readers, "COUNTED_GZIP", 1)
+    monkeypatch.setattr(readers, "COUNTED_PLAIN", 1)
+    monkeypatch.setattr(readers, "SAMPLED", 20_000)
     assert 600 < readers.total("json", str(tmp_path / "d.jsonl.gz")) < 800
+    assert 600 < readers.total("json", str(jsonl)) < 800
     monkeypatch.undo()
 
     def stream(name, limit=None):
