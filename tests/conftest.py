@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from packer import BuildConfig, build
+# One torch thread per process, in this process and (inherited) in every process a test starts. The
+# models here are tiny, so a second intra-op thread buys nothing, and on a shared machine it costs
+# ~4-10x: OpenMP's threads spin waiting for a core another process holds (test_attention + test_mixers:
+# 5.4 s with one thread, 22-55 s with two, beside one other busy process). Set before torch is
+# imported; a value given in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from packer import BuildConfig, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
