@@ -15,7 +15,7 @@ import pytest
 # imported; a value given in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from packer import BuildConfig, build  # noqa: E402
+from packer import BuildConfig, build
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
