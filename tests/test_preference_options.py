@@ -53,7 +53,7 @@ def builds(tmp_path_factory, source):
     def get(**options):
         key = tuple(sorted(options.items()))
         if key not in made:
-            opts = {"pack": "bfd", "max_len": MAX_LEN, **options}
+            opts = {"pack": "bfd", "max_len": MAX_LEN, "num_proc": 1, **options}
             made[key] = make_build(tmp_path_factory.mktemp("b"), str(source), tokenizer=str(TOKENIZER), **opts)
         return made[key]
     return get
@@ -165,7 +165,8 @@ def test_stored_reference_is_the_reference_models_values(builds, models, stored,
                     fillers += 1
                     assert kept.loss == 0 and live.loss == 0
     rows = schema.read_manifest(out).stats.rows
-    assert fillers == -(-(-(-rows // world_size)) // 2) * 2 * world_size - rows
+    groups = -(-rows // world_size)  # the last group completed, then the last optimizer step (grad_accum 2)
+    assert fillers == (groups + groups % 2) * world_size - rows
     assert sorted(seen) == sorted(stored.ids.tolist())  # every pair once over the ranks
 
 
@@ -187,6 +188,21 @@ def test_stored_reference_refuses_a_pair_it_lacks(builds, stored):
     batch = {**batch, "pair_ids": batch["pair_ids"] + 10_000}
     with pytest.raises(ConfigError, match="no reference log-probs for pair"):
         stored.segment_logps(batch)
+
+
+def test_dpo_loop_with_stored_reference_trains_as_with_the_model(builds, models, tmp_path):
+    import copy
+
+    from examples.dpo_loop import train
+    out, path = builds(), tmp_path / "ref.arrow"
+
+    def run(**options):  # each run from the same initial policy (train() trains the model it is given)
+        return train(out, steps=2, grad_accum=2, model=copy.deepcopy(models[0]), **options)
+    live = run()
+    kept = run(reference_logps=path)  # computed, then stored
+    again = run(reference_logps=path)  # read back
+    assert live == kept == again and path.is_file()
+    assert live[1]["loss"] != live[0]["loss"]
 
 
 # -- resume, ranks, epochs ------------------------------------------------------------------------
