@@ -8,6 +8,9 @@ enough to time; made in a temporary folder), tokens per second of:
 - the same first epoch with the checks marked done (what they cost is the difference),
 - the loader's later epochs (checked batches are not checked again),
 - ``check_rows`` alone over every batch,
+- a fresh loader's whole first epoch, opening included, from the page cache and from disk (each shard
+  file's pages dropped first with ``posix_fadvise(DONTNEED)``: what a training run's first epoch reads,
+  and every epoch of a build larger than the machine's page cache),
 - transformers' ``DataCollatorWithFlattening`` on the same rows' examples (the peer),
 and the ratios loader/collator (the target: >= 40x). Each of these for a format-2 build (the
 default: uint16 ids and positions, the loss as a bit mask) and a format-1 build (``--format 1``, int32)
@@ -19,6 +22,8 @@ seconds of this process; best of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import subprocess
 import sys
 import tempfile
@@ -67,6 +72,8 @@ def main() -> None:
             for v in (1, 2):
                 for key, t in measure(Path(tmp) / f"shards{v}", 1).items():
                     measured[v].setdefault(key, []).extend(t)
+                for key, t in measure_fresh(Path(tmp) / f"shards{v}", 1).items():
+                    measured[v].setdefault(key, []).extend(t)
         results = {v: {k: min(t) for k, t in m.items()} for v, m in measured.items()}
         rows, tokens, nbatches = info(Path(tmp) / "shards2")
         features = flattening_features(Path(tmp) / "shards2")
@@ -77,7 +84,8 @@ def main() -> None:
           f"{args.clock} clock")
     print(f"  {'':30} {'format 2':>14} {'format 1':>14}   2 / 1")
     names = (("loader, first epoch (checks)", "first"), ("loader, first epoch, no checks", "unchecked"),
-             ("loader, later epochs", "later"), ("check_rows alone", "check"))
+             ("loader, later epochs", "later"), ("check_rows alone", "check"),
+             ("fresh loader, page cache", "fresh"), ("fresh loader, from disk", "cold"))
     for name, key in names:
         r2, r1 = tokens / results[2][key], tokens / results[1][key]
         print(f"  {name:30} {r2:>14,.0f} {r1:>14,.0f}   {r2 / r1:.2f}x  tokens/s")
@@ -113,6 +121,32 @@ def measure(shards: Path, repeats: int) -> dict[str, list[float]]:
         times["later"].append(best(lambda: [None for _ in dl], 1))
         times["check"].append(best(lambda: [check_rows(c.rows, vocab) for c in cols], 1))
     return times
+
+
+def measure_fresh(shards: Path, repeats: int) -> dict[str, list[float]]:
+    """Called once ``measure``'s loaders are gone: a live mapping keeps its pages in the page cache."""
+    times: dict[str, list[float]] = {"fresh": [], "cold": []}
+    for _ in range(repeats):
+        times["fresh"].append(fresh_epoch(shards, cold=False))
+        times["cold"].append(fresh_epoch(shards, cold=True))
+    return times
+
+
+def fresh_epoch(shards: Path, cold: bool) -> float:
+    """A new loader's first epoch, opening and checks included; ``cold``: its shards' pages dropped from
+    the page cache first (Linux drops the clean pages no live mapping holds, so old loaders go first)."""
+    gc.collect()
+    if cold:
+        for shard in shards.glob("*.arrow"):
+            fd = os.open(shard, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    start = clock()
+    for _ in make_dataloader(shards, shuffle=False):
+        pass
+    return clock() - start
 
 
 def info(shards: Path) -> tuple[int, int, int]:

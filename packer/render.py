@@ -50,11 +50,16 @@ def build_lines(result: BuildResult) -> list[str]:
         lines.append(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
     if m.note:
         lines.append(f"note: {m.note}")
-    mode = f"batch of {cfg.batch_size}" if cfg.pack == "batch" else f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
+    mode = _budget_text(cfg, s)
     dropped = ", ".join(f"{k} {v:,}" for k, v in s.dropped_by_reason.items()) or "none"
     size = sum(sh.bytes for sh in m.shards)
-    lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
-                 f"{s.examples_split:,} split · {s.examples_truncated:,} truncated · dropped: {dropped}")
+    if s.paired:  # a record is a pair: counted as pairs (packer.planning.pairs), held as two sequences
+        lines.append(f"pairs     {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
+                     f"{s.examples_truncated:,} truncated (a sequence cut to --max-len) · dropped: {dropped}")
+        lines.append(f"          {pairs_text(s)}")
+    else:
+        lines.append(f"examples  {s.examples_read:,} read · {s.examples_packed:,} packed whole · "
+                     f"{s.examples_split:,} split · {s.examples_truncated:,} truncated · dropped: {dropped}")
     if s.examples_truncated_left is not None:
         lines.append(f"truncated {truncation_text(s.examples_truncated_left, s.examples_answer_too_long)}")
     over = f" over {s.epochs} epochs" if s.epochs else ""
@@ -71,7 +76,8 @@ def build_lines(result: BuildResult) -> list[str]:
         mode += f"; {s.epochs} epochs × {s.rows // s.epochs:,} rows, each its own shuffle"
     if cfg.pack == "batch":
         # Batch mode keeps the padded run's steps; its win is the padding it removes, not fewer rows.
-        lines.append(f"rows      {s.rows:,} ({mode}) · padded batches would hold {s.padded_tokens:,} tokens: "
+        padded = (f"padded DPO batches ({2 * cfg.batch_size} sequences each)" if s.paired else "padded batches")
+        lines.append(f"rows      {s.rows:,} ({mode}) · {padded} would hold {s.padded_tokens:,} tokens: "
                      f"packing removes {padding_removed(s.tokens, s.padded_tokens):.1%} of them")
     else:
         lines.append(f"rows      {s.rows:,} ({mode}) · fill {s.fill:.1%} · "
@@ -82,6 +88,20 @@ def build_lines(result: BuildResult) -> list[str]:
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s")
     return lines
+
+
+def _budget_text(cfg, s: Stats) -> str:
+    """A build's mode and row budget, in its unit (a preference build's batch is of pairs)."""
+    if cfg.pack == "batch":
+        return f"batch of {cfg.batch_size}" + (" pairs" if s.paired else "")
+    return f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
+
+
+def pairs_text(s: Stats) -> str:
+    """What a preference build's rows hold: its pairs, their sequences and rows (every epoch's)."""
+    epochs = f" × {s.epochs} epochs" if s.epochs else ""
+    return (f"{s.pairs:,} pairs{epochs} → {s.segments:,} sequences in {s.rows:,} rows "
+            f"({s.segments / 2 / max(1, s.rows):.1f} pairs a row, never split)")
 
 
 def _plain(lines: list[str], color: bool) -> list[str]:
@@ -100,11 +120,19 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
     s, cfg = view.stats, view.config
     if view.note:
         lines.append(f"note: {view.note}")
-    budget = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", ≤ {cfg.max_tokens:,} tokens")
-    lines.append(click.style(f"{view.directory}: {s.rows:,} rows ({budget}), tokenizer {view.tokenizer}", bold=True))
-    lines.append(f"  examples     {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_split:,} split · "
-                 f"{s.examples_truncated:,} truncated · {sum(s.dropped_by_reason.values()):,} dropped "
-                 f"· {s.segments:,} segments in rows")
+    lines.append(click.style(f"{view.directory}: {s.rows:,} rows ({_budget_text(cfg, s)}), tokenizer {view.tokenizer}",
+                             bold=True))
+    if s.paired:
+        lines.append(f"  pairs        {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_truncated:,} "
+                     f"truncated · {sum(s.dropped_by_reason.values()):,} dropped · {pairs_text(s)}")
+        if view.row_pairs is not None:
+            fewest, mean, most = view.row_pairs
+            lines.append(f"  pairs a row  {mean:.1f} ({fewest}..{most}); each pair is prompt + chosen, then prompt + "
+                         "rejected, side by side in one row (pair_roles 1, 0)")
+    else:
+        lines.append(f"  examples     {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_split:,} split · "
+                     f"{s.examples_truncated:,} truncated · {sum(s.dropped_by_reason.values()):,} dropped "
+                     f"· {s.segments:,} segments in rows")
     lines.append(f"  tokens       {s.tokens:,} in rows ({s.loss_tokens:,} trained, {s.loss_tokens / max(1, s.tokens):.1%})"
                  f" · {s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.examples_truncated_left is not None:
@@ -135,10 +163,14 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
     padding = f", {s.pad_tokens:,} of them padding" if s.pad_tokens else ""  # modes plan the padded segments
-    lines = ["", click.style(f"  the modes on these {s.segments:,} segments ({modes[0].tokens:,} tokens{padding}"
+    unit = "pairs" if s.paired else "examples"  # a preference build's modes place pairs whole
+    what = (f"{s.segments // 2:,} pairs ({s.segments:,} segments, each pair placed whole, " if unit == "pairs"
+            else f"{s.segments:,} segments (")
+    lines = ["", click.style(f"  the modes on these {what}{modes[0].tokens:,} tokens{padding}"
                              + (f", all {s.epochs} epochs" if s.epochs else "") + "), "
                              f"{world} rank{'s' if world != 1 else ''}, no gradient accumulation:", bold=True)]
-    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{'examples/step':>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
+    per_step = f"{unit}/step"
+    head = f"    {'mode':<8}{'rows':>7}{'opt. steps':>12}{per_step:>15}{'computed':>11}{'padding':>9}{'peak row':>10}{'fill':>7}"
     lines.append(click.style(head, dim=True))
     for m in modes:
         mark = "▸" if m.built else " "
@@ -150,7 +182,7 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     fewer = 1 - bfd.rows / max(1, batch.rows)  # negative where the batch rows are larger than bfd's budget
     lines.append(f"  ▸ = this build; fill = tokens / (rows × peak row). batch: the optimizer steps and loss of padded training, {pad.padding:.0%} fewer "
                  f"tokens computed. bfd: {abs(fewer):.0%} {'fewer' if fewer >= 0 else 'more'} rows, but "
-                 f"{bfd.examples_per_step:.1f} examples per step instead of {batch.examples_per_step:.1f} "
+                 f"{bfd.examples_per_step:.1f} {unit} per step instead of {batch.examples_per_step:.1f} "
                  f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt.rows:,} rows, "
                  f"{bfd.rows - opt.rows:,} fewer.")
     return lines
@@ -175,7 +207,7 @@ def example_lines(view: Example, directory: str, color: bool) -> list[str]:
     lines: list[str] = []
     ex = view.example_id
     if not view.found:
-        lines.append(f"example {ex}: in no row; {view.why_missing}")
+        lines.append(f"{'pair' if view.paired else 'example'} {ex}: in no row; {view.why_missing}")
         return _plain(lines, color)
     pieces = view.pieces
     what = []
@@ -185,13 +217,18 @@ def example_lines(view: Example, directory: str, color: bool) -> list[str]:
     if view.truncated:
         what.append(f"truncated to --max-len {view.max_len} " + (
             "(its last token is not EOS)" if view.overlong == "truncate" else "(--overlong truncate-left)"))
+    if view.truncated and view.paired:
+        what[-1] = f"a sequence truncated to --max-len {view.max_len} (--overlong {view.overlong})"
     epochs = view.epochs
     per_epoch = [p for p in pieces if not p.epoch]
-    lines.append(click.style(f"example {ex}: {view.tokens:,} tokens in {len(per_epoch)} segment{'s' if len(per_epoch) > 1 else ''}"
+    kind = "pair" if view.paired else "example"
+    lines.append(click.style(f"{kind} {ex}: {view.tokens:,} tokens in {len(per_epoch)} segment{'s' if len(per_epoch) > 1 else ''}"
+                             + (" (prompt + chosen, prompt + rejected)" if view.paired else "")
                              + (f" in each of {epochs} epochs" if epochs > 1 else "")
                              + (f", {'; '.join(what)}" if what else ", whole"), bold=True))
     for p in pieces:
-        lines.append(f"  row {p.row:>6,}  segment {p.segment:>3}  tokens {p.offset:,}..{p.offset + p.length:,} "
+        role = "" if p.role is None else f"  {p.role:<8}"
+        lines.append(f"  row {p.row:>6,}  segment {p.segment:>3}{role}  tokens {p.offset:,}..{p.offset + p.length:,} "
                      f"({p.length:,})  {p.shard}" + (f"  epoch {p.epoch}" if epochs > 1 else ""))
     lines.append(click.style(f"  see it: packer inspect {directory} --row {pieces[0].row}", dim=True))
     return _plain(lines, color)
@@ -206,7 +243,8 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
     """One row drawn segment by segment in lines of at most ``width`` characters."""
     lines: list[str] = []
     segs = view.segments
-    lines.append(click.style(f"row {view.row} · {view.shard} · {view.tokens:,} tokens in {len(segs)} segments · "
+    pairs = "" if view.pairs is None else f" ({view.pairs} pairs)"
+    lines.append(click.style(f"row {view.row} · {view.shard} · {view.tokens:,} tokens in {len(segs)} segments{pairs} · "
                              f"{view.num_loss_tokens:,} trained · longest {view.max_seqlen:,}", bold=True))
     if color:
         legend = (click.style("dim", dim=True) + " = masked (no loss) · " + click.style("bright", bold=True)
@@ -220,8 +258,10 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
         if k:
             lines.append(click.style(f"  ╞═ boundary at token {seg.offset:,}: position_ids restart at 0, label -100 " + "═" * 8,
                               dim=True))
-        head = (f"segment {seg.segment} · example {seg.example_id} · tokens {seg.offset:,}.."
-                f"{seg.offset + seg.length:,} ({seg.length:,}) · {seg.trained_tokens:,} trained")
+        role = "" if seg.role is None else f"pair {seg.pair} {seg.role} · "
+        padded = f" · {seg.pad_tokens:,} padding" if seg.pad_tokens else ""
+        head = (f"segment {seg.segment} · {role}example {seg.example_id} · tokens {seg.offset:,}.."
+                f"{seg.offset + seg.length:,} ({seg.length:,}) · {seg.trained_tokens:,} trained{padded}")
         lines.append(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head))
         pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
         for run in seg.runs or ():
@@ -239,6 +279,8 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
             if not color and run.trained:
                 text = text[: len(text) - len(text.lstrip())] + f"«{text.lstrip()}»"
             pieces.append((text, "trained" if run.trained else "masked"))
+        if seg.pad_tokens and seg.runs is not None:  # the runs stop at the segment's own end
+            pieces.append((f" + {seg.pad_tokens:,} padding", "elided"))
         for line in _wrap(pieces, width):
             merged: list[list[str]] = []  # one escape sequence per run of equal style, not per word
             for t, kind in line:
@@ -261,7 +303,7 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
 def _appended_after_own_end(seg, eos: int | None) -> bool:
     """A chat render that ends with its end-of-turn token (the EOS) and a newline gets one more EOS from
     packer: `<|im_end|>` twice, which reads like a bug unless said."""
-    ids = seg.ids
+    ids = seg.ids[: len(seg.ids) - (seg.pad_tokens or 0)]  # padding (often the EOS id) is not the render's
     return eos is not None and len(ids) >= 2 and ids[-1] == eos and eos in ids[-3:-1] and seg.runs is not None
 
 

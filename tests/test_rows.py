@@ -5,6 +5,7 @@ row and no other (so a rule can be told apart from the others, and from the rows
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,3 +115,23 @@ def test_layout_alone_reads_no_token_value(tmp_path):
                             for f, c in ((f, getattr(batch, f)) for f in rows.RowBatch.__slots__)))
     assert rows.check_rows(blank, VOCAB, tokens=False) == []
     assert {p.message.split()[0] for p in rows.check_rows(blank, VOCAB)} >= {"position_ids", "token"}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.booleans(), max_size=300), st.integers(0, 40), st.data())
+def test_bits_read_every_slice_as_arrow_does(values, offset, data):
+    """Bits of a sliced BooleanArray (any bit offset) against Arrow's own decoding, and labels_of against
+    the textbook rule (the id where the mask is set, else -100)."""
+    array = pa.array([False] * offset + values, pa.bool_()).slice(offset)
+    lo = data.draw(st.integers(0, len(values)))
+    hi = data.draw(st.integers(lo, len(values)))
+    bits = rows.Bits.of(array)
+    assert bits.unpack(lo, hi).tolist() == values[lo:hi]
+    assert bits[lo:hi].unpack().tolist() == values[lo:hi]
+    ids = np.arange(len(values), dtype=np.int64) + 7
+    batch = rows.RowBatch(
+        input_ids=rows.Column(ids, np.array([0, len(values)])), position_ids=None, labels=None,
+        seq_lens=None, example_ids=None, num_loss_tokens=None, max_seqlen=None,
+        loss_mask=rows.Column(bits, np.array([0, len(values)])))
+    want = np.where(np.array(values, bool), ids, -100)[lo:hi]
+    assert batch.labels_of(lo, hi, ids[lo:hi]).tolist() == want.tolist()

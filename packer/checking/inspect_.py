@@ -21,11 +21,13 @@ from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ConfigError, ShardFormatError
 from ..fs import PathLike, join
+from ..planning.pairs import CHOSEN, REJECTED
 from ..planning.plan import plan
 from .views import Elided, Example, MixPart, Mode, Piece, PlotData, Row, Run, Segment, Summary
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
 DEFAULT_BATCH = 8  # batch size of the comparison when the build itself is not in batch mode
+ROLE_NAMES = {CHOSEN: "chosen", REJECTED: "rejected"}  # a preference build's pair_roles, in words
 
 
 # -- columns of every shard, vectorised ---------------------------------------------------------
@@ -85,10 +87,14 @@ def summary(directory: PathLike, *, compare: bool = True) -> Summary:
     modes = None
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
-        modes = tuple(compare_modes(seg.seq_lens, seg.row_splits, manifest.config))
+        modes = tuple(compare_modes(seg.seq_lens, seg.row_splits, manifest.config, paired=manifest.stats.paired))
+    row_pairs = None
+    if manifest.stats.paired and manifest.shards:
+        per_row = np.diff((seg if compare else _segments(directory, manifest)).row_splits) // 2
+        row_pairs = (int(per_row.min()), float(per_row.mean()), int(per_row.max())) if per_row.size else (0, 0.0, 0)
     return Summary(directory=str(directory), note=manifest.note, config=manifest.config,
                    tokenizer=manifest.tokenizer.get("name_or_path"), stats=manifest.stats, shards=manifest.shards,
-                   mix=mix_view(manifest), modes=modes)
+                   mix=mix_view(manifest), modes=modes, row_pairs=row_pairs)
 
 
 def mix_view(manifest: Manifest) -> tuple[MixPart, ...] | None:
@@ -101,19 +107,31 @@ def mix_view(manifest: Manifest) -> tuple[MixPart, ...] | None:
                          token_share=c["tokens"] / tokens) for part, c in zip(parts, counts))
 
 
-def _row_stats(lengths: np.ndarray, row_splits: np.ndarray) -> tuple[int, int, int, int]:
-    """(rows, largest row's tokens, padded tokens, largest padded batch): padding pads each row's
-    examples to its longest."""
+def _row_stats(units: np.ndarray, widest: np.ndarray, row_splits: np.ndarray, per: int) -> tuple[int, int, int, int]:
+    """(rows, largest row's tokens, padded tokens, largest padded batch) of rows of ``units`` (examples, or
+    pairs): padding pads each of a row's ``per * units`` sequences to the longest of them (``widest``: a
+    unit's longest sequence)."""
     counts = np.diff(row_splits)
     starts = row_splits[:-1][counts > 0]
-    if lengths.size == 0:
+    if units.size == 0:
         return int(counts.size), 0, 0, 0
-    row_tokens = np.add.reduceat(lengths, starts)
-    row_padded = counts[counts > 0] * np.maximum.reduceat(lengths, starts)
+    row_tokens = np.add.reduceat(units, starts)
+    row_padded = per * counts[counts > 0] * np.maximum.reduceat(widest, starts)
     return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
 
 
-def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig) -> list[Mode]:
+def _units(lengths: np.ndarray, row_splits: np.ndarray, paired: bool):
+    """What the modes place whole, and the rows in them: (sizes, each one's longest sequence, row splits,
+    sequences a unit). A preference build's unit is its pair (packer.planning.pairs): both segments
+    travel together, so a mode planned over single segments would split pairs and count rows no build
+    could make."""
+    if not paired:
+        return lengths, lengths, row_splits, 1
+    return lengths[0::2] + lengths[1::2], np.maximum(lengths[0::2], lengths[1::2]), row_splits // 2, 2
+
+
+def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig, *,
+                  paired: bool = False) -> list[Mode]:
     """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
@@ -122,41 +140,48 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
     (``DEFAULT_BATCH`` for a non-batch build); ``bfd`` and ``optimal`` pack into the build's row budget
     (``max_tokens``, rounded down for a padded build), or for a batch build into its largest row: the
     same peak memory per row as the batch rows. Steps assume one row per rank per micro-batch and no gradient accumulation:
-    ``ceil(rows / world_size)``.
+    ``ceil(rows / world_size)``. ``paired`` (a preference build): every mode places pairs (a segment and
+    the next, chosen then rejected) whole; ``batch`` is B pairs a row and padding pads a batch's 2B
+    sequences to the longest, as padded DPO does.
     """
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
+    units, widest, splits, per = _units(lengths, np.asarray(row_splits, np.int64), paired)
     world, seed = config.world_size, config.seed
-    longest = int(lengths.max())
+    longest = int(units.max())
     tokens = int(lengths.sum())
     if config.pack == "batch":
         b = config.batch_size
-        batch_rows, row_max, padded, padded_max = _row_stats(lengths, np.asarray(row_splits, np.int64))
+        batch_rows, row_max, padded, padded_max = _row_stats(units, widest, splits, per)
     else:
         b = DEFAULT_BATCH
-        batch = plan(lengths, mode="batch", batch_size=b, max_len=longest, seed=seed)
-        batch_rows, row_max, padded, padded_max = _row_stats(batch.length, batch.row_splits)
+        batch = plan(units, mode="batch", batch_size=b, max_len=longest, seed=seed)
+        batch_rows, row_max, padded, padded_max = _row_stats(batch.length, widest[batch.example], batch.row_splits,
+                                                             per)
     if config.pack in ("bfd", "optimal"):  # the budget the build packed into: a padded build's is rounded down
         budget = config.row_budget()
     else:
         budget = config.max_tokens if config.pack == "wrap" else row_max
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-    packed = {mode: int(np.asarray(row_splits).size - 1) if mode == config.pack else
-              plan(lengths, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
+    packed = {mode: int(splits.size - 1) if mode == config.pack else
+              plan(units, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
               for mode in ("bfd", "optimal")}
+    unit = "pairs" if paired else "examples"
 
     def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> Mode:
         steps = math.ceil(rows / world)
         return Mode(mode=mode, rows=rows, tokens=tokens, computed_tokens=computed,
                     padding=1 - tokens / computed if computed else 0.0, peak_row_tokens=peak,
                     fill=tokens / (rows * peak) if rows and peak else 0.0, optimizer_steps=steps,
-                    examples_per_step=len(lengths) / max(1, steps), built=mode == config.pack, note=note)
+                    examples_per_step=len(units) / max(1, steps), built=mode == config.pack, note=note)
 
+    seqs = f" ({per * b} sequences)" if paired else ""
     return [
-        entry("padded", batch_rows, padded, padded_max, f"{b} examples per batch, padded to the longest in it"),
-        entry("batch", batch_rows, tokens, row_max, f"{b} examples per row, concatenated: no padding"),
-        entry("bfd", packed["bfd"], tokens, budget, f"rows filled up to {budget:,} tokens"),
+        entry("padded", batch_rows, padded, padded_max, f"{b} {unit} per batch{seqs}, padded to the longest in it"),
+        entry("batch", batch_rows, tokens, row_max, f"{b} {unit} per row{seqs}, concatenated: no padding"),
+        entry("bfd", packed["bfd"], tokens, budget, f"{'pairs packed whole into rows' if paired else 'rows filled'} "
+              f"up to {budget:,} tokens"),
         entry("optimal", packed["optimal"], tokens, budget, f"bfd's rows refilled: {packed['bfd'] - packed['optimal']:,} fewer"),
     ]
 
@@ -177,7 +202,8 @@ def _locate(manifest: Manifest, row: int) -> tuple[str, int]:
 
 def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = ELIDE_KEEP) -> Row:
     """Row ``index`` segment by segment: example id, offset, length, trained tokens, ids, and (with a
-    tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens. With ``elide``, a
+    tokenizer) ``runs``: the segment as decoded runs of masked / trained tokens (a padded build's padding
+    left out of them, counted in ``pad_tokens``; a preference build's segments say their pair and role). With ``elide``, a
     segment longer than ``3 * elide`` tokens keeps ``elide`` tokens at each end and the runs hold
     an :class:`~packer.checking.views.Elided` marker between them; ``ids``/``trained`` always hold the whole segment."""
     manifest = schema.read_manifest(directory)
@@ -191,16 +217,21 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
     trained_all = (np.asarray(record["labels"]) != schema.IGNORE_INDEX if "labels" in record
                    else np.asarray(record[schema.LOSS_MASK], bool))
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
+    pads, roles = record.get(schema.PAD_COLUMN), record.get(schema.PAIR_COLUMN)  # a padded, a preference build's
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], trained_all[lo:hi]
+        own = int(hi - lo) - (0 if pads is None else int(pads[k]))  # the runs decode the segment's own tokens
         segments.append(Segment(
             segment=k, example_id=record["example_ids"][k], offset=int(lo), length=int(hi - lo),
             trained_tokens=int(trained.sum()), ids=seg_ids.tolist(), trained=trained.tolist(),
-            runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids, trained, elide)))
+            runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids[:own], trained[:own], elide),
+            pad_tokens=None if pads is None else int(pads[k]),
+            # the stored role, as stored: a row whose roles are out of turn shows them so (verify says why)
+            pair=None if roles is None else k // 2, role=None if roles is None else ROLE_NAMES.get(roles[k], str(roles[k]))))
     return Row(row=index, shard=name, tokens=int(len(ids)), num_loss_tokens=record["num_loss_tokens"],
                max_seqlen=record["max_seqlen"], segments=tuple(segments),
-               eos_token_id=manifest.tokenizer.get("eos_token_id"))
+               eos_token_id=manifest.tokenizer.get("eos_token_id"), pairs=None if roles is None else len(roles) // 2)
 
 
 def _elided_runs(tokenizer, ids: np.ndarray, trained: np.ndarray, keep: int | None) -> tuple[Run | Elided, ...]:
@@ -238,22 +269,24 @@ def find_example(directory: PathLike, example_id: int) -> Example:
         )
     pieces = _pieces(directory, manifest, example_id)
     first_epoch = [p for p in pieces if not p.epoch]
+    paired = stats.paired  # a record is a pair: its two pieces are its two sequences, not a split
+    whole = 2 if paired else 1
     truncated = False
-    if len(first_epoch) == 1 and config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
-        p = first_epoch[0]
+    if len(first_epoch) == whole and config.overlong in ("truncate", "truncate-left") and config.pack != "wrap":
         eos, bos = manifest.tokenizer.get("eos_token_id"), manifest.tokenizer.get("bos_token_id")
         # cut at the end: the last token is not EOS; cut at the start (truncate-left): EOS kept, BOS lost
-        truncated = p.length == config.max_len and (
+        truncated = any(p.length == config.max_len and (
             not _ends_with(directory, manifest, p, eos)
             or (config.overlong == "truncate-left" and not _starts_with(directory, manifest, p, bos)))
+            for p in first_epoch)
     why = None
     if not pieces:
         dropped = stats.dropped_by_reason
         why = (f"it was dropped ({', '.join(f'{k}: {v:,}' for k, v in dropped.items())} in this build)"
                if dropped else "no segment carries this id")
     return Example(example_id=example_id, pieces=tuple(pieces), tokens=sum(p.length for p in first_epoch),
-                   split=len(first_epoch) > 1, epochs=stats.epoch_count, truncated=truncated, why_missing=why,
-                   pack=config.pack, max_len=config.max_len, overlong=config.overlong)
+                   split=len(first_epoch) > whole, epochs=stats.epoch_count, truncated=truncated, why_missing=why,
+                   pack=config.pack, max_len=config.max_len, overlong=config.overlong, paired=paired)
 
 
 def _pieces(directory: PathLike, manifest: Manifest, example_id: int) -> list[Piece]:
@@ -272,10 +305,12 @@ def _pieces(directory: PathLike, manifest: Manifest, example_id: int) -> list[Pi
                 cum = np.concatenate([[0], np.cumsum(lens)])
                 parents = np.searchsorted(rb.seq_lens.offsets, hits, side="right") - 1  # each hit's row
                 first_seg = rb.seq_lens.offsets[parents]
+                roles = None if rb.pair_roles is None else rb.pair_roles.values
                 for h, r, s0 in zip(hits.tolist(), parents.tolist(), first_seg.tolist(), strict=True):
                     at = first_row + int(r)
                     pieces.append(Piece(row=at, shard=entry.file, segment=int(h - s0), offset=int(cum[h] - cum[s0]),
-                                        length=int(own[h]), epoch=None if epoch_rows is None else at // epoch_rows))
+                                        length=int(own[h]), epoch=None if epoch_rows is None else at // epoch_rows,
+                                        role=None if roles is None else ROLE_NAMES.get(int(roles[h]), str(roles[h]))))
             first_row += batch.num_rows
     return pieces
 
@@ -327,4 +362,5 @@ def plot_data(directory: PathLike) -> PlotData:
     return PlotData(directory=str(directory), config=config, stats=stats,
                     row_budget=int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
                     example_tokens=example_tokens, row_tokens=row_tokens_all, row_examples=counts,
-                    row_padded=counts * row_max, modes=tuple(compare_modes(lens, splits, config)))
+                    row_padded=counts * row_max,
+                    modes=tuple(compare_modes(lens, splits, config, paired=stats.paired)))

@@ -36,6 +36,7 @@ class Totals:
     seq_lens: list[np.ndarray] = field(default_factory=list)
     input_ids: list[np.ndarray] = field(default_factory=list)  # only when the source check needs them
     trained: list[np.ndarray] = field(default_factory=list)  # ... and per token whether it is trained
+    roles: list[np.ndarray] = field(default_factory=list)  # ... and a preference build's pair_roles per segment
 
     def add(self, batch: rows.RowBatch, keep_tokens: bool) -> None:
         self.rows += batch.num_rows
@@ -53,6 +54,8 @@ class Totals:
         if keep_tokens:
             self.input_ids.append(batch.input_ids.values if padding is None else batch.input_ids.values[~padding])
             self.trained.append(trained if padding is None else trained[~padding])
+            if batch.pair_roles is not None:
+                self.roles.append(batch.pair_roles.values.astype(np.int64))
 
 
 def limits(config: BuildConfig, paired: bool = False) -> rows.Limits:

@@ -11,7 +11,9 @@
   :func:`_check_segments`: every segment of the shards equals the source's, token for token: the ids
   the build's encoder's, the trained mask one recomputed apart from it (:func:`reference_trained`: a
   token is trained when its character offsets overlap a trained span), so a fault in the encoder's
-  span mapping shows.
+  span mapping shows. A preference build's segments likewise, against each pair tokenized again
+  (:func:`reference_pairs`: the mask from the prompt's end), and each segment's stored role against
+  the plan's (:func:`_check_roles`: chosen, then rejected).
 
 Cost: a re-tokenize of the source, whose tokens are held in memory.
 """
@@ -32,6 +34,7 @@ from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ConfigError
 from ..planning.accounting import account
+from ..planning.pairs import CHOSEN, REJECTED
 from ..planning.plan import Plan
 from .report import Report
 from .verify_rows import Totals
@@ -192,7 +195,9 @@ def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, wh
     differ = int((got_ids != reread.ids[index]).sum())
     if differ:
         report.add("source", where, f"{differ:,} tokens differ from the source's tokens at the same place")
-    reference = reference_trained(opened, reread.example_ids, reread.lengths)
+    if opened.pairs:
+        _check_roles(p, totals, where, report)
+    reference = (reference_pairs if opened.pairs else reference_trained)(opened, reread.example_ids, reread.lengths)
     if reference is None:
         report.add("source", where, "re-tokenizing the source's records gives other lengths than the build's encoder")
         return
@@ -215,10 +220,23 @@ def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals
     # checked against a recomputation apart from the encoder
     p = plan_rows(config, reread.lengths, reread.trained, pairs=opened.pairs)
     _check_plan(manifest, config, p, reread.lengths, where, report)
-    # preference pairs: the rows' tokens against the source are not yet re-checked (the mask is TRL's
-    # prefix rule, tested against TRL in tests/test_preference.py)
-    if totals is not None and totals.input_ids and not opened.pairs:
+    if totals is not None and totals.input_ids:
         _check_segments(opened, reread, p, totals, where, report)
+
+
+def _check_roles(p: Plan, totals: Totals, where: str, report: Report) -> None:
+    """A preference build's stored roles against the plan's: the spill holds each pair as sequences ``2k``
+    (prompt + chosen) and ``2k + 1`` (prompt + rejected), so a segment's role is its sequence's parity."""
+    got = np.concatenate(totals.roles) if totals.roles else np.zeros(0, np.int64)
+    want = np.where(p.example % 2 == 0, CHOSEN, REJECTED)
+    if got.size != want.size:
+        report.add("source", where, f"{got.size:,} pair roles in the rows, the source's pairs have {want.size:,} "
+                   "sequences")
+        return
+    differ = int((got != want).sum())
+    if differ:
+        report.add("source", where, f"{differ:,} segments carry another pair role than the source's (chosen and "
+                   "rejected swapped)")
 
 
 def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
@@ -241,6 +259,29 @@ def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarr
                     mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start) & (offsets[:, 1] > offsets[:, 0])
                 masks[position] = np.append(mask, last_flag) if eos_added else mask
     out = [masks.get(int(e), np.zeros(0, bool)) for e in example_ids]
+    if [m.size for m in out] != lengths.tolist():
+        return None
+    return np.concatenate(out) if out else np.zeros(0, bool)
+
+
+def reference_pairs(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+    """A preference build's loss mask of the kept sequences, recomputed from the build's own tokenizing of
+    each pair (:meth:`packer.building.preference.PairEncoder.pair`: TRL's, tested against TRL), apart from
+    the encoder's flat buffers: a sequence's tokens from its prompt's end on are trained. ``example_ids``
+    names each sequence's record, a record's two in turn (chosen, then rejected). ``None`` when the token
+    counts differ from ``lengths``."""
+    wanted = set(example_ids.tolist())
+    masks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for _, chunk in opened.stream.chunks(0, CHUNK):
+        for k, _, records, positions in chunk.pieces:
+            encoder = opened.encoder.encoders[k]
+            for i, position in enumerate(positions):
+                if int(position) not in wanted:
+                    continue
+                chosen, rejected, prompt = encoder.pair({name: records[name][i] for name in records})
+                masks[int(position)] = tuple(np.arange(len(seq)) >= prompt for seq in (chosen, rejected))
+    empty = (np.zeros(0, bool), np.zeros(0, bool))
+    out = [masks.get(int(e), empty)[j % 2] for j, e in enumerate(example_ids.tolist())]
     if [m.size for m in out] != lengths.tolist():
         return None
     return np.concatenate(out) if out else np.zeros(0, bool)

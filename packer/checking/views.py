@@ -38,7 +38,7 @@ class Mode:
     peak_row_tokens: int  # what memory is sized for: the largest row (or padded batch, or budget)
     fill: float
     optimizer_steps: int
-    examples_per_step: float
+    examples_per_step: float  # what a step trains on: examples, or a preference build's pairs (its examples)
     built: bool  # the mode of this build, measured on its rows
     note: str
 
@@ -72,6 +72,7 @@ class Summary:
     shards: tuple[ShardEntry, ...]
     mix: tuple[MixPart, ...] | None
     modes: tuple[Mode, ...] | None  # None: not compared
+    row_pairs: tuple[int, float, int] | None = None  # a preference build: pairs per row (fewest, mean, most)
 
     @property
     def bytes(self) -> int:
@@ -89,6 +90,11 @@ class Summary:
         }
         if self.modes is not None:
             out["modes"] = [dataclasses.asdict(m) for m in self.modes]
+            out["modes_unit"] = "pairs" if self.stats.paired else "examples"  # what every mode places whole
+        if self.row_pairs is not None:  # stats.pairs is one epoch's; the rows hold every epoch's
+            fewest, mean, most = self.row_pairs
+            out["pairs"] = {"pairs": self.stats.pairs, "sequences": self.stats.segments,
+                            "per_row": {"min": fewest, "mean": mean, "max": most}}
         return out
 
 
@@ -120,9 +126,12 @@ class Segment:
     ids: list[int]  # always the whole segment
     trained: list[bool]
     runs: tuple[Run | Elided, ...] | None  # None without a tokenizer
+    pad_tokens: int | None = None  # a padded build's (--cp-size, --pad-to-multiple-of): padding ending it
+    pair: int | None = None  # a preference build: the pair of the row it belongs to (0, 1, ...)
+    role: str | None = None  # ... and its role in it: "chosen" (pair_roles 1) or "rejected" (0)
 
     def to_json(self) -> dict[str, Any]:
-        return _json(self, "runs")
+        return _json(self, "runs", "pad_tokens", "pair", "role")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,9 +145,10 @@ class Row:
     max_seqlen: int
     segments: tuple[Segment, ...]
     eos_token_id: int | None = None  # the manifest's, so a view can tell the EOS packer appends
+    pairs: int | None = None  # a preference build: the row's pairs (two segments each)
 
     def to_json(self) -> dict[str, Any]:
-        return {**_json(self), "segments": [s.to_json() for s in self.segments]}
+        return {**_json(self, "pairs"), "segments": [s.to_json() for s in self.segments]}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,9 +161,10 @@ class Piece:
     offset: int
     length: int
     epoch: int | None = None  # a build of several epochs holds each example once per epoch
+    role: str | None = None  # a preference build: "chosen" or "rejected"
 
     def to_json(self) -> dict[str, Any]:
-        return _json(self, "epoch")
+        return _json(self, "epoch", "role")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +181,7 @@ class Example:
     pack: str
     max_len: int
     overlong: str
+    paired: bool = False  # a preference build: a record is a pair, its pieces prompt + chosen and prompt + rejected
 
     @property
     def found(self) -> bool:

@@ -68,7 +68,8 @@ class Bits:
         a, n = self.start + lo, hi - lo
         if n <= 0:
             return np.zeros(0, bool)
-        return np.unpackbits(self.bits[a >> 3 :], count=(a & 7) + n, bitorder="little")[a & 7 :].view(bool)
+        # positional arguments: numpy's keyword parsing cost more than unpacking a row's bits
+        return np.unpackbits(self.bits[a >> 3 : (a + n + 7) >> 3], None, None, "little")[a & 7 : (a & 7) + n].view(bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,11 @@ class RowBatch:
         (version 1), or the ids where the mask is set and -100 elsewhere (version 2)."""
         if self.labels is not None:
             return self.labels.values[lo:hi].astype(np.int64)
-        return np.where(self.loss_mask.values.unpack(lo, hi), ids, IGNORE_INDEX)  # one pass, int64 out
+        # a fill and a masked copy: twice as fast as np.where on long rows, and no slower on short ones
+        out = np.empty(hi - lo, np.int64)
+        out.fill(IGNORE_INDEX)
+        np.copyto(out, ids, where=self.loss_mask.values.unpack(lo, hi))
+        return out
 
     def padding(self) -> np.ndarray | None:
         """Per token, whether it is padding (None: the build has none); the layout must hold."""

@@ -70,7 +70,6 @@ for them and unpacks T bits of mask) and ``seq_idx`` (int32).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
 import os
 import warnings
@@ -124,6 +123,7 @@ class _Shards:
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
         self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
+        self.bounds: list[np.ndarray | None] = []  # per batch, its rows' cu_seq_lens (_row_bounds), made on first read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -145,6 +145,7 @@ class _Shards:
                 self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
                 self.starts.append(n)
                 self.checked.append(False)
+                self.bounds.append(None)
                 n += batch.num_rows
             if tokens != entry.tokens:
                 raise ShardFormatError(
@@ -186,15 +187,19 @@ class _Shards:
         return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
+        # the per-row cost is what bench_loader.py measures against the collator: no Python per token or
+        # segment, and what can be made once per row batch (the cu_seq_lens) is made once
         b = bisect.bisect_right(self.starts, index) - 1
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
+        bounds = self.bounds[b]
+        if bounds is None:
+            bounds = self.bounds[b] = _row_bounds(self.batches[b].rows)
         r, j = self.batches[b].rows, index - self.starts[b]
         o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
         s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
-        cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-        r.seq_lens.values[s0:s1].cumsum(out=cu[1:])
-        cu_t = torch.from_numpy(cu)
+        # a copy: the tensor is the caller's to change, the cache is not
+        cu_t = torch.from_numpy(bounds[s0 + j : s1 + j + 1].copy())
         # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
         ids = r.input_ids.values[o0:o1].astype(np.int64)
         if filler:
@@ -203,14 +208,8 @@ class _Shards:
             labels = torch.from_numpy(r.labels_of(o0, o1, ids)[None])
         max_len = int(r.max_seqlen[j])
         # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
-        seq_idx = np.repeat(np.arange(s1 - s0, dtype=np.int32), r.seq_lens.values[s0:s1])[None]
-        extra = {}
-        if self.batches[b].roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
-            roles = self.batches[b].roles
-            extra["pair_roles"] = torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64))
-            # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
-            extra["pair_ids"] = torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64))
-        return {**extra,
+        seq_idx = np.arange(s1 - s0, dtype=np.int32).repeat(r.seq_lens.values[s0:s1])[None]
+        out = {
             "input_ids": torch.from_numpy(ids[None]),
             "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
             "labels": labels,
@@ -221,6 +220,22 @@ class _Shards:
             "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
+        roles = self.batches[b].roles
+        if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
+            # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
+            out = {"pair_roles": torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64)),
+                   "pair_ids": torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64)), **out}
+        return out
+
+
+def _row_bounds(r: rows.RowBatch) -> np.ndarray:
+    """Every row's ``cu_seq_lens`` (int32) one after another: row j's are ``[s0 + j, s1 + j]`` of it, where
+    ``[s0, s1)`` are its segments; one vectorised pass over a batch's segments, whose layout holds."""
+    seg_rows = np.repeat(np.arange(r.num_rows), r.seq_lens.lengths)  # each segment's row
+    ends = np.cumsum(r.seq_lens.values.astype(np.int64))  # each segment's end, in the batch's tokens
+    bounds = np.zeros(r.seq_lens.values.size + r.num_rows, np.int32)
+    bounds[np.arange(seg_rows.size) + seg_rows + 1] = ends - r.input_ids.offsets[seg_rows]
+    return bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,11 +457,12 @@ class PackedDataset(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         shards = self._open()
+        index, filler, items = index.tolist(), filler.tolist(), items.tolist()  # Python ints: cheaper per row
         for k in range(position.micro + wid, len(index), nw):
-            batch = shards.row(int(index[k]), bool(filler[k]), int(items[k]))
+            batch = shards.row(index[k], filler[k], items[k])
             if self._view is not None:  # a context-parallel rank's share, or a fixed shape
                 pairs = {key: batch[key] for key in PAIR_KEYS if key in batch}  # the row's, on every share of it
-                batch = {**pairs, **_torch(self._view(batch, shards.segment_pads(int(index[k]))))}
+                batch = {**pairs, **_torch(self._view(batch, shards.segment_pads(index[k])))}
             if info is None:  # in a worker, the DataLoader's own process counts what it hands out
                 self._advance()
             yield batch
@@ -461,8 +477,8 @@ class PackedDataset(IterableDataset):
 
     def _advance(self) -> None:
         """One more step handed out, on every rank."""
-        p = self._position
-        self._position = dataclasses.replace(p, rows=p.rows + self.world_size, micro=(p.micro + 1) % self.grad_accum)
+        p = self._position  # Position(...), not dataclasses.replace: this runs once a row
+        self._position = Position(p.epoch, p.rows + self.world_size, (p.micro + 1) % self.grad_accum, p.order)
 
     def _identity(self) -> dict[str, Any]:
         return {
