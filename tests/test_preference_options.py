@@ -292,6 +292,16 @@ def test_cp_shares_carry_pairs_and_reassemble_the_loss(builds, models, stored):
             torch.testing.assert_close(a, b, rtol=0, atol=0.1 * 1e-6 * float(want.abs().max()))
 
 
+def test_static_shapes_rows_give_the_same_dpo_loss(builds, models, stored):
+    from packer.training.preference import dpo_step
+    out = builds()
+    with torch.no_grad():
+        for plain, fixed in zip(stream(out, shuffle=False), stream(out, shuffle=False, static_shapes=True), strict=True):
+            assert fixed["input_ids"].shape[1] == 2 * MAX_LEN and torch.equal(fixed["pair_ids"], plain["pair_ids"])
+            a, b = dpo_step(models[0], stored, plain), dpo_step(models[0], stored, fixed)
+            torch.testing.assert_close(a.losses, b.losses, rtol=1e-5, atol=1e-6)
+
+
 # -- format versions, pack modes, mixes -----------------------------------------------------------
 
 

@@ -93,9 +93,10 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, pair_rol
 
 
 def packed_logps(model, batch: dict[str, Any]) -> torch.Tensor:
-    """Each segment's summed completion log-prob of one loader batch, from one forward of ``model``."""
+    """Each pair segment's summed completion log-prob of one loader batch, from one forward of ``model``
+    (a static-shape row's padding segments, after the pairs', left out)."""
     logits = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
-    return segment_logps(logits, batch["labels"], batch["cu_seq_lens_q"])[0]
+    return segment_logps(logits, batch["labels"], batch["cu_seq_lens_q"])[0][: len(batch["pair_roles"])]
 
 
 def share_logps(logits: torch.Tensor, shift_labels: torch.Tensor, seq_idx: torch.Tensor, segments: int
