@@ -17,7 +17,9 @@ optimizer steps of padded DPO), go through one policy forward + backward and one
 step, each side in its own process (so each has its own peak RSS): TRL 1.16's ``DPOTrainer.compute_loss``
 on its collator's padded batches, and ``packer.training.preference.dpo_step`` on the packed rows of the
 same tiny random Llama (vocab of Llama 2's tokenizer). tokens/s counts real tokens (the pairs' own), so
-padding counts as cost, not as work. Peak memory is the child's max RSS less its RSS before the first
+padding counts as cost, not as work. ``stored``: packer's step with the reference's log-probs precomputed
+once (``precompute_reference``, in its own process, not timed) and read back: one forward fewer a step,
+and no reference model in memory. Peak memory is the child's max RSS less its RSS before the first
 step (the model and libraries), i.e. what the steps themselves add.
 """
 
@@ -76,15 +78,17 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child_packed(folder: str, steps: int) -> dict:
+def child_packed(folder: str, steps: int, stored: str | None = None) -> dict:
+    """packer's steps; ``stored``: the reference's log-probs read from that file (no reference model here)."""
     import torch
 
     from packer import prepare, read_manifest
     from packer.training.loader import PackedDataset
-    from packer.training.preference import dpo_step
+    from packer.training.preference import StoredReference, dpo_step
     m = read_manifest(folder)
     policy = prepare(tiny(m.tokenizer["vocab_size"], 0), max_tokens=m.stats.max_row_tokens)
-    ref = prepare(tiny(m.tokenizer["vocab_size"], 1), max_tokens=m.stats.max_row_tokens)
+    ref = (StoredReference(stored, folder) if stored else
+           prepare(tiny(m.tokenizer["vocab_size"], 1), max_tokens=m.stats.max_row_tokens))
     rows = list(PackedDataset(folder))[:steps]
     base = rss_mb()
     tokens, start = 0, time.perf_counter()
@@ -94,6 +98,17 @@ def child_packed(folder: str, steps: int) -> dict:
     seconds = time.perf_counter() - start
     del torch
     return {"tokens": tokens, "computed": tokens, "seconds": seconds, "peak_mb": rss_mb() - base}
+
+
+def child_reference(folder: str, path: str) -> dict:
+    """The reference run once over the build and stored (not timed against the steps)."""
+    from packer import prepare, read_manifest
+    from packer.training.preference import precompute_reference
+    m = read_manifest(folder)
+    start = time.perf_counter()
+    ref = precompute_reference(prepare(tiny(m.tokenizer["vocab_size"], 1), max_tokens=m.stats.max_row_tokens), folder,
+                               path)
+    return {"pairs": len(ref), "seconds": time.perf_counter() - start}
 
 
 def child_trl(source: str, batch: int, steps: int, out: str) -> dict:
@@ -179,8 +194,12 @@ def main() -> None:
         kind, *rest = a.child
         if kind == "trl-layout":
             result = child_trl_layout(rest[0], a.batch, a.max_len, rest[1])
+        elif kind == "reference":
+            result = child_reference(*rest)
+        elif kind in ("packed", "stored"):
+            result = child_packed(rest[0], a.steps, rest[1] if kind == "stored" else None)
         else:
-            result = child_packed(rest[0], a.steps) if kind == "packed" else child_trl(rest[0], a.batch, a.steps, rest[1])
+            result = child_trl(rest[0], a.batch, a.steps, rest[1])
         print(json.dumps(result))
         return
     if a.layout:
@@ -196,14 +215,20 @@ def main() -> None:
                         str(TOKENIZER), "--batch-size", str(a.batch), "--max-len", "2048"], check=True,
                        capture_output=True)
         results = {}
-        for kind, extra in (("packed", [str(out)]), ("trl", [str(src), str(Path(tmp) / "trl")])):
+        ref = str(Path(tmp) / "ref.arrow")
+        subprocess.run([sys.executable, __file__, "--child", "reference", str(out), ref], check=True,
+                       capture_output=True, text=True)
+        for kind, extra in (("packed", [str(out)]), ("stored", [str(out), ref]),
+                            ("trl", [str(src), str(Path(tmp) / "trl")])):
             done = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--batch", str(a.batch),
                                    "--child", kind, *extra], check=True, capture_output=True, text=True)
             results[kind] = json.loads(done.stdout.strip().splitlines()[-1])
     for kind, r in results.items():
         print(f"{kind:7s} {r['tokens']:7,} real tokens ({r['computed']:7,} computed) in {r['seconds']:6.2f} s: "
               f"{r['tokens'] / r['seconds']:8,.0f} tokens/s, peak +{r['peak_mb']:6.0f} MB")
-    p, t = results["packed"], results["trl"]
+    p, t, r = results["packed"], results["trl"], results["stored"]
+    print(f"stored reference / reference model, packed: {r['tokens'] / r['seconds'] / (p['tokens'] / p['seconds']):.2f}x "
+          f"tokens/s, {r['peak_mb'] / max(p['peak_mb'], 1):.2f}x peak memory")
     print(f"packed / TRL padded: {p['tokens'] / p['seconds'] / (t['tokens'] / t['seconds']):.2f}x tokens/s, "
           f"{p['peak_mb'] / max(t['peak_mb'], 1):.2f}x peak memory ({a.steps} steps of {a.batch} pairs)")
 

@@ -118,10 +118,11 @@ class StoredReference:
     only: another build's file is refused (ShardFormatError, one line) when it is opened."""
 
     def __init__(self, path: str | os.PathLike, directory: str | os.PathLike) -> None:
-        try:
-            with pa.memory_map(str(path)) as source:
+        try:  # read into memory (a few MB a million pairs), so no view outlives the file
+            with pa.OSFile(str(path)) as source:
                 table = pa.ipc.open_file(source).read_all()
-        except (OSError, pa.ArrowInvalid) as e:
+            columns = [table.column(name).to_numpy() for name in ("pair_id", "chosen_logps", "rejected_logps")]
+        except (OSError, KeyError, pa.ArrowInvalid) as e:
             raise ConfigError(f"{path}: not a reference file precompute_reference() wrote ({e})") from None
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
         if meta.get("format") != REFERENCE_FORMAT or meta.get("version") != REFERENCE_VERSION:
@@ -133,8 +134,7 @@ class StoredReference:
                 f"{path}: reference log-probs of another build (manifest sha256 {meta.get('manifest_sha256', '')[:12]}…, "
                 f"{directory} has {mine[:12]}…); run precompute_reference on this build")
         self.path, self.meta = Path(path), meta
-        self.ids = table.column("pair_id").to_numpy()
-        self.values = np.stack([table.column("chosen_logps").to_numpy(), table.column("rejected_logps").to_numpy()], 1)
+        self.ids, self.values = columns[0], np.stack(columns[1:], 1)
 
     def __len__(self) -> int:
         return self.ids.size
