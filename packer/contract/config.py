@@ -91,9 +91,10 @@ class BuildConfig:
     # format every packer before it wrote; and the shards' compression (None, or "zstd": not memory-mapped)
     format_version: int = 2
     compression: str | None = None
-    # whether max_tokens was given, filled in when the config is made and kept by replace(); not recorded. A
-    # preference build's default row budget is a pair's, not a sequence's (for_pairs)
-    max_tokens_given: bool | None = None
+    # whether max_tokens was given, filled in when the config is made and kept by replace(); not recorded nor
+    # compared (a recorded config reads its max_tokens back as given). A preference build's default row budget
+    # is a pair's, not a sequence's (for_pairs)
+    max_tokens_given: bool | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_names()
