@@ -16,6 +16,7 @@ import argparse
 
 import torch
 from accelerate import Accelerator
+from tqdm import tqdm
 
 from packer import make_dataloader
 
@@ -29,7 +30,10 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, cpu: bool = True) -> list[float]:
+def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, cpu: bool = True,
+          progress: bool = False) -> list[float]:
+    """``steps`` optimizer steps; each step's loss. With ``progress``, the main process shows a bar of the
+    steps and each step's loss as it ends (as examples/train_loop.py)."""
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum)
     model = tiny_llama(directory)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -39,7 +43,9 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, c
                              rank=accelerator.process_index, world_size=accelerator.num_processes)
     batches = batches_over_epochs(loader)
     losses = []
-    for _ in range(steps):
+    bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True,
+               disable=not (progress and accelerator.is_local_main_process))
+    for i in range(steps):
         step_loss = 0.0
         for _ in range(grad_accum):
             with accelerator.accumulate(model):
@@ -50,6 +56,10 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, c
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.item()
         losses.append(step_loss)
+        bar.update()
+        if progress and accelerator.is_local_main_process:
+            bar.write(f"step {i}: loss {step_loss:.4f}")
+    bar.close()
     return losses
 
 
@@ -59,5 +69,4 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grad-accum", type=int, default=2)
     args = p.parse_args()
-    for i, loss in enumerate(train(args.directory, steps=args.steps, grad_accum=args.grad_accum)):
-        print(f"step {i}: loss {loss:.4f}")
+    train(args.directory, steps=args.steps, grad_accum=args.grad_accum, progress=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from packer import make_dataloader
 
@@ -47,6 +48,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     loader = make_dataloader(args.directory, grad_accum=args.grad_accum, seed=0)  # rank, world from dist
     seen, losses, it = [], [], iter(loader)
+    # rank 0 shows the steps (every rank takes the same number); the others would only repeat it
+    bar = tqdm(total=args.steps, desc=f"train (rank 0 of {world})", unit="step", disable=rank != 0, dynamic_ncols=True)
     for _ in range(args.steps):
         for micro in range(args.grad_accum):
             batch = next(it)
@@ -59,6 +62,9 @@ def main() -> None:
             losses.append(loss.item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        bar.update()
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    bar.close()
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ class PackedTrainer(Trainer):
 
 
 def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: str = "trainer-out",
-                 lr: float = 1e-3, model=None, trainer_cls=PackedTrainer) -> PackedTrainer:
+                 lr: float = 1e-3, model=None, trainer_cls=PackedTrainer, progress: bool = False) -> PackedTrainer:
     model = model if model is not None else tiny_llama(directory)
     args = TrainingArguments(
         output_dir=output_dir,
@@ -69,7 +69,7 @@ def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: 
         report_to=[],
         use_cpu=True,
         dataloader_num_workers=0,
-        disable_tqdm=True,
+        disable_tqdm=not progress,  # its bar of the steps, with the total (max_steps)
     )
     # train_dataset is only for Trainer's bookkeeping; get_train_dataloader reads the shards.
     return trainer_cls(model=model, args=args, shards=str(directory),
@@ -83,7 +83,8 @@ if __name__ == "__main__":
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--output-dir", default="trainer-out")
     args = p.parse_args()
-    trainer = make_trainer(args.directory, steps=args.steps, grad_accum=args.grad_accum, output_dir=args.output_dir)
+    trainer = make_trainer(args.directory, steps=args.steps, grad_accum=args.grad_accum, output_dir=args.output_dir,
+                           progress=True)
     trainer.train()
     for entry in trainer.state.log_history:
         print(entry)

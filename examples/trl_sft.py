@@ -53,7 +53,7 @@ def _labels(batch: dict) -> dict:
 
 
 def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: str = "trl-out", lr: float = 1e-3,
-                 model=None, trainer_cls=SFTTrainer) -> SFTTrainer:
+                 model=None, trainer_cls=SFTTrainer, progress: bool = False) -> SFTTrainer:
     model = model if model is not None else tiny_llama(directory)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(schema.read_manifest(directory).tokenizer["name_or_path"]))
     if tokenizer.pad_token is None:  # the collator pads a batch of one row by nothing, but wants an id
@@ -72,7 +72,7 @@ def make_trainer(directory, *, steps: int = 3, grad_accum: int = 2, output_dir: 
         report_to=[],
         use_cpu=True,
         dataloader_num_workers=0,
-        disable_tqdm=True,
+        disable_tqdm=not progress,  # its bar of the steps, with the total (max_steps)
         padding_free=True,
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,  # the columns are chosen in load_rows (a format-2 transform reads loss_mask)
@@ -88,4 +88,5 @@ if __name__ == "__main__":
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--output-dir", default="trl-out")
     args = p.parse_args()
-    make_trainer(args.directory, steps=args.steps, grad_accum=args.grad_accum, output_dir=args.output_dir).train()
+    make_trainer(args.directory, steps=args.steps, grad_accum=args.grad_accum, output_dir=args.output_dir,
+                 progress=True).train()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from click.testing import CliRunner
-from conftest import SHARED_DATA, make_build, need_shared, one_line
+from conftest import SHARED_DATA, files_signature, make_build, need_shared, one_line
 from test_build import segments_of
 
 from packer.cli import main
@@ -51,10 +51,18 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
+_LOADED: dict[tuple, object] = {}
+
+
 def hf_tokenizer(folder: Path):
+    """transformers' own tokenizer of ``folder``, the reference; loaded once per folder and its files (the
+    tests only read it: its tokens, decodes and renders)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    key = (str(Path(folder).resolve()), files_signature(Path(folder)))
+    if key not in _LOADED:
+        _LOADED[key] = AutoTokenizer.from_pretrained(str(folder))
+    return _LOADED[key]
 
 
 def reference(hf, record, template: str | None = None, *, tagged: bool = False):

@@ -35,7 +35,7 @@ def chats(tmp_path_factory):
     return out
 
 
-def test_sft_trainer_on_packer_rows_matches_packer_loop(chats, tmp_path):
+def test_sft_trainer_on_packer_rows_matches_packer_loop(chats, tmp_path, capsys):
     trl_sft = importlib.import_module("trl_sft")
     train_loop = importlib.import_module("train_loop")
     rows = schema.open_shard(chats / schema.read_manifest(chats).shards[0].file).to_pylist()
@@ -47,7 +47,8 @@ def test_sft_trainer_on_packer_rows_matches_packer_loop(chats, tmp_path):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     try:
-        trainer = trl_sft.make_trainer(chats, steps=2, grad_accum=2, output_dir=str(tmp_path), trainer_cls=Recording)
+        trainer = trl_sft.make_trainer(chats, steps=2, grad_accum=2, output_dir=str(tmp_path), trainer_cls=Recording,
+                                       progress=True)
         trainer.train()
     finally:
         from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -55,6 +56,7 @@ def test_sft_trainer_on_packer_rows_matches_packer_loop(chats, tmp_path):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState._reset_state()
+    assert "2/2 [" in capsys.readouterr().err  # TRL's (Trainer's) bar of the steps, with its total
     assert len(seen) == 4
     by_ids = {tuple(r["input_ids"]): r for r in rows}
     for batch in seen:

@@ -152,10 +152,9 @@ KILL_MOMENTS = [TOKENIZING, TOKENIZED, WRITING, COMMITTING, COMMIT_POINT, COMMIT
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("crash") / "clean"
-    proc = start(out)
-    assert proc.wait(timeout=HOLD) == 0, proc.stderr.read()
-    return out
+    """ARGS built uninterrupted, in this process (the bytes do not depend on the process: test_cli)."""
+    return make_build(tmp_path_factory.mktemp("crash") / "clean", limit=LIMIT, shard_size_mb=1, batch_size=4,
+                      format_version=1)
 
 
 def test_sigkill_at_each_moment_then_rerun_is_byte_identical(clean, tmp_path):
@@ -172,8 +171,8 @@ def test_sigkill_at_each_moment_then_rerun_is_byte_identical(clean, tmp_path):
         else:
             assert not (out / schema.MANIFEST_NAME).exists(), moment.name
             assert not verify(out).ok, moment.name  # nothing there passes for a finished build
-    proc = start(out)
-    assert proc.wait(timeout=HOLD) == 0, proc.stderr.read()
+    rerun = CliRunner().invoke(main, ["build", *ARGS, "--out", str(out)])  # the rerun: in this process, no kill to take
+    assert rerun.exit_code == 0, rerun.output
     assert files(out) == files(clean)
     assert not (out / STAGING).exists()
 
@@ -262,7 +261,9 @@ def test_out_is_a_file(tmp_path):
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------
 
-INTERRUPT_ARGS = ["flan", "--limit", "2500", "--shard-size", "1", "--batch-size", "4", "-q", "-j", "2"]
+# three chunks (CHUNK records each, the last of one): both workers get one, and the rows fill three shards
+INTERRUPT_LIMIT = 2001
+INTERRUPT_ARGS = ["flan", "--limit", str(INTERRUPT_LIMIT), "--shard-size", "1", "--batch-size", "4", "-q", "-j", "2"]
 # with two workers: while they start, and once the first result came back from one
 CTRL_C_MOMENTS = [Moment("tokenizing: the second worker starting", "os.fork", "", 2),
                   Moment("tokenizing: a worker's first result", "pickle.find_class"),
@@ -274,10 +275,8 @@ def test_ctrl_c_at_each_moment_with_two_workers(tmp_path):
     one folder again and again: each run ends within seconds with one line and exit 130 (past its commit
     point, 0 and no complaint), takes its workers with it, leaves the lock free, and the last rerun
     completes with the bytes of an uninterrupted build."""
-    reference = tmp_path / "reference"
-    proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", *INTERRUPT_ARGS, "--out", str(reference)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HOLD)
-    assert proc.returncode == 0, proc.stderr
+    reference = make_build(tmp_path / "reference", limit=INTERRUPT_LIMIT, shard_size_mb=1, batch_size=4, num_proc=2)
+    assert len(list(reference.glob("shard-*.arrow"))) >= 3  # the moments in writing and committing come
     out = tmp_path / "out"
     outcomes = []
     for moment in CTRL_C_MOMENTS:
@@ -297,9 +296,8 @@ def test_ctrl_c_at_each_moment_with_two_workers(tmp_path):
         assert ended < 30, outcomes  # seconds, not a hang (it is well under one idle)
         assert _lock_is_free(out), outcomes
     print("Ctrl-C (moment, exit code, s to end):", outcomes)
-    proc = subprocess.run([sys.executable, "-m", "packer.cli", "build", *INTERRUPT_ARGS, "--out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HOLD)
-    assert proc.returncode == 0, proc.stderr
+    rerun = CliRunner().invoke(main, ["build", *INTERRUPT_ARGS, "--out", str(out)])  # what a rerun finds: no process
+    assert rerun.exit_code == 0 and "already holds this build" in rerun.stdout, rerun.output  # needed for it
     assert files(out) == files(reference)
 
 
@@ -326,6 +324,23 @@ def test_ctrl_c_past_the_commit_point_is_not_reported(tmp_path):
     err = proc.communicate(timeout=HOLD)[1]
     assert acted(out) is not None and (proc.returncode, err) == (0, ""), (proc.returncode, err)
     assert verify(out).ok and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_rerun_after_ctrl_c_says_it_resumed(tmp_path):
+    """Ctrl-C while writing (every record tokenized), then the same command, not quiet: the rerun says
+    above its bars what it picks up, and its summary that the build was resumed."""
+    out = tmp_path / "out"
+    args = ["flan", "--limit", "300", "--shard-size", "1", "--batch-size", "4", "--format", "1", "-q"]  # two shards
+    proc = at(WRITING, "ctrl_c", out, args)
+    err = proc.communicate(timeout=HOLD)[1]
+    assert acted(out) is not None and proc.returncode == 130, err
+    result = CliRunner().invoke(main, ["build", *args[:-1], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "resuming: 300 records already tokenized (all of them)\n" in result.stderr
+    assert "tokenize: 100%" in result.stderr and "300/300" in result.stderr  # the bar, with its total
+    assert result.stdout.splitlines()[-1].endswith(" s (resumed: 300 of the 300 records were tokenized by the "
+                                                   "interrupted run)")
+    assert verify(out).ok
 
 
 def test_kill_9_of_the_parent_takes_its_workers_and_frees_the_lock(tmp_path):

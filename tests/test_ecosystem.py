@@ -94,7 +94,7 @@ def test_plain_loop_trains(small):
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
-def test_trainer_uses_the_packed_loader_and_normalises_like_the_plain_loop(small, tmp_path):
+def test_trainer_uses_the_packed_loader_and_normalises_like_the_plain_loop(small, tmp_path, capsys):
     trainer_mod = importlib.import_module("trainer")
     train_loop = importlib.import_module("train_loop")
     seen = []
@@ -105,11 +105,13 @@ def test_trainer_uses_the_packed_loader_and_normalises_like_the_plain_loop(small
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     try:
-        trainer = trainer_mod.make_trainer(small, steps=2, grad_accum=2, output_dir=str(tmp_path), trainer_cls=Recording)
+        trainer = trainer_mod.make_trainer(small, steps=2, grad_accum=2, output_dir=str(tmp_path), trainer_cls=Recording,
+                                           progress=True)
         assert trainer.data_collator is not None  # Trainer's default, never called: the loader yields batches
         trainer.train()
     finally:
         _reset_accelerate()
+    assert "2/2 [" in capsys.readouterr().err  # Trainer's own bar of the steps, with its total
     assert len(seen) == 4
     for shape, trainer_items, packer_items in seen:
         assert shape[0] == 1  # one packed row per micro-batch, never padded
@@ -119,13 +121,15 @@ def test_trainer_uses_the_packed_loader_and_normalises_like_the_plain_loop(small
     np.testing.assert_allclose(trainer_losses, loop_losses, rtol=1e-4)
 
 
-def test_accelerate_matches_plain_loop(small):
+def test_accelerate_matches_plain_loop(small, capsys):
     accelerate_loop = importlib.import_module("accelerate_loop")
     train_loop = importlib.import_module("train_loop")
     try:
-        losses = accelerate_loop.train(small, steps=2, grad_accum=2)
+        losses = accelerate_loop.train(small, steps=2, grad_accum=2, progress=True)
     finally:
         _reset_accelerate()
+    seen = capsys.readouterr()
+    assert "train: 100%" in seen.err and "2/2 [" in seen.err and f"step 1: loss {losses[1]:.4f}" in seen.out  # bar, losses
     np.testing.assert_allclose(losses, train_loop.train(small, steps=2, grad_accum=2), rtol=1e-4)
 
 
@@ -145,6 +149,8 @@ def test_torchrun_two_cpu_ranks_see_disjoint_rows(small, tmp_path):
     assert rows[0] | rows[1] <= _row_hashes(small)  # real rows of the build
     assert reports[0]["param_checksum"] == reports[1]["param_checksum"]  # DDP kept the replicas equal
     assert all(np.isfinite(rep["losses"]).all() for rep in reports)
+    assert "train (rank 0 of 2): 100%" in result.stderr and f"{steps}/{steps} [" in result.stderr  # one bar: rank 0's
+    assert "rank 1 of" not in result.stderr
 
 
 # -- fsspec -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import PARALLEL
 
 from packer import BuildConfig, RecordError, build
 from packer.building import engines, mix, pipeline, sources, spill
@@ -28,14 +29,10 @@ def _same_tree(a: Path, b: Path) -> None:
         assert filecmp.cmp(a / name, b / name, shallow=False), name
 
 
-def test_num_proc_is_byte_identical(tmp_path):
-    common = dict(source="flan", limit=2500, pack="bfd", max_len=1024, overlong="split", shard_size_mb=1)
-    one = tmp_path / "one"
+def test_num_proc_is_byte_identical(tmp_path, parallel_reference):
     two = tmp_path / "two"
-    build(BuildConfig(out=str(one), num_proc=1, **common))
-    build(BuildConfig(out=str(two), num_proc=2, **common))
-    assert len(list(one.glob("shard-*.arrow"))) > 1
-    _same_tree(one, two)
+    build(BuildConfig(out=str(two), num_proc=2, **PARALLEL))
+    _same_tree(parallel_reference, two)
 
 
 class _Crash(RuntimeError):

@@ -9,6 +9,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
+from conftest import PARALLEL  # noqa: E402
+
 from packer import BuildConfig, build  # noqa: E402
 
 
@@ -19,11 +21,9 @@ def local_cluster():
     ray.shutdown()
 
 
-def test_ray_engine_is_byte_identical(tmp_path, local_cluster):
-    common = dict(source="flan", limit=2500, pack="bfd", max_len=1024, overlong="split", shard_size_mb=1)
-    local, on_ray = tmp_path / "local", tmp_path / "ray"
-    build(BuildConfig(out=str(local), **common))
-    build(BuildConfig(out=str(on_ray), engine="ray", **common))
+def test_ray_engine_is_byte_identical(tmp_path, local_cluster, parallel_reference):
+    local, on_ray = parallel_reference, tmp_path / "ray"
+    build(BuildConfig(out=str(on_ray), engine="ray", **PARALLEL))
     names = sorted(p.name for p in local.iterdir())
     assert names == sorted(p.name for p in on_ray.iterdir())
     assert sum(n.startswith("shard-") for n in names) > 1  # the shards were written by parallel tasks

@@ -160,6 +160,49 @@ def test_count_without_reading_records(tmp_path):
     assert readers.count("arrow", str(tmp_path / "d.arrow"), 10_000) == 700
 
 
+def test_the_tokenize_bar_has_the_sources_record_count(tmp_path, monkeypatch):
+    """The total a build's tokenize bar shows without --limit: the records where the file says so cheaply
+    (metadata, line breaks), a large file estimated from its first lines, a JSON
+    document none; a mix's from its parts; and the bar of a build ends at the records read."""
+    from packer.building import mix, readers
+
+    table = pa.Table.from_pylist(RECORDS[:700])
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=100)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=64)
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:700])
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+    (tmp_path / "d.txt").write_text("one\ntwo\n\nfour")  # blank lines are records of text
+    (tmp_path / "d.csv").write_text("prompt,completion\nq,a\nq2,a2\n")
+    (tmp_path / "a.json").write_text(json.dumps(RECORDS[:70]))
+    totals = {name: readers.total(sources._builder_for(name), str(tmp_path / name))
+              for name in ("d.parquet", "d.arrow", "d.jsonl", "d.jsonl.gz", "d.txt", "d.csv", "a.json")}
+    assert totals == {"d.parquet": 700, "d.arrow": 700, "d.jsonl": 700, "d.jsonl.gz": 700, "d.txt": 4, "d.csv": 2,
+                      "a.json": None}
+    # as large files: the lines in their first 20 kB, scaled by the bytes of the file they took
+    monkeypatch.setattr(readers, "COUNTED_GZIP", 1)
+    monkeypatch.setattr(readers, "COUNTED_PLAIN", 1)
+    monkeypatch.setattr(readers, "SAMPLED", 20_000)
+    assert 600 < readers.total("json", str(tmp_path / "d.jsonl.gz")) < 800
+    assert 600 < readers.total("json", str(jsonl)) < 800
+    monkeypatch.undo()
+
+    def stream(name, limit=None):
+        return sources.open_stream(sources.resolve(str(tmp_path / name)), limit=limit)
+
+    assert stream("d.jsonl").total() == 700 and stream("d.jsonl", 50).total() == 50 and stream("a.json").total() is None
+    assert stream("a.json", 9).total() == 9
+    parts = ({"source": "d.jsonl", "weight": 3.0}, {"source": "d.parquet", "weight": 1.0})
+    # the mix ends near the first part to run out: 700 records at 3/4 of the draws
+    assert mix.MixStream(parts, (stream("d.jsonl"), stream("d.parquet")), 0).total() == 933
+    counts = ({"source": "d.jsonl", "records": 30}, {"source": "a.json", "records": 5})
+    assert mix.MixStream(counts, (stream("d.jsonl", 30), stream("a.json", 5)), 0).total() == 35
+    result = CliRunner().invoke(main, ["build", str(jsonl), "--prompt-field", "prompt", "--completion-field",
+                                       "completion", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "tokenize: 100%" in result.stderr and "700/700 [" in result.stderr, result.stderr
+
+
 def test_csv_cells_are_the_text_they_hold(tmp_path):
     """Every cell as written (Python's csv module is the reference): numbers stay text ("1.0" is not
     "1"), quoted cells keep their commas and newlines, "NA" is text, and only an empty cell is null."""

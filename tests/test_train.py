@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image as plt_image
 import numpy as np
 import pytest
 import torch
+from conftest import make_build
 
 from packer import prepare
 from packer.contract import schema
@@ -23,27 +22,14 @@ from train.bench import BenchError, check_cuda
 from train.loader_bench import bench_loader
 from train.model import SIZES, random_llama
 from train.train import load_model
-
-ROOT = Path(__file__).resolve().parent.parent
+from train.train import main as train_main
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """The bundled sample through the CLI: 64 records, batch mode of 4, max_len 128 (small rows)."""
-    out = tmp_path_factory.mktemp("train_shards")
-    cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(out), "--limit", "64"]
-    cmd += [
-        "--pack",
-        "batch",
-        "--batch-size",
-        "4",
-        "--max-len",
-        "128",
-        "--tokenizer",
-        str(ROOT / "packer/data/tokenizer"),
-    ]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
-    return out
+    """The bundled sample: 64 records, batch mode of 4, max_len 128 (small rows). Built in this process:
+    what the CLI adds to a build is tested in test_cli."""
+    return make_build(tmp_path_factory.mktemp("train_shards"), limit=64, pack="batch", batch_size=4, max_len=128)
 
 
 def test_loader_batches_feed_the_model(shards):
@@ -81,12 +67,14 @@ def test_grad_accum_normalisation_equals_the_big_batch(shards):
     assert torch.allclose(acc_grad, model.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_train_cli_lowers_the_loss(shards, tmp_path):
+def test_train_cli_lowers_the_loss(shards, tmp_path, capsys):
+    """``python -m train.train``'s own entry (``main``, which its ``__main__`` calls), in this process: torch
+    is imported here already, and a fresh interpreter would only add its import."""
     save = tmp_path / "model"
-    cmd = [sys.executable, "-m", "train.train", "--shards", str(shards), "--steps", "6", "--grad-accum", "2"]
-    cmd += ["--save", str(save)]
-    out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    result = train_main(["--shards", str(shards), "--steps", "6", "--grad-accum", "2", "--save", str(save)])
+    out = capsys.readouterr().out
     first, last = map(float, re.search(r"loss first ([\d.]+) last ([\d.]+)", out).groups())
+    assert (first, last) == (pytest.approx(result["losses"][0], abs=1e-4), pytest.approx(result["losses"][-1], abs=1e-4))
     assert last < first - 0.1, out
     assert (save / "config.json").is_file() and (save / "loader_state.json").is_file()
 
@@ -140,33 +128,6 @@ def test_bench_refuses_in_one_line(argv, message, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
-def test_padded_and_packed_train_alike_and_the_table_says_so(shards, tmp_path):
-    """The padded side (transformers' own sdpa with a padding mask) is the reference: the packed
-    rows give the same loss at every step. Then the table and the figure from these runs."""
-    runs = {m: [measure.run(shards, m, steps=3, warmup=1)] for m in measure.MODES}
-    pad, pack = runs["padded"][0], runs["packed"][0]
-    assert len(pad["losses"]) == len(pack["losses"]) == 4
-    pad_l, pack_l = np.array(pad["losses"]), np.array(pack["losses"])
-    # a row whose trained tokens were all cut at max-len 128 has no loss: 0/0 = nan padded, 0 packed
-    empty = np.isnan(pad_l)
-    assert (pack_l[empty] == 0).all() and (~empty).sum() >= 2
-    np.testing.assert_allclose(pad_l[~empty], pack_l[~empty], atol=1e-5)
-    assert pack["computed_tokens"] == pack["tokens"] < pad["computed_tokens"]  # packed computes no padding
-    s = report.summary(runs)
-    tps = {m: [r["tokens_per_s"] for r in runs[m]] for m in measure.MODES}
-    assert s["speedup"][0] == pytest.approx(np.median(tps["packed"]) / np.median(tps["padded"]))
-    assert s["speedup"][1] <= s["speedup"][0] <= s["speedup"][2]
-    assert s["max_loss_diff"] < 1e-5
-    lines = report.table("flan", s, "max RSS rise")
-    assert f"packed/padded: {s['speedup'][0]:.2f}x tokens/s [{s['speedup'][1]:.2f}–{s['speedup'][2]:.2f}]" in lines[-1]
-    padding = 1 - pack["computed_tokens"] / pad["computed_tokens"]
-    assert f"({padding:.1%} padding)" in lines[0]
-    png = tmp_path / "curves.png"
-    report.plot({"flan": {"runs": runs, "summary": s}}, png, "tiny")
-    image = plt_image.imread(png)
-    assert image.shape[0] > 300 and image.shape[1] > 900  # one dataset row: loss curves + tokens/s
-
-
 def test_loader_bench_counts_the_same_tokens(shards):
     r = bench_loader(shards, repeats=2)
     assert r["tokens"] == schema.read_manifest(shards).stats.tokens
@@ -183,10 +144,32 @@ def test_bench_quick_mode_is_small_and_yields_to_the_command_line():
 
 
 def test_bench_command_end_to_end(shards, tmp_path, capsys):
-    """The command itself in its quick mode: children in fresh processes, interleaved, table and plot."""
+    """The command itself (its quick mode, 1 untimed + 3 timed steps): each run a fresh process, interleaved.
+    The padded side (transformers' own sdpa with a padding mask) is the reference: the packed rows give the
+    same loss at every step. Then the table and the figure from these runs."""
     png = tmp_path / "bench.png"
-    results = bench.main(["--shards", str(shards), "--device", "cpu", "--quick", "--plot", str(png)])
+    results = bench.main(["--shards", str(shards), "--device", "cpu", "--quick", "--steps", "3", "--warmup", "1",
+                          "--plot", str(png)])
     out = capsys.readouterr().out
     assert "padded vs packed: tiny Llama" in out and "packed/padded:" in out
     (name,) = results
-    assert results[name]["summary"]["max_loss_diff"] < 1e-5 and png.stat().st_size > 10_000
+    runs, s = results[name]["runs"], results[name]["summary"]
+    pad, pack = runs["padded"][0], runs["packed"][0]
+    assert len(pad["losses"]) == len(pack["losses"]) == 4
+    pad_l, pack_l = np.array(pad["losses"]), np.array(pack["losses"])
+    # a row whose trained tokens were all cut at max-len 128 has no loss: 0/0 = nan padded, 0 packed
+    empty = np.isnan(pad_l)
+    assert (pack_l[empty] == 0).all() and (~empty).sum() >= 2
+    np.testing.assert_allclose(pad_l[~empty], pack_l[~empty], atol=1e-5)
+    assert pack["computed_tokens"] == pack["tokens"] < pad["computed_tokens"]  # packed computes no padding
+    tps = {m: [r["tokens_per_s"] for r in runs[m]] for m in measure.MODES}
+    assert s["speedup"][0] == pytest.approx(np.median(tps["packed"]) / np.median(tps["padded"]))
+    assert s["speedup"][1] <= s["speedup"][0] <= s["speedup"][2]
+    assert s["max_loss_diff"] < 1e-5
+    lines = report.table(name, s, "max RSS rise")
+    assert "\n".join(lines) in out  # the table the command printed is the one of its runs
+    assert f"packed/padded: {s['speedup'][0]:.2f}x tokens/s [{s['speedup'][1]:.2f}–{s['speedup'][2]:.2f}]" in lines[-1]
+    padding = 1 - pack["computed_tokens"] / pad["computed_tokens"]
+    assert f"({padding:.1%} padding)" in lines[0]
+    image = plt_image.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 900  # one dataset row: loss curves + tokens/s

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_build
 
 from benchmarks.sweep_architectures import tiny_model
 from packer import prepare, read_manifest
@@ -23,11 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hybrid_shards")
-    cmd = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(out), "--limit", "16", "--pack", "batch",
-           "--batch-size", "2", "--max-len", "128", "--tokenizer", str(ROOT / "packer/data/tokenizer")]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
-    return out
+    """16 bundled records in batch rows of 2, max_len 128, built in this process."""
+    return make_build(tmp_path_factory.mktemp("hybrid_shards"), limit=16, pack="batch", batch_size=2, max_len=128)
 
 
 def _token_losses(logits, labels):

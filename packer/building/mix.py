@@ -280,6 +280,22 @@ class MixStream:
     def name(self) -> str:
         return "+".join(p["source"] for p in self.parts)
 
+    def total(self) -> int | None:
+        """About how many records the mix gives, for a progress bar, or None where a part cannot say cheaply.
+        A weighted mix ends at the first draw of a part that has run out: near the fewest of a part's
+        records over its share of the draws."""
+        if "records" in self.parts[0]:
+            known: int | None = sum(p["records"] for p in self.parts)
+        else:
+            counts = [s.total() for s in self.streams]
+            share = np.array([p["weight"] for p in self.parts], np.float64)
+            share /= share.max()  # weights near the float maximum: their ratios are what counts
+            share /= share.sum()
+            known = None if None in counts else int(min(c / w for c, w in zip(counts, share, strict=True) if w > 0))
+        if self.limit is None:
+            return known
+        return self.limit if known is None else min(known, self.limit)
+
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
         _room_for_files(len(self.streams))
         readers = [_Reader(s, size) for s in self.streams]

@@ -44,6 +44,7 @@ class BuildResult:
     manifest: schema.Manifest
     reused: bool  # the folder already held this exact build; nothing was done
     seconds: float
+    resumed: int = 0  # records an interrupted earlier run had already tokenized (its spill reused)
 
 
 def tokenizer_path(name: str | None) -> str:
@@ -366,4 +367,4 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         columns=row_format.columns(),
     )
     output.commit(out, staging, manifest)
-    return BuildResult(out, manifest, False, time.perf_counter() - started)
+    return BuildResult(out, manifest, False, time.perf_counter() - started, tokens.reused_records)

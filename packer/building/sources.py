@@ -324,6 +324,15 @@ class Stream:
             raise SourceError(f"{self.name}: holds no record that can be read; the first: {first[0]}")
         raise SourceError(f"{self.name}: holds no records; check the file or --split")
 
+    def total(self) -> int | None:
+        """About how many records this stream gives, for a progress bar (:func:`readers.total`), or None
+        where that is not known cheaply (a JSON document, a Hub dataset: then only a ``limit`` bounds it)."""
+        if self.source.kind == "local" and self.source.builder in readers.OWN:
+            counts = [readers.total(self.source.builder, f) for f in self.files]
+            if None not in counts:
+                return sum(counts) if self.limit is None else min(self.limit, sum(counts))
+        return self.limit
+
     def count(self) -> int:
         return sum(len(next(iter(b.values()))) for _, b in self.chunks() if b)
 

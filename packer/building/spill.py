@@ -163,8 +163,10 @@ def tokenize(
     start = int(done["records"])
     skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
-    bar = tqdm(total=stream.limit, initial=start, desc="tokenize", unit="ex", disable=not progress,
-               dynamic_ncols=True)
+    # the records the source holds where it knows them cheaply (a file's metadata or line breaks), else
+    # --limit: counted only for a bar that shows
+    total = stream.total() if progress else None
+    bar = tqdm(total=total, initial=start, desc="tokenize", unit="rec", disable=not progress, dynamic_ncols=True)
     if start and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently
         bar.write(f"resuming: {start:,} records already tokenized"
                   + (" (all of them)" if done.get("finished") else ""), file=sys.stderr)
@@ -191,6 +193,9 @@ def tokenize(
                 pending = 0
         done["finished"] = True
         _commit(folder, files, done)
+        if bar.total is not None and bar.n != bar.total:  # the total was an estimate: end the bar at 100%
+            bar.total = bar.n
+            bar.refresh()
     finally:
         bar.close()
         for f in files.values():
