@@ -1,23 +1,29 @@
 """DPO on packer's preference shards with a plain PyTorch loop: pairs packed, no padding, TRL's loss.
 
-    packer build prefs.jsonl --out pairs/ --pack bfd --max-len 1024 --max-tokens 4096
+    packer build prefs.jsonl --out pairs/ --pack bfd --max-len 1024      # rows of 2 x 1024 tokens
     python examples/dpo_loop.py pairs/ --steps 20 --grad-accum 4
+    python examples/dpo_loop.py pairs/ --steps 20 --reference-logps ref.arrow   # the reference run once, stored
 
 Every batch is one packed row of whole pairs (chosen, then rejected: ``pair_roles``); one forward of the
 policy and one of the reference (no grad) on the same row give every segment's summed completion log-prob
 (``packer.training.preference``), and ``num_items_in_batch`` counts the pairs of the whole optimizer step,
-so the accumulated gradient is that of the mean DPO loss over the step's pairs.
+so the accumulated gradient is that of the mean DPO loss over the step's pairs. With ``--reference-logps
+PATH`` the reference runs once over the build first (``precompute_reference``; PATH is reused when it
+holds this build's values, a file of another build is refused) and each step reads its values by the
+row's ``pair_ids`` instead of a second forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from packer import make_dataloader
-from packer.training.preference import dpo_step
+from packer.training.preference import StoredReference, dpo_step, precompute_reference
 
 try:
     from common import batches_over_epochs, tiny_llama
@@ -25,16 +31,29 @@ except ImportError:  # imported as examples.dpo_loop
     from examples.common import batches_over_epochs, tiny_llama
 
 
+def stored_reference(reference, directory, path, *, progress: bool = False) -> StoredReference:
+    """The reference's log-probs at ``path``: read when the file is there (refused if another build's), else
+    computed once over the build and written."""
+    if Path(path).is_file():
+        return StoredReference(path, directory)
+    bar = None if not progress else (lambda rows, total: tqdm(rows, total=total, desc="reference", unit="row"))
+    return precompute_reference(reference, directory, path, progress=bar)
+
+
 def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, beta: float = 0.1,
-          model=None) -> list[dict[str, float]]:
-    """``steps`` optimizer steps; each step's loss and mean rewards."""
+          model=None, reference_logps=None, progress: bool = False) -> list[dict[str, float]]:
+    """``steps`` optimizer steps; each step's loss and mean rewards. ``reference_logps``: a path where the
+    reference's log-probs are stored (computed first if absent) instead of a reference forward a step."""
     model = model if model is not None else tiny_llama(directory)
     reference = copy.deepcopy(model).eval().requires_grad_(False)  # prepare()'s guard travels with the copy
+    if reference_logps is not None:
+        reference = stored_reference(reference, directory, reference_logps, progress=progress)
     model.train()
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = batches_over_epochs(loader)
     log = []
+    bar = tqdm(total=steps, desc="dpo", unit="step", disable=not progress, dynamic_ncols=True)
     for _ in range(steps):
         loss = chosen = rejected = 0.0
         for _ in range(grad_accum):
@@ -46,6 +65,9 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, b
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.append({"loss": loss, "rewards/chosen_sum": chosen, "rewards/rejected_sum": rejected})
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        bar.update(1)
+    bar.close()
     return log
 
 
@@ -55,8 +77,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--reference-logps", metavar="PATH",
+                        help="store the reference's log-probs here once (or read them) instead of a forward a step")
     args = parser.parse_args()
-    for step, entry in enumerate(train(args.directory, steps=args.steps, grad_accum=args.grad_accum, beta=args.beta)):
+    log = train(args.directory, steps=args.steps, grad_accum=args.grad_accum, beta=args.beta,
+                reference_logps=args.reference_logps, progress=True)
+    for step, entry in enumerate(log):
         print(f"step {step}: loss {entry['loss']:.4f}  rewards chosen {entry['rewards/chosen_sum']:+.4f} "
               f"rejected {entry['rewards/rejected_sum']:+.4f}")
 

@@ -333,11 +333,8 @@ def test_build_output_counts_pairs(batch_build, cp_build, src, tmp_path):
 # -- the loader's context-parallel share ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="packer/planning/context_parallel.py RowView.__call__ builds the CP rank's "
-                   "batch from input_ids/position_ids/labels/cu_seq_lens only: pair_roles is dropped, so dpo_step "
-                   "cannot pair a CP share's segments (the loader's CP share is not this test file's owner's)")
 def test_loader_cp_share_keeps_pair_roles(cp_build):
     pytest.importorskip("torch")
     from packer.training.loader import PackedDataset
     batch = next(iter(PackedDataset(cp_build, cp_size=2, cp_rank=0)))
-    assert "pair_roles" in batch
+    assert "pair_roles" in batch  # carried onto the share by the loader (tests/test_preference_options.py)

@@ -316,6 +316,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
+    config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
     identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
                 "source": opened.source}
     previous = output.check(out, identity, config.overwrite)

@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..planning.context_parallel import LAYOUTS as CP_LAYOUTS
 from ..planning.context_parallel import Layout
+from ..planning.pairs import check_pair_budget, pair_budget
 from ..planning.plan import BALANCE as BALANCE_BY
 from ..planning.plan import MODES as PACK_MODES
 from ..planning.plan import OVERLONG as OVERLONG_POLICIES
@@ -90,6 +91,10 @@ class BuildConfig:
     # format every packer before it wrote; and the shards' compression (None, or "zstd": not memory-mapped)
     format_version: int = 2
     compression: str | None = None
+    # whether max_tokens was given, filled in when the config is made and kept by replace(); not recorded nor
+    # compared (a recorded config reads its max_tokens back as given). A preference build's default row budget
+    # is a pair's, not a sequence's (for_pairs)
+    max_tokens_given: bool | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -172,8 +177,9 @@ class BuildConfig:
             parts = hub_mix_parts(self.source)
             mix = None if parts is None else tuple(parts)
         cp_layout = "zigzag" if self.cp_size > 1 and self.cp_layout is None else self.cp_layout
+        given = self.max_tokens is not None if self.max_tokens_given is None else self.max_tokens_given
         return {"train_on": train_on, "train_on_prompt": train_on == "all", "batch_size": batch_size,
-                "max_tokens": max_tokens, "mix": mix, "cp_layout": cp_layout}
+                "max_tokens": max_tokens, "mix": mix, "cp_layout": cp_layout, "max_tokens_given": given}
 
     def _check_mix(self) -> None:
         if self.mix is None:
@@ -186,7 +192,7 @@ class BuildConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
-        skip = {"out", "overwrite", "num_proc", "engine"}
+        skip = {"out", "overwrite", "num_proc", "engine", "max_tokens_given"}
         if self.mix is None:
             skip.add("mix")  # absent from a one-source build's manifest, as it always was
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -224,6 +230,18 @@ class BuildConfig:
         longest = -(-self.max_len // layout.segment_multiple) * layout.segment_multiple + layout.row_multiple - 1
         budget = self.row_budget()
         return longest if budget is None else min(longest, budget)
+
+    def for_pairs(self) -> BuildConfig:
+        """The config a preference build plans and records: in ``bfd``/``optimal`` a row must hold a pair, two
+        sequences of up to ``max_len`` (padded as the layout pads each), so the default ``max_tokens`` is
+        that (``pairs.pair_budget``: the SFT default, ``max_len``, doubled) and a given one that cannot hold
+        it is refused in one line, before anything is read."""
+        if self.pack not in ("bfd", "optimal"):
+            return self
+        if self.max_tokens_given:
+            check_pair_budget(self.max_len, self.max_tokens, self.layout())
+            return self
+        return self.replace(max_tokens=max(self.max_tokens, pair_budget(self.max_len, self.layout())))
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

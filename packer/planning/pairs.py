@@ -26,6 +26,7 @@ Cost: O(pairs) numpy beyond the plan itself.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,30 @@ def prompt_lengths(trained, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def pair_budget(max_len: int, layout: Layout | None = None) -> int:
+    """The least ``max_tokens`` whose row budget holds a pair of two ``max_len`` sequences, each padded as
+    ``layout`` pads a segment: a pair build's default (the SFT default, ``max_len``, doubled)."""
+    if layout is None:
+        return 2 * max_len
+    pair = 2 * int(pad_up(max_len, layout.segment_multiple))
+    return int(pad_up(pair, math.lcm(layout.segment_multiple, layout.row_multiple)))  # Layout.budget keeps it whole
+
+
+def check_pair_budget(max_len: int, max_tokens: int, layout: Layout | None = None) -> None:
+    """Refuse, in one line saying what to pass, a ``max_tokens`` whose rows cannot hold a longest pair."""
+    cap = max_tokens if layout is None else layout.budget(max_tokens)
+    need = pair_budget(max_len, layout)
+    if cap >= need:
+        return
+    multiple = 1 if layout is None else layout.segment_multiple
+    fits = cap // 2 // multiple * multiple
+    padded = "" if layout is None else f", each padded to a multiple of {multiple}"
+    lower = f", or lower --max-len to {fits}" if fits >= 2 else ""
+    raise ConfigError(f"--max-tokens {max_tokens:,} cannot hold a preference pair (two sequences of up to --max-len "
+                      f"{max_len:,} tokens{padded}: {need:,}); pass --max-tokens {need} or more, or leave it out "
+                      f"(a pair build's default is {need}){lower}")
+
+
 def plan_pairs(lengths, *, prompts, mode: str, max_len: int, max_tokens: int | None = None,
                batch_size: int | None = None, overlong: str = "truncate", seed: int = 0, epochs: int = 1,
                world_size: int = 1, balance: str | None = None, layout: Layout | None = None) -> Plan:
@@ -84,6 +109,10 @@ def plan_pairs(lengths, *, prompts, mode: str, max_len: int, max_tokens: int | N
     multiple = 1 if layout is None else layout.segment_multiple
     sizes = pad_up(kept_len[0::2], multiple) + pad_up(kept_len[1::2], multiple)
     kept = np.flatnonzero(keep)
+    if mode in ("bfd", "optimal"):
+        if max_tokens is None:
+            max_tokens = pair_budget(max_len, layout)
+        check_pair_budget(max_len, max_tokens, layout)
     _, cap = row_size(mode, 2 * max_len, max_tokens if mode != "batch" else None, batch_size,
                       name=lambda f: {"max_len": "2 x --max-len (a pair)"}.get(f, f"--{f.replace('_', '-')}"))
     if cap is not None and layout is not None:

@@ -88,6 +88,7 @@ from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
 
 STATE_VERSION = 2
+PAIR_KEYS = ("pair_roles", "pair_ids")  # a preference build's per-row keys (training/preference.py)
 
 __all__ = ["PackedDataset", "PackedDataLoader", "Position", "make_dataloader", "manifest_fingerprint", "STATE_VERSION"]
 
@@ -138,7 +139,8 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                row_batch = rows.RowBatch.from_arrow(batch, example_ids=False)  # views of the memory map
+                # views of the memory map; a preference build's example ids name its pairs (pair_ids)
+                row_batch = rows.RowBatch.from_arrow(batch, example_ids=schema.PAIR_COLUMN in batch.schema.names)
                 tokens += int(row_batch.input_ids.offsets[-1])
                 self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
                 self.starts.append(n)
@@ -220,8 +222,9 @@ class _Shards:
         }
         roles = self.batches[b].roles
         if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
+            # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
             out = {"pair_roles": torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64)),
-                   **out}
+                   "pair_ids": torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64)), **out}
         return out
 
 
@@ -458,7 +461,8 @@ class PackedDataset(IterableDataset):
         for k in range(position.micro + wid, len(index), nw):
             batch = shards.row(index[k], filler[k], items[k])
             if self._view is not None:  # a context-parallel rank's share, or a fixed shape
-                batch = _torch(self._view(batch, shards.segment_pads(index[k])))
+                pairs = {key: batch[key] for key in PAIR_KEYS if key in batch}  # the row's, on every share of it
+                batch = {**pairs, **_torch(self._view(batch, shards.segment_pads(index[k])))}
             if info is None:  # in a worker, the DataLoader's own process counts what it hands out
                 self._advance()
             yield batch

@@ -11,18 +11,42 @@ rewards ``β (π − ref)``. TRL 1.16 computes it inline in ``DPOTrainer._comput
 function, so it is written here from the paper; ``tests/test_preference.py`` checks it, its rewards and
 its gradients against ``DPOTrainer`` on TRL's own padded batches. A step of ``num_items_in_batch`` pairs
 (the loader counts pairs for a preference build) sums the pairs' losses and divides by it: the mean over
-the optimizer step's pairs, as TRL's ``per_sequence_loss.mean()`` is over its batch.
+the optimizer step's pairs, as TRL's ``per_sequence_loss.mean()`` is over its batch. A filler row (the
+loader's, labels all −100) adds no loss.
+
+The reference, computed once (docs/preference.md, "A reference computed once"): :func:`precompute_reference`
+runs it over every row of a build (one epoch, in order, one rank) and stores each pair's summed chosen and
+rejected log-probs in an Arrow file the user names, keyed by the pair's example id (the loader's
+``pair_ids``), so any shuffle, world size, context-parallel share or resume finds them; the file records
+the build's manifest sha256 and :class:`StoredReference` refuses another build's. ``dpo_step(policy,
+stored, batch)`` then reads the reference's values instead of running a second model.
+
+Context parallelism: a CP rank holds a share of each row (``shift_labels``, ``seq_idx``);
+:func:`share_logps` sums its tokens' log-probs per segment, and the sum over the CP group (an all-reduce) is
+the row's :func:`segment_logps`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
+from .. import fs
 from ..contract.schema import IGNORE_INDEX
+from ..errors import ConfigError, ShardFormatError
+from .loader import PackedDataset, manifest_fingerprint
+
+REFERENCE_FORMAT = "packer-reference-logps"  # the stored reference's schema metadata "format"
+REFERENCE_VERSION = "1"
 
 MODEL_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -69,14 +93,123 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, pair_rol
 
 
 def packed_logps(model, batch: dict[str, Any]) -> torch.Tensor:
-    """Each segment's summed completion log-prob of one loader batch, from one forward of ``model``."""
+    """Each pair segment's summed completion log-prob of one loader batch, from one forward of ``model``
+    (a static-shape row's padding segments, after the pairs', left out)."""
     logits = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
-    return segment_logps(logits, batch["labels"], batch["cu_seq_lens_q"])[0]
+    return segment_logps(logits, batch["labels"], batch["cu_seq_lens_q"])[0][: len(batch["pair_roles"])]
+
+
+def share_logps(logits: torch.Tensor, shift_labels: torch.Tensor, seq_idx: torch.Tensor, segments: int
+                ) -> torch.Tensor:
+    """A context-parallel rank's part of each segment's summed completion log-prob, float32 ``[segments]``.
+
+    ``logits`` ``[1, t, V]`` of the rank's share, ``shift_labels`` and ``seq_idx`` ``[1, t]`` as the loader's CP
+    share gives them (labels shifted over the whole row before the split, so no target is lost at a share's
+    edge). Summed over the CP group's ranks (``all_reduce``) it is :func:`segment_logps`'s sum; a padding
+    segment past ``segments`` (static shapes) is trained nowhere and left out."""
+    labels, seg = shift_labels[0].to(logits.device), seq_idx[0].to(device=logits.device, dtype=torch.int64)
+    mask = (labels != IGNORE_INDEX) & (seg < segments)
+    logp = torch.log_softmax(logits[0].float(), dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * mask
+    return torch.zeros(segments, device=logits.device, dtype=logp.dtype).index_add(0, seg.clamp(max=segments - 1), logp)
+
+
+class StoredReference:
+    """A reference's summed log-probs stored by :func:`precompute_reference`, for the build in ``directory``
+    only: another build's file is refused (ShardFormatError, one line) when it is opened."""
+
+    def __init__(self, path: str | os.PathLike, directory: str | os.PathLike) -> None:
+        try:  # read into memory (a few MB a million pairs), so no view outlives the file
+            with pa.OSFile(str(path)) as source:
+                table = pa.ipc.open_file(source).read_all()
+            columns = [table.column(name).to_numpy() for name in ("pair_id", "chosen_logps", "rejected_logps")]
+        except (OSError, KeyError, pa.ArrowInvalid) as e:
+            raise ConfigError(f"{path}: not a reference file precompute_reference() wrote ({e})") from None
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        if meta.get("format") != REFERENCE_FORMAT or meta.get("version") != REFERENCE_VERSION:
+            raise ConfigError(f"{path}: not a reference file precompute_reference() wrote (format "
+                              f"{meta.get('format')!r}, version {meta.get('version')!r})")
+        mine = manifest_fingerprint(directory)
+        if meta.get("manifest_sha256") != mine:
+            raise ShardFormatError(
+                f"{path}: reference log-probs of another build (manifest sha256 {meta.get('manifest_sha256', '')[:12]}…, "
+                f"{directory} has {mine[:12]}…); run precompute_reference on this build")
+        self.path, self.meta = Path(path), meta
+        self.ids, self.values = columns[0], np.stack(columns[1:], 1)
+
+    def __len__(self) -> int:
+        return self.ids.size
+
+    def segment_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The stored reference's summed log-prob of each segment of ``batch`` (in the row's order, by its
+        ``pair_roles``), float32 ``[segments]``, looked up by the row's ``pair_ids``."""
+        ids = np.asarray(batch["pair_ids"])
+        at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
+        missing = ids[self.ids[at] != ids] if self.ids.size else ids
+        if missing.size:
+            raise ConfigError(f"{self.path}: holds no reference log-probs for pair {int(missing[0])}; it was computed "
+                              "for another build or is damaged: run precompute_reference again")
+        roles = torch.as_tensor(batch["pair_roles"])
+        out = torch.empty(roles.numel(), dtype=torch.float32)
+        out[roles == 1] = torch.from_numpy(self.values[at, 0])
+        out[roles == 0] = torch.from_numpy(self.values[at, 1])
+        return out
+
+
+def precompute_reference(reference, directory: str | os.PathLike, out_path: str | os.PathLike, *,
+                         model_name: str | None = None,
+                         progress: Callable[[Iterable, int], Iterable] | None = None) -> StoredReference:
+    """Run ``reference`` once over every row of the build in ``directory`` (one epoch, in order, one rank;
+    no grad) and store each pair's summed chosen and rejected completion log-probs at ``out_path``, an Arrow
+    IPC file outside the build folder (packer owns every file in it), keyed by the pair's example id and
+    recording the build's manifest sha256. ``progress(rows, total)`` may wrap the rows (tqdm). Returns the
+    stored reference, opened."""
+    out = Path(out_path).resolve()
+    local = fs.local_path(directory)
+    if local is not None and out.is_relative_to(Path(local).resolve()):
+        raise ConfigError(f"{out_path}: inside the build folder {directory}, whose files are the manifest's; "
+                          "write the reference log-probs beside it instead")
+    dataset = PackedDataset(directory, shuffle=False, rank=0, world_size=1, grad_accum=1)
+    if "pair_roles" not in next(iter(dataset)):
+        raise ConfigError(f"{directory}: not a preference build (no pair_roles): a DPO reference needs pairs")
+    device = next(reference.parameters()).device
+    ids, chosen, rejected = [], [], []
+    rows = iter(dataset) if progress is None else progress(dataset, len(dataset))
+    with torch.no_grad():
+        for batch in rows:
+            logps = packed_logps(reference, {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+            roles = batch["pair_roles"].to(logps.device)
+            ids.append(batch["pair_ids"].numpy())
+            chosen.append(logps[roles == 1].cpu().numpy())
+            rejected.append(logps[roles == 0].cpu().numpy())
+    ids = np.concatenate(ids)
+    order = np.argsort(ids, kind="stable")
+    if np.any(np.diff(ids[order]) == 0):
+        raise ShardFormatError(f"{directory}: a pair id appears twice in one epoch; the build is damaged, verify it")
+    meta = {"format": REFERENCE_FORMAT, "version": REFERENCE_VERSION, "manifest_sha256": dataset.fingerprint,
+            "build": str(directory), "model": model_name or getattr(getattr(reference, "config", None),
+                                                                     "_name_or_path", "") or ""}
+    table = pa.table({"pair_id": ids[order], "chosen_logps": np.concatenate(chosen)[order],
+                      "rejected_logps": np.concatenate(rejected)[order]}).replace_schema_metadata(meta)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(partial, out)  # a reader never sees half a file
+    return StoredReference(out, directory)
 
 
 def dpo_step(model, reference, batch: dict[str, Any], *, beta: float = 0.1) -> DPOOutput:
-    """One packed DPO forward: the policy's log-probs with grad, the reference's (same row) without."""
-    with torch.no_grad():
-        ref = packed_logps(reference, batch)
-    return dpo_loss(packed_logps(model, batch), ref, batch["pair_roles"], beta=beta,
-                    num_items=batch.get("num_items_in_batch"))
+    """One packed DPO forward: the policy's log-probs with grad, and the reference's on the same row: a
+    model run without grad, or a :class:`StoredReference`'s values (no forward)."""
+    if isinstance(reference, StoredReference):
+        ref = reference.segment_logps(batch)
+    else:
+        with torch.no_grad():
+            ref = packed_logps(reference, batch)
+    policy = packed_logps(model, batch)
+    out = dpo_loss(policy, ref.to(policy.device), batch["pair_roles"].to(policy.device), beta=beta,
+                   num_items=batch.get("num_items_in_batch"))
+    if bool((batch["labels"] != IGNORE_INDEX).any()):
+        return out
+    # a filler row (labels all -100): its pairs' log-probs are 0 and their loss log 2, a constant; it is no pair
+    return DPOOutput(*(getattr(out, f.name) * 0 for f in dataclasses.fields(out)))

@@ -1,0 +1,359 @@
+"""Preference builds where the options meet (issue 31, §4 and §7): a reference stored once and read back
+exactly as the reference model's values, the pair build's row budget, resume at one and two ranks, epochs,
+context-parallel shares, format 1 against 2, the pack modes, and mixes with SFT data refused."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+from conftest import SHARED_DATA, make_build
+
+from packer.contract import schema
+from packer.errors import ConfigError, ShardFormatError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+TOKENIZER = SHARED_DATA / "llama2-tokenizer"
+PAIRS = 24
+MAX_LEN = 40
+WORDS = "the cat sat on a mat while two dogs ran past seven red cars and one blue bus".split()
+
+
+def records() -> list[dict]:
+    """PAIRS standard pairs of varied lengths (some over MAX_LEN), the same every run."""
+    rng = random.Random(31)
+    out = []
+    for i in range(PAIRS):
+        def words(n):
+            return " ".join(rng.choice(WORDS) for _ in range(n))
+        long = i % 7 == 3  # a few over MAX_LEN, truncated
+        out.append({"prompt": f"Q{i}: {words(rng.randint(2, 8))}?\nA:", "chosen": " " + words(rng.randint(1, 8)),
+                    "rejected": " " + words(30 if long else rng.randint(1, 10))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    if not (TOKENIZER / "tokenizer.json").is_file():
+        pytest.skip(f"{TOKENIZER} is absent")
+    path = tmp_path_factory.mktemp("src") / "prefs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory, source):
+    """Lazily made builds of the same pairs, by options (each made once for the module)."""
+    made = {}
+
+    def get(**options):
+        key = tuple(sorted(options.items()))
+        if key not in made:
+            opts = {"pack": "bfd", "max_len": MAX_LEN, "num_proc": 1, **options}
+            made[key] = make_build(tmp_path_factory.mktemp("b"), str(source), tokenizer=str(TOKENIZER), **opts)
+        return made[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def models(builds):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from packer import prepare
+    vocab = schema.read_manifest(builds()).tokenizer["vocab_size"]
+
+    def tiny(seed):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        return prepare(LlamaForCausalLM(config).float().eval(), max_tokens=512)
+    return tiny(0), tiny(1)
+
+
+def stream(out, **options):
+    from packer.training.loader import PackedDataset
+    return list(PackedDataset(out, **options))
+
+
+def real(batch) -> bool:
+    """A real row, not one of the loader's fillers (a copy whose labels are all -100)."""
+    return bool((batch["labels"] != -100).any())
+
+
+def kept_pairs(out) -> int:
+    return schema.read_manifest(out).stats.pairs
+
+
+# -- the row budget of a pair build ---------------------------------------------------------------
+
+
+def test_default_row_budget_holds_a_pair(builds):
+    from packer.checking.verify import verify
+    out = builds()
+    m = schema.read_manifest(out)
+    assert m.config.max_tokens == 2 * MAX_LEN and m.stats.row_budget == 2 * MAX_LEN  # the SFT default, doubled
+    assert m.stats.max_row_tokens > MAX_LEN  # rows do hold more than one sequence's budget
+    assert verify(out).ok
+
+
+def test_padded_default_holds_two_padded_sequences(builds):
+    from packer.checking.verify import verify
+    from packer.planning.context_parallel import Layout
+    from packer.planning.pairs import pair_budget
+    out = builds(cp_size=2)
+    assert schema.read_manifest(out).config.max_tokens == 2 * MAX_LEN and verify(out).ok
+    assert pair_budget(38, Layout(cp_size=2)) == 80  # two sequences of 38 padded to a multiple of 4 (zigzag, 2 x 2)
+
+
+def test_a_given_budget_too_small_for_a_pair_is_one_line(tmp_path, source):
+    with pytest.raises(ConfigError) as e:
+        make_build(tmp_path / "o", str(source), tokenizer=str(TOKENIZER), pack="bfd", max_len=MAX_LEN, max_tokens=60)
+    message = str(e.value)
+    assert "\n" not in message and "pass --max-tokens 80 or more" in message and "--max-len to 30" in message
+    assert not (tmp_path / "o" / schema.MANIFEST_NAME).exists()
+
+
+def test_cli_refuses_a_small_budget_with_exit_2(tmp_path, source):
+    from click.testing import CliRunner
+
+    from packer.cli import main
+    result = CliRunner().invoke(main, ["build", str(source), "--out", str(tmp_path / "o"), "--tokenizer",
+                                       str(TOKENIZER), "--pack", "bfd", "--max-len", "40", "--max-tokens", "79"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "pass --max-tokens 80 or more" in result.output
+
+
+# -- the reference, computed once -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stored(builds, models, tmp_path_factory):
+    from packer.training.preference import precompute_reference
+    seen = []
+
+    def progress(rows, total):
+        seen.append(total)
+        return rows
+    path = tmp_path_factory.mktemp("ref") / "ref.arrow"
+    ref = precompute_reference(models[1], builds(), path, progress=progress)
+    assert seen == [schema.read_manifest(builds()).stats.rows]
+    return ref
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_stored_reference_is_the_reference_models_values(builds, models, stored, world_size):
+    from packer.training.preference import dpo_step
+    out = builds()
+    policy, reference = models
+    assert len(stored) == kept_pairs(out)
+    seen, fillers = [], 0
+    with torch.no_grad():
+        for rank in range(world_size):
+            for batch in stream(out, shuffle=True, seed=3, rank=rank, world_size=world_size, grad_accum=2):
+                live, kept = dpo_step(policy, reference, batch), dpo_step(policy, stored, batch)
+                assert torch.equal(live.loss, kept.loss) and torch.equal(live.losses, kept.losses)
+                assert torch.equal(live.chosen_rewards, kept.chosen_rewards)
+                assert torch.equal(live.rejected_rewards, kept.rejected_rewards)
+                if real(batch):
+                    seen += batch["pair_ids"].tolist()
+                    assert kept.loss > 0
+                else:  # a filler adds nothing, with either reference
+                    fillers += 1
+                    assert kept.loss == 0 and live.loss == 0
+    rows = schema.read_manifest(out).stats.rows
+    groups = -(-rows // world_size)  # the last group completed, then the last optimizer step (grad_accum 2)
+    assert fillers == (groups + groups % 2) * world_size - rows
+    assert sorted(seen) == sorted(stored.ids.tolist())  # every pair once over the ranks
+
+
+def test_reference_of_another_build_is_refused(builds, stored, tmp_path):
+    from packer.training.preference import StoredReference, precompute_reference
+    other = builds(seed=1)
+    with pytest.raises(ShardFormatError, match="another build") as e:
+        StoredReference(stored.path, other)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="inside the build folder"):
+        precompute_reference(None, other, other / "ref.arrow")
+    (tmp_path / "x.arrow").write_bytes(b"not arrow")
+    with pytest.raises(ConfigError, match="not a reference file"):
+        StoredReference(tmp_path / "x.arrow", other)
+
+
+def test_stored_reference_refuses_a_pair_it_lacks(builds, stored):
+    batch = next(iter(stream(builds(), shuffle=False)))
+    batch = {**batch, "pair_ids": batch["pair_ids"] + 10_000}
+    with pytest.raises(ConfigError, match="no reference log-probs for pair"):
+        stored.segment_logps(batch)
+
+
+def test_dpo_loop_with_stored_reference_trains_as_with_the_model(builds, models, tmp_path):
+    import copy
+
+    from examples.dpo_loop import train
+    out, path = builds(), tmp_path / "ref.arrow"
+
+    def run(**options):  # each run from the same initial policy (train() trains the model it is given)
+        return train(out, steps=2, grad_accum=2, model=copy.deepcopy(models[0]), **options)
+    live = run()
+    kept = run(reference_logps=path)  # computed, then stored
+    again = run(reference_logps=path)  # read back
+    assert live == kept == again and path.is_file()
+    assert live[1]["loss"] != live[0]["loss"]
+
+
+# -- resume, ranks, epochs ------------------------------------------------------------------------
+
+
+def ids_of(batches):
+    return [tuple(b["pair_ids"].tolist()) + (real(b),) for b in batches]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_mid_epoch_continues_the_stream(builds, world_size):
+    from packer.training.loader import PackedDataset
+    out = builds()
+    options = {"shuffle": True, "seed": 5, "world_size": world_size, "grad_accum": 2}
+    whole = {r: ids_of(stream(out, rank=r, **options)) for r in range(world_size)}
+    first = PackedDataset(out, rank=0, **options)
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]  # mid optimizer step (grad_accum 2)
+    state = first.state_dict()
+    for r in range(world_size):
+        resumed = PackedDataset(out, rank=r, **options)
+        resumed.load_state_dict(state)
+        got = ids_of(resumed)
+        assert whole[r][3:] == got
+    assert ids_of(taken) == whole[0][:3]
+    pairs = [p for r in whole for row in whole[r] if row[-1] for p in row[:-1]]
+    assert len(set(pairs)) == len(pairs) == kept_pairs(out)  # over the ranks every pair once, none split
+
+
+def test_elastic_resume_two_ranks_to_one_deals_each_pair_once(builds):
+    from packer.training.loader import PackedDataset
+    out = builds()
+    two = [PackedDataset(out, rank=r, world_size=2, seed=2) for r in range(2)]
+    its = [iter(d) for d in two]
+    done = [p for it in its for _ in range(2) for b in [next(it)] if real(b) for p in b["pair_ids"].tolist()]
+    one = PackedDataset(out, world_size=1, seed=2)
+    one.load_state_dict(two[0].state_dict())
+    rest = [p for b in one if real(b) for p in b["pair_ids"].tolist()]
+    assert sorted(done + rest) == sorted(set(done + rest)) and len(done + rest) == kept_pairs(out)
+
+
+def test_two_epochs_hold_each_pair_twice_counted_as_pairs(builds):
+    from packer.training.loader import PackedDataset
+    out = builds(epochs=2)
+    m = schema.read_manifest(out)
+    assert m.stats.examples == PAIRS and m.stats.epoch_count == 2  # accounting counts pairs, once
+    every = [p for r in schema.open_shard(out / m.shards[0].file).to_pylist() for p in r["example_ids"][0::2]]
+    assert len(every) == 2 * kept_pairs(builds()) and all(every.count(p) == 2 for p in set(every))
+    loader = PackedDataset(out, seed=1)
+    epochs = []
+    for e in range(2):
+        loader.set_epoch(e)
+        epochs.append([p for b in loader for p in b["pair_ids"].tolist()])
+    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(set(every))  # each epoch every pair once
+    assert epochs[0] != epochs[1]  # each planned epoch its own grouping
+
+
+# -- context parallelism --------------------------------------------------------------------------
+
+
+def test_cp_shares_carry_pairs_and_reassemble_the_loss(builds, models, stored):
+    from packer.planning.context_parallel import zigzag_indices
+    from packer.training.preference import dpo_loss, segment_logps, share_logps
+    out = builds(cp_size=2)
+    policy, _ = models
+    table = schema.open_shard(out / schema.read_manifest(out).shards[0].file).to_pylist()
+    for r in table:  # both segments of every pair padded to the zigzag multiple (2 x cp_size)
+        assert all(n % 4 == 0 for n in r["seq_lens"]) and len(r["pad_lens"]) == len(r[schema.PAIR_COLUMN])
+    whole = stream(out, shuffle=False)
+    shares = [stream(out, shuffle=False, cp_rank=k, cp_size=2) for k in range(2)]
+    with torch.no_grad():
+        for row, *parts in zip(whole, *shares, strict=True):
+            logits = policy(input_ids=row["input_ids"], position_ids=row["position_ids"],
+                            cu_seq_lens_q=row["cu_seq_lens_q"], cu_seq_lens_k=row["cu_seq_lens_k"],
+                            max_length_q=row["max_length_q"], max_length_k=row["max_length_k"]).logits
+            want = segment_logps(logits, row["labels"], row["cu_seq_lens_q"])[0]
+            got = torch.zeros_like(want)
+            for k, part in enumerate(parts):
+                assert torch.equal(part["pair_roles"], row["pair_roles"]) and torch.equal(part["pair_ids"], row["pair_ids"])
+                idx = torch.from_numpy(zigzag_indices(row["cu_seq_lens_q"].numpy(), 2, k))
+                assert torch.equal(part["input_ids"][0], row["input_ids"][0, idx])  # the share is these tokens
+                got += share_logps(logits[:, idx], part["shift_labels"], part["seq_idx"], want.numel())
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+            a = dpo_loss(want, want * 0.9, row["pair_roles"]).loss
+            b = dpo_loss(got, want * 0.9, parts[0]["pair_roles"]).loss
+            # the sums differ only in float32 order: 1e-6 of the log-probs (tens), beta times that in the loss
+            torch.testing.assert_close(a, b, rtol=0, atol=0.1 * 1e-6 * float(want.abs().max()))
+
+
+def test_static_shapes_rows_give_the_same_dpo_loss(builds, models, stored):
+    from packer.training.preference import dpo_step
+    out = builds()
+    with torch.no_grad():
+        for plain, fixed in zip(stream(out, shuffle=False), stream(out, shuffle=False, static_shapes=True), strict=True):
+            assert fixed["input_ids"].shape[1] == 2 * MAX_LEN and torch.equal(fixed["pair_ids"], plain["pair_ids"])
+            a, b = dpo_step(models[0], stored, plain), dpo_step(models[0], stored, fixed)
+            torch.testing.assert_close(a.losses, b.losses, rtol=1e-5, atol=1e-6)
+
+
+# -- format versions, pack modes, mixes -----------------------------------------------------------
+
+
+def test_format_1_and_2_give_the_same_batches(builds):
+    one, two = (stream(builds(format_version=v), seed=4) for v in (1, 2))
+    assert len(one) == len(two)
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+@pytest.mark.parametrize("pack", ["batch", "bfd", "optimal"])
+def test_every_pack_mode_keeps_pairs_whole(builds, pack):
+    from packer.checking.verify import verify
+    out = builds(pack=pack, batch_size=4) if pack == "batch" else builds(pack=pack)
+    assert verify(out).ok
+    ids = []
+    for b in stream(out, shuffle=False):
+        roles = b["pair_roles"].tolist()
+        assert roles == [1, 0] * (len(roles) // 2) and len(b["pair_ids"]) == len(roles) // 2
+        assert b["num_items_in_batch"] == len(roles) // 2
+        ids += b["pair_ids"].tolist()
+        if pack == "batch":
+            assert len(roles) <= 8
+        else:
+            assert b["input_ids"].shape[1] <= 2 * MAX_LEN
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == kept_pairs(out)
+    if pack == "optimal":
+        assert schema.read_manifest(out).stats.rows <= schema.read_manifest(builds()).stats.rows
+
+
+@pytest.mark.parametrize("options", [{"pack": "wrap"}, {"overlong": "split"}])
+def test_options_that_would_cut_a_pair_are_refused(tmp_path, source, options):
+    # wrap is refused before the pairs are known (formatting.py: "wrap would cut mid-answer"), split by the planner
+    with pytest.raises(ConfigError, match="wrap would cut|cut a preference pair apart"):
+        make_build(tmp_path / "o", str(source), tokenizer=str(TOKENIZER), max_len=MAX_LEN,
+                   **{"pack": "bfd", **options})
+
+
+def test_sft_then_pairs_mix_is_refused(tmp_path, source):
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    mix = [{"source": str(tmp_path / "s.jsonl"), "weight": 1.0}, {"source": str(source), "weight": 1.0}]
+    with pytest.raises(ConfigError, match="preference pairs and SFT") as e:
+        make_build(tmp_path / "out", mix=mix, batch_size=2, tokenizer=str(TOKENIZER))
+    assert "\n" not in str(e.value)
+
+
+def test_a_mix_of_two_preference_sources_packs_pairs(tmp_path, source):
+    other = tmp_path / "more.jsonl"
+    other.write_text("".join(json.dumps({**r, "prompt": "Other " + r["prompt"]}) + "\n" for r in records()[:6]))
+    mix = [{"source": str(source), "weight": 1.0}, {"source": str(other), "weight": 1.0}]
+    out = make_build(tmp_path / "out", mix=mix, pack="bfd", max_len=MAX_LEN, tokenizer=str(TOKENIZER))
+    ids = [p for b in stream(out, shuffle=False) for p in b["pair_ids"].tolist()]
+    assert len(ids) == len(set(ids)) == kept_pairs(out) and np.all(np.asarray(ids) >= 0)
