@@ -68,7 +68,7 @@ def main() -> None:
               help="batch: B examples per row, same optimizer steps as padded training. "
                    "bfd: fill rows up to --max-tokens. optimal: bfd, then refilled to fewer rows. wrap: concatenate and cut (plain text).")
 @click.option("--batch-size", "-b", type=int, help="Examples per row in --pack batch (default 8).")
-@click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/wrap (default: --max-len).")
+@click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/optimal/wrap (default: --max-len; 2 x --max-len for preference pairs).")
 @click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,
               help="What happens to an example longer than --max-len; every case is counted in the manifest. "
                    "truncate keeps the first --max-len tokens; truncate-left drops prompt tokens from the start so "

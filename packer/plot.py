@@ -61,7 +61,9 @@ def figure(data: PlotData):
     mode = cfg.pack + (f" of {cfg.batch_size}" if cfg.pack == "batch" else f", rows ≤ {budget:,} tokens")
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    what = f"{s.rows:,} rows ({mode}) · {s.tokens:,} tokens · {s.examples_read:,} examples"
+    # a preference build counts pairs, each two sequences (packer.planning.pairs)
+    read = f"{s.examples_read:,} pairs" if s.paired else f"{s.examples_read:,} examples"
+    what = f"{s.rows:,} rows ({mode}) · {s.tokens:,} tokens · {read}"
     # a long folder name gets its own line, so the title stays inside the figure
     fig.suptitle(f"{data.directory}{' — ' if len(str(data.directory)) + len(what) < 90 else chr(10)}{what}",
                  fontsize=13, fontweight="bold")
@@ -84,9 +86,10 @@ def _lengths_panel(ax, data: PlotData) -> None:
                 f" {s.examples_truncated:,} truncated, {s.examples_split:,} split",
                 color=PAD, va="top", ha="right" if ex_len.size and np.median(ex_len) < cfg.max_len * 0.5 else "left",
                 fontsize=9, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
-    ax.set_title("example lengths (tokens kept in the rows)")
-    ax.set_xlabel("tokens per example")
-    ax.set_ylabel("examples")
+    unit = "sequence" if s.paired else "example"  # a pair's chosen and rejected, each its own length
+    ax.set_title(f"{unit} lengths (tokens kept in the rows)")
+    ax.set_xlabel(f"tokens per {unit}")
+    ax.set_ylabel(f"{unit}s")
 
 
 def _fill_panel(ax, data: PlotData, budget: int) -> None:
@@ -123,7 +126,8 @@ def _examples_panel(ax, data: PlotData) -> None:
     else:
         values, counts = np.unique(row_ex, return_counts=True)
         ax.bar(values, counts, color=TOKENS, alpha=0.85, width=0.8)
-        ax.set_title(f"examples per row (mean {row_ex.mean() if row_ex.size else 0:.1f})")
+        unit = "sequences (two a pair)" if s.paired else "examples"
+        ax.set_title(f"{unit} per row (mean {row_ex.mean() if row_ex.size else 0:.1f})")
         ax.set_xlabel("segments in the row")
         ax.set_ylabel("rows")
         ax.set_xlim(max(0, values.min() - 1.5) if values.size else 0, (values.max() + 1.5) if values.size else 2)

@@ -8,7 +8,7 @@ import copy
 import json
 
 import pytest
-from conftest import SHARED_DATA, make_build
+from conftest import make_build, need_shared
 
 from packer.building.preference import extract_prompt
 from packer.contract import schema
@@ -36,10 +36,7 @@ def records(kind: str) -> list[dict]:
 
 
 def tokenizer_for(kind: str):
-    path = SHARED_DATA / ("tokenizers/qwen3" if kind == "conversational" else "llama2-tokenizer")
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"{path} is absent")
-    return path
+    return need_shared("tokenizers/qwen3" if kind == "conversational" else "llama2-tokenizer")
 
 
 def build(tmp_path, kind: str, **options):

@@ -102,12 +102,14 @@ def make_spec(*, recipe, config, columns: list[str]) -> FormatSpec:
         else:
             spec = FormatSpec(kind="completion", prompt_field=pair[0], completion_field=pair[1])
     if config.pack == "wrap" and spec.kind != "text":  # the one place: options, recipe or columns alike
-        kind = "chat" if spec.kind == "chat" else "prompt/completion"
+        kind = {"chat": "chat", "preference": "preference pairs"}.get(spec.kind, "prompt/completion")
         found = ", ".join(f for f in (spec.messages_field, spec.prompt_field, spec.completion_field) if f)
+        found = "chosen, rejected" + (f", {found}" if found else "") if spec.kind == "preference" else found
         raise ConfigError(
             f"--pack wrap is for plain text (--text-field); this data is {kind} "
             f"({'fields ' + found if found else 'recipe ' + recipe.name}), "
-            "which trains on whole examples that wrap would cut mid-answer: use --pack batch or bfd"
+            f"which trains on whole {'pairs' if spec.kind == 'preference' else 'examples'} that wrap would cut "
+            "mid-answer: use --pack batch or bfd"
         )
     if spec.kind == "preference":
         if train_on_prompt or config.train_on != "assistant":

@@ -22,7 +22,9 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
    record (its pieces tile it, or it is truncated or dropped as the policy says), and every segment of
    the shards is compared token for token with the source: the ids with the build's encoder's, the
    trained mask with one recomputed apart from it (a token is trained when its character offsets
-   overlap a trained span), so a fault in the encoder's span mapping shows.
+   overlap a trained span), so a fault in the encoder's span mapping shows. A preference build's
+   segments are compared the same way, each pair's mask recomputed from its prompt's end, and its
+   ``pair_roles`` against the plan's (``verify_pairs`` checks the pairing invariants in step 3).
 
 Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
 ``source`` costs a re-tokenize and holds the source's tokens in memory.
