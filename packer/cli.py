@@ -219,8 +219,10 @@ def _note_staging(directory: str) -> None:
 @click.option("--source", help="Re-read this source with the build's config and check every record is accounted for.")
 @click.option("--quick", is_flag=True, help="Check the manifest and the shards' sizes and sha256 only.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.pass_context
-def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: str | None, quick: bool, as_json: bool) -> None:
+def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: str | None, quick: bool, as_json: bool,
+           quiet: bool) -> None:
     """Check a shard folder: manifest, hashes, every row's invariants; exit 0 clean, 1 problems found.
 
     \b
@@ -230,7 +232,7 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
     _note_staging(directory)
-    report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick)
+    report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick, progress=not quiet and not as_json)
     for note in report.notes:
         click.echo(f"packer: note: {note}", err=True)
     if as_json:

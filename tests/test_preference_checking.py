@@ -231,7 +231,7 @@ def test_verify_source_passes_clean_pair_builds(batch_build, cp_build, src):
     for out in (batch_build, cp_build):
         report = verify(out, source=str(src))
         assert report.ok, report.problems
-    assert cli("verify", cp_build, "--source", src).startswith(f"{cp_build}: OK")
+    assert cli("verify", cp_build, "--source", src, "-q").startswith(f"{cp_build}: OK")
 
 
 def _trained_positions(out) -> tuple[np.ndarray, np.ndarray]:

@@ -103,6 +103,26 @@ def test_clean_build_passes_every_check(clean):
     assert data["ok"] and data["quick"] and data["problems"] == []
 
 
+def test_verify_shows_progress_on_its_long_steps_with_their_totals(clean):
+    """Hashing every byte, every row, re-tokenizing the source: a bar each on stderr, ending at its total
+    (the shards' bytes, the rows, the records the build read); none with -q or --json."""
+    manifest = schema.read_manifest(clean)
+    result = CliRunner().invoke(main, ["verify", str(clean), "--source", "flan"])
+    assert result.exit_code == 0, result.output
+    bars = result.stderr
+    size = sum(e.bytes for e in manifest.shards)
+    from tqdm import tqdm
+
+    shown = tqdm.format_sizeof(size)
+    assert "hash: 100%" in bars and f"{shown}/{shown}" in bars, bars
+    assert "rows: 100%" in bars and f"{manifest.stats.rows}/{manifest.stats.rows}" in bars, bars
+    read = manifest.stats.examples_read
+    assert "re-tokenize: 100%" in bars and f"{read}/{read}" in bars, bars
+    for quiet in (["-q"], ["--json"]):
+        result = CliRunner().invoke(main, ["verify", str(clean), "--source", "flan", *quiet])
+        assert result.exit_code == 0 and "100%" not in result.stderr, result.stderr
+
+
 def test_bfd_split_build_passes(tmp_path):
     out = make_build(tmp_path / "bfd", limit=80, pack="bfd", max_len=256, overlong="split")
     report = verify(out, source="flan")

@@ -52,14 +52,15 @@ from .verify_source import check_source, check_tokenizer
 
 
 def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source: str | None = None,
-           quick: bool = False) -> Report:
+           quick: bool = False, progress: bool = False) -> Report:
     """Check a shard folder; returns a Report listing every problem (empty when the folder is sound).
+    ``progress``: tqdm bars on stderr for the long steps (hashing every byte, the rows, the source).
 
     Raises ``ShardFormatError`` when ``directory`` is not a folder, and the loaders' ``PackerError``s
     when ``tokenizer`` or ``source`` cannot be loaded: those stop verify from running at all.
     """
     if fs.is_url(directory) and fs.local_path(directory) is None:
-        return _verify_remote(str(directory), tokenizer=tokenizer, source=source, quick=quick)
+        return _verify_remote(str(directory), tokenizer=tokenizer, source=source, quick=quick, progress=progress)
     directory = fs.local_path(directory)
     if not directory.is_dir():
         raise ShardFormatError(f"{directory}: no such folder; give the --out folder of a packer build")
@@ -75,7 +76,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
         tok = load_tokenizer(tokenizer_path(name), manifest.config.chat_template)
         if tokenizer is not None:
             check_tokenizer(manifest, tok, tokenizer, report)
-    entries = check_files(directory, manifest, report)
+    entries = check_files(directory, manifest, report, progress)
     report.checked["shards"] = len(entries)
     if quick:
         return report
@@ -83,12 +84,12 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     if tok is not None:
         vocab = min(vocab, len(tok)) if isinstance(vocab, int) else len(tok)
     totals = check_rows(directory, manifest, entries, vocab if isinstance(vocab, int) else None, report,
-                        keep_tokens=source is not None)
+                        keep_tokens=source is not None, progress=progress)
     if totals is not None:
         report.checked.update(rows=totals.rows, tokens=totals.tokens, segments=totals.segments)
         check_totals(manifest, totals, report)
     if source is not None:
-        check_source(manifest, source, tok, totals, report)
+        check_source(manifest, source, tok, totals, report, progress)
     return report
 
 

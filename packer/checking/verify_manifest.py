@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from ..building import output
 from ..contract import schema
 from ..contract.schema import Manifest
@@ -93,12 +95,16 @@ def check_folder_contents(directory: Path, manifest: Manifest | None, report: Re
         report.add("files", str(directory / name), problem)
 
 
-def check_files(directory: Path, manifest: Manifest, report: Report) -> list[schema.ShardEntry]:
-    """Existence, size and sha256 of every shard; returns the entries whose file exists."""
+def check_files(directory: Path, manifest: Manifest, report: Report, progress: bool = False) -> list[schema.ShardEntry]:
+    """Existence, size and sha256 of every shard (a bar over the bytes: every one is read); returns the
+    entries whose file exists."""
     present = []
-    for entry in manifest.shards:
-        for problem in schema.shard_file_problems(directory, entry):
-            report.add("files", str(directory / entry.file), problem)
-        if (directory / entry.file).is_file():
-            present.append(entry)
+    with tqdm(total=sum(e.bytes for e in manifest.shards), desc="hash", unit="B", unit_scale=True,
+              disable=not progress, dynamic_ncols=True) as bar:
+        for entry in manifest.shards:
+            for problem in schema.shard_file_problems(directory, entry):
+                report.add("files", str(directory / entry.file), problem)
+            if (directory / entry.file).is_file():
+                present.append(entry)
+            bar.update(entry.bytes)
     return present

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..contract import rows, schema
 from ..contract.config import BuildConfig
@@ -67,9 +68,16 @@ def limits(config: BuildConfig, paired: bool = False) -> rows.Limits:
 
 
 def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
-               report: Report, keep_tokens: bool) -> Totals | None:
+               report: Report, keep_tokens: bool, progress: bool = False) -> Totals | None:
     """Every shard's rows against the row invariants and its manifest entry; the totals, or None when
     a shard could not be read whole (its totals would be wrong)."""
+    with tqdm(total=sum(e.rows for e in entries), desc="rows", unit="row", disable=not progress,
+              dynamic_ncols=True) as bar:
+        return _check_rows(directory, manifest, entries, vocab, report, keep_tokens, bar.update)
+
+
+def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
+                report: Report, keep_tokens: bool, on_rows) -> Totals | None:
     budget = limits(manifest.config, manifest.stats.paired)
     totals = Totals()
     complete = len(entries) == len(manifest.shards)
@@ -96,6 +104,7 @@ def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEn
                 totals.rows += batch.num_rows
                 continue
             totals.add(rows.RowBatch.from_arrow(batch), keep_tokens)
+            on_rows(batch.num_rows)
         if totals.tokens - tokens_before != entry.tokens:
             report.add("rows", str(path), f"{totals.tokens - tokens_before:,} tokens, the manifest records "
                        f"{entry.tokens:,}")

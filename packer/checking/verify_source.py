@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from ..building import mix
 from ..building.engines import LocalEngine
@@ -93,8 +94,13 @@ class _Reread:
     skipped: Skipped  # records that failed to format, by reason
 
 
-def _reread(opened: Opened) -> _Reread:
-    chunks = list(LocalEngine().encode_chunks(opened.stream, opened.encoder, 0))
+def _reread(opened: Opened, total: int, progress: bool) -> _Reread:
+    """``total``: the records the build read (the bar's length: the source is read as the build read it)."""
+    chunks = []
+    with tqdm(total=total, desc="re-tokenize", unit="rec", disable=not progress, dynamic_ncols=True) as bar:
+        for chunk in LocalEngine().encode_chunks(opened.stream, opened.encoder, 0):
+            chunks.append(chunk)
+            bar.update(np.unique(chunk.example_ids).size + sum(chunk.skipped.values()))
     skipped = Skipped.none(len(opened.stream.parts))
     for chunk in chunks:
         skipped += chunk.skipped
@@ -208,13 +214,14 @@ def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, wh
                    "the reverse)")
 
 
-def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals | None, report: Report) -> None:
+def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals | None, report: Report,
+                 progress: bool = False) -> None:
     """The source re-read with the build's config, against the manifest and (with ``totals``) the rows."""
     config = manifest.config.replace(source=source_name, out=os.devnull, mix=_mix_parts(manifest.config, source_name))
     where = f"--source {source_name}"
     opened = open_source(config, tokenizer, skip_errors=True)  # the build's own reading and encoder
     _check_identity(manifest, opened, where, report)
-    reread = _reread(opened)
+    reread = _reread(opened, manifest.stats.examples_read, progress)
     _check_records(manifest, reread, where, report)
     # the plan takes the build's own flags (truncate-left keeps the answer they mark); the mask itself is
     # checked against a recomputation apart from the encoder
