@@ -203,6 +203,93 @@ def test_the_tokenize_bar_has_the_sources_record_count(tmp_path, monkeypatch):
     assert "tokenize: 100%" in result.stderr and "700/700 [" in result.stderr, result.stderr
 
 
+class _Reads:
+    """How far into each file the readers' ``_open`` got (gzip: its inflated bytes): the bytes of a source
+    read, however often its first block is looked at again."""
+
+    def __init__(self, monkeypatch):
+        from packer.building import readers
+
+        self.furthest: dict[str, int] = {}
+        real = readers._open
+        reads = self
+
+        class Counted:
+            def __init__(self, path):
+                self._f, self._path = real(path), path
+
+            def read(self, *n):
+                block = self._f.read(*n)
+                reads.furthest[self._path] = max(reads.furthest.get(self._path, 0), self._f.tell())
+                return block
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+        monkeypatch.setattr(readers, "_open", Counted)
+
+    def plain(self) -> int:
+        return sum(n for p, n in self.furthest.items() if not p.endswith(".gz"))
+
+    def inflated(self) -> int:
+        return sum(n for p, n in self.furthest.items() if p.endswith(".gz"))
+
+
+def _folder(folder: Path, files: int, per_file: int, gz: bool = False) -> int:
+    """``files`` JSON Lines files of ``per_file`` records each (gzip'd with ``gz``); their bytes on disk."""
+    folder.mkdir()
+    for k in range(files):
+        text = "".join(json.dumps(RECORDS[(k * per_file + i) % len(RECORDS)]) + "\n" for i in range(per_file)).encode()
+        if gz:
+            (folder / f"part-{k:03}.jsonl.gz").write_bytes(gzip.compress(text))
+        else:
+            (folder / f"part-{k:03}.jsonl").write_bytes(text)
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_the_bar_counts_a_folder_of_many_files_within_one_budget(tmp_path, monkeypatch):
+    """Many files each under the size counted whole: the bar's total reads no more than one budget of bytes
+    across them (an inflated byte costs GZIP_COST), the rest estimated from their sizes, near the real count."""
+    from packer.building import readers
+
+    plain = _folder(tmp_path / "plain", 40, 200)
+    _folder(tmp_path / "gz", 40, 200, gz=True)
+    budget = plain // 8  # five of the forty files
+    monkeypatch.setattr(readers, "BUDGET", budget, raising=False)
+    reads = _Reads(monkeypatch)
+    total = sources.open_stream(sources.resolve(str(tmp_path / "plain"))).total()
+    assert 0 < reads.plain() <= budget, (reads.plain(), budget, plain)
+    assert abs(total - 8000) < 8000 * 0.05, total
+    reads.furthest.clear()
+    total = sources.open_stream(sources.resolve(str(tmp_path / "gz"))).total()
+    cost = getattr(readers, "GZIP_COST", 1)
+    assert 0 < reads.inflated() * cost <= budget, (reads.inflated(), cost, budget)
+    assert abs(total - 8000) < 8000 * 0.05, total
+
+
+def test_the_bar_under_a_limit_counts_nothing(tmp_path, monkeypatch):
+    """With --limit the total is the limit, no file read to count it (the records it takes are read for the
+    build anyway); metadata that says there are fewer is believed."""
+    from packer.building import mix
+
+    _folder(tmp_path / "d", 3, 400)
+    stream = sources.open_stream(sources.resolve(str(tmp_path / "d")), limit=5)
+    whole = sources.open_stream(sources.resolve(str(tmp_path / "d")))
+    reads = _Reads(monkeypatch)
+    assert stream.total() == 5 and reads.furthest == {}
+    assert sources.open_stream(sources.resolve(str(tmp_path / "d")), limit=500).total() == 500
+    assert mix.MixStream(({"source": "d", "weight": 1.0},), (whole,), 0, 7).total() == 7
+    assert reads.furthest == {}
+    pq.write_table(pa.Table.from_pylist(RECORDS[:30]), tmp_path / "d.parquet")
+    assert sources.open_stream(sources.resolve(str(tmp_path / "d.parquet")), limit=500).total() == 30
+
+
 def test_csv_cells_are_the_text_they_hold(tmp_path):
     """Every cell as written (Python's csv module is the reference): numbers stay text ("1.0" is not
     "1"), quoted cells keep their commas and newlines, "NA" is text, and only an empty cell is null."""
