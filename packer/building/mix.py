@@ -283,9 +283,12 @@ class MixStream:
     def total(self) -> int | None:
         """About how many records the mix gives, for a progress bar, or None where a part cannot say cheaply.
         A weighted mix ends at the first draw of a part that has run out: near the fewest of a part's
-        records over its share of the draws."""
+        records over its share of the draws. Under a limit, the limit (or the parts' records, if fewer):
+        the parts' files are not read to count them."""
         if "records" in self.parts[0]:
             known: int | None = sum(p["records"] for p in self.parts)
+        elif self.limit is not None:
+            known = None
         else:
             counts = [s.total() for s in self.streams]
             share = np.array([p["weight"] for p in self.parts], np.float64)

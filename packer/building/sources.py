@@ -325,12 +325,12 @@ class Stream:
         raise SourceError(f"{self.name}: holds no records; check the file or --split")
 
     def total(self) -> int | None:
-        """About how many records this stream gives, for a progress bar (:func:`readers.total`), or None
-        where that is not known cheaply (a JSON document, a Hub dataset: then only a ``limit`` bounds it)."""
+        """About how many records this stream gives, for a progress bar (:func:`readers.total`: under a
+        limit, the limit unless metadata says fewer), or None where that is not known cheaply (a JSON
+        document, a Hub dataset: then only a ``limit`` bounds it)."""
         if self.source.kind == "local" and self.source.builder in readers.OWN:
-            counts = [readers.total(self.source.builder, f) for f in self.files]
-            if None not in counts:
-                return sum(counts) if self.limit is None else min(self.limit, sum(counts))
+            n = readers.total(self.source.builder, self.files, self.limit)
+            return self.limit if n is None else n
         return self.limit
 
     def count(self) -> int:

@@ -163,9 +163,9 @@ def tokenize(
     start = int(done["records"])
     skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
-    # the records the source holds where it knows them cheaply (a file's metadata or line breaks), else
-    # --limit: counted only for a bar that shows
-    total = stream.total() if progress else None
+    # the records the source holds where it knows them cheaply (metadata, line breaks within a budget, else
+    # estimated), --limit if it is given: counted only for a bar that shows, and not again for a finished spill
+    total = None if not progress else start if done.get("finished") else stream.total()
     bar = tqdm(total=total, initial=start, desc="tokenize", unit="rec", disable=not progress, dynamic_ncols=True)
     if start and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently
         bar.write(f"resuming: {start:,} records already tokenized"
