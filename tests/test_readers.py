@@ -294,6 +294,28 @@ def test_the_bar_under_a_limit_counts_nothing(tmp_path, monkeypatch):
     assert sources.open_stream(sources.resolve(str(tmp_path / "d.parquet")), limit=500).total() == 30
 
 
+def test_a_finished_spill_is_not_counted_again(tmp_path, monkeypatch, capsys):
+    """A rerun that finds every record tokenized (a crash in planning or writing) shows the records it has
+    on its bar, the source not read once more to count them."""
+    from packer import BuildConfig
+    from packer.building import mix, spill
+    from packer.building.engines import LocalEngine
+    from packer.building.formatting import make_spec
+    from packer.building.pipeline import tokenizer_path
+    from packer.building.tokenization import Encoder, load_tokenizer
+
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:300])
+    stream = sources.open_stream(sources.resolve(str(jsonl)))
+    config = BuildConfig(source=str(jsonl), out="-", prompt_field="prompt", completion_field="completion")
+    spec = make_spec(recipe=None, config=config, columns=stream.columns())
+    both = mix.MixStream(({"source": str(jsonl), "weight": 1.0},), (stream,), 0)
+    encoder = mix.MixEncoder([Encoder(load_tokenizer(tokenizer_path(None)), spec)], ["record"])
+    spill.tokenize(both, encoder, tmp_path / "t", {"test": 1}, engine=LocalEngine())
+    monkeypatch.setattr(mix.MixStream, "total", lambda self: pytest.fail("counted again"))
+    capsys.readouterr()
+    again = spill.tokenize(both, encoder, tmp_path / "t", {"test": 1}, engine=LocalEngine(), progress=True)
+    assert again.reused_records == 300 and "300/300 [" in capsys.readouterr().err
+
 def test_csv_cells_are_the_text_they_hold(tmp_path):
     """Every cell as written (Python's csv module is the reference): numbers stay text ("1.0" is not
     "1"), quoted cells keep their commas and newlines, "NA" is text, and only an empty cell is null."""
