@@ -104,8 +104,9 @@ def test_clean_build_passes_every_check(clean):
 
 
 def test_verify_shows_progress_on_its_long_steps_with_their_totals(clean):
-    """Hashing every byte, every row, re-tokenizing the source: a bar each on stderr, ending at its total
-    (the shards' bytes, the rows, the records the build read); none with -q or --json."""
+    """Hashing every byte, every row, re-tokenizing the source and recomputing its loss mask: a bar each on
+    stderr, ending at its total (the shards' bytes, the rows, the records the build read); none with -q or
+    --json."""
     manifest = schema.read_manifest(clean)
     result = CliRunner().invoke(main, ["verify", str(clean), "--source", "flan"])
     assert result.exit_code == 0, result.output
@@ -118,6 +119,7 @@ def test_verify_shows_progress_on_its_long_steps_with_their_totals(clean):
     assert "rows: 100%" in bars and f"{manifest.stats.rows}/{manifest.stats.rows}" in bars, bars
     read = manifest.stats.examples_read
     assert "re-tokenize: 100%" in bars and f"{read}/{read}" in bars, bars
+    assert "loss mask: 100%" in bars, bars  # the source read again for the mask, as long again
     for quiet in (["-q"], ["--json"]):
         result = CliRunner().invoke(main, ["verify", str(clean), "--source", "flan", *quiet])
         assert result.exit_code == 0 and "100%" not in result.stderr, result.stderr

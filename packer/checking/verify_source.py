@@ -183,8 +183,10 @@ def _check_plan(manifest: Manifest, config: BuildConfig, p: Plan, lengths: np.nd
             report.add("source", where, f"{value:,} {key} here, the manifest says {getattr(s, key)!r}")
 
 
-def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, where: str, report: Report) -> None:
-    """The shards' segments, in row order, against the plan of the source: ids, then the trained mask."""
+def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, where: str, report: Report,
+                    progress: bool = False) -> None:
+    """The shards' segments, in row order, against the plan of the source: ids, then the trained mask (the
+    source read a second time, with its own bar: as long again as the first)."""
     got_ex, got_len = np.concatenate(totals.example_ids), np.concatenate(totals.seq_lens)
     want_ex, want_len = reread.example_ids[p.example], p.length
     if got_ex.size != want_ex.size or not np.array_equal(got_ex, want_ex) or not np.array_equal(got_len, want_len):
@@ -203,7 +205,9 @@ def _check_segments(opened: Opened, reread: _Reread, p: Plan, totals: Totals, wh
         report.add("source", where, f"{differ:,} tokens differ from the source's tokens at the same place")
     if opened.pairs:
         _check_roles(p, totals, where, report)
-    reference = (reference_pairs if opened.pairs else reference_trained)(opened, reread.example_ids, reread.lengths)
+    with tqdm(total=reread.read, desc="loss mask", unit="rec", disable=not progress, dynamic_ncols=True) as bar:
+        reference = (reference_pairs if opened.pairs else reference_trained)(opened, reread.example_ids,
+                                                                             reread.lengths, bar.update)
     if reference is None:
         report.add("source", where, "re-tokenizing the source's records gives other lengths than the build's encoder")
         return
@@ -228,7 +232,7 @@ def check_source(manifest: Manifest, source_name: str, tokenizer, totals: Totals
     p = plan_rows(config, reread.lengths, reread.trained, pairs=opened.pairs)
     _check_plan(manifest, config, p, reread.lengths, where, report)
     if totals is not None and totals.input_ids:
-        _check_segments(opened, reread, p, totals, where, report)
+        _check_segments(opened, reread, p, totals, where, report, progress)
 
 
 def _check_roles(p: Plan, totals: Totals, where: str, report: Report) -> None:
@@ -246,7 +250,8 @@ def _check_roles(p: Plan, totals: Totals, where: str, report: Report) -> None:
                    "rejected swapped)")
 
 
-def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray,
+                      on_records=lambda n: None) -> np.ndarray | None:
     """The loss mask of the kept examples, recomputed apart from the build's encoder (which maps span
     ends with ``char_to_token``): a token is trained when its character offsets overlap a trained
     span, so a character spelled in several byte tokens is trained whole. The EOS packer appends takes
@@ -265,13 +270,15 @@ def reference_trained(opened: Opened, example_ids: np.ndarray, lengths: np.ndarr
                 for start, end in spans:
                     mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start) & (offsets[:, 1] > offsets[:, 0])
                 masks[position] = np.append(mask, last_flag) if eos_added else mask
+            on_records(len(positions))
     out = [masks.get(int(e), np.zeros(0, bool)) for e in example_ids]
     if [m.size for m in out] != lengths.tolist():
         return None
     return np.concatenate(out) if out else np.zeros(0, bool)
 
 
-def reference_pairs(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+def reference_pairs(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray,
+                    on_records=lambda n: None) -> np.ndarray | None:
     """A preference build's loss mask of the kept sequences, recomputed from the build's own tokenizing of
     each pair (:meth:`packer.building.preference.PairEncoder.pair`: TRL's, tested against TRL), apart from
     the encoder's flat buffers: a sequence's tokens from its prompt's end on are trained. ``example_ids``
@@ -287,6 +294,7 @@ def reference_pairs(opened: Opened, example_ids: np.ndarray, lengths: np.ndarray
                     continue
                 chosen, rejected, prompt = encoder.pair({name: records[name][i] for name in records})
                 masks[int(position)] = tuple(np.arange(len(seq)) >= prompt for seq in (chosen, rejected))
+            on_records(len(positions))
     empty = (np.zeros(0, bool), np.zeros(0, bool))
     out = [masks.get(int(e), empty)[j % 2] for j, e in enumerate(example_ids.tolist())]
     if [m.size for m in out] != lengths.tolist():

@@ -241,8 +241,15 @@ class BuildConfig:
         if self.max_tokens_given:
             check_pair_budget(self.max_len, self.max_tokens, self.layout())
             return self
-        return self.replace(max_tokens=max(self.max_tokens, pair_budget(self.max_len, self.layout())))
+        return self.replace(max_tokens=max(self.max_tokens, pair_budget(self.max_len, self.layout())),
+                            max_tokens_given=False)
 
     def replace(self, **changes: Any) -> BuildConfig:
+        """A copy with ``changes``. A ``max_tokens`` among them counts as given (for_pairs checks it, never
+        widens it); a new ``max_len`` on a config whose ``max_tokens`` was derived derives it again."""
+        if "max_tokens" in changes:
+            changes.setdefault("max_tokens_given", changes["max_tokens"] is not None)
+        elif "max_len" in changes and not self.max_tokens_given:
+            changes["max_tokens"] = None
         return dataclasses.replace(self, **changes)
 

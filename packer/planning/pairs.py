@@ -109,10 +109,10 @@ def plan_pairs(lengths, *, prompts, mode: str, max_len: int, max_tokens: int | N
     multiple = 1 if layout is None else layout.segment_multiple
     sizes = pad_up(kept_len[0::2], multiple) + pad_up(kept_len[1::2], multiple)
     kept = np.flatnonzero(keep)
-    if mode in ("bfd", "optimal"):
-        if max_tokens is None:
-            max_tokens = pair_budget(max_len, layout)
-        check_pair_budget(max_len, max_tokens, layout)
+    if mode in ("bfd", "optimal") and max_tokens is None:
+        max_tokens = pair_budget(max_len, layout)
+    # a given max_tokens too small for a longest pair is refused where a build starts (BuildConfig.for_pairs),
+    # not here: verify --source re-plans builds made before that rule, whose rows are what they are
     _, cap = row_size(mode, 2 * max_len, max_tokens if mode != "batch" else None, batch_size,
                       name=lambda f: {"max_len": "2 x --max-len (a pair)"}.get(f, f"--{f.replace('_', '-')}"))
     if cap is not None and layout is not None:
