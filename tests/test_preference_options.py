@@ -205,6 +205,180 @@ def test_dpo_loop_with_stored_reference_trains_as_with_the_model(builds, models,
     assert live[1]["loss"] != live[0]["loss"]
 
 
+def elsewhere(device: str):
+    """A tensor type as a batch moved to an accelerator holds it, on a CPU-only machine: numpy refuses it with
+    CUDA's TypeError until ``.cpu()`` copies it to host memory, and it reports ``device``."""
+    message = f"can't convert {device} device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
+
+    class Elsewhere(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device(device)
+
+        def numpy(self, *args, **kwargs):
+            raise TypeError(message)
+
+        def __array__(self, *args, **kwargs):
+            raise TypeError(message)
+
+        def cpu(self, *args, **kwargs):
+            return self.as_subclass(torch.Tensor)
+    return Elsewhere
+
+
+def test_stored_reference_reads_a_batch_on_another_device(builds, stored):
+    rows = [b for b in stream(builds(), shuffle=False) if len(b["pair_ids"]) > 1][:3]
+    for batch in rows:
+        want = stored.segment_logps(batch)
+        for device in ("cpu", "meta"):
+            kind = elsewhere(device)
+            moved = {k: v.as_subclass(kind) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with pytest.raises(TypeError):  # what a CUDA batch does to numpy: the case the lookup must avoid
+                np.asarray(moved["pair_ids"])
+            got = stored.segment_logps(moved)
+            assert got.device == torch.device(device) and got.shape == want.shape and got.dtype == torch.float32
+            if device == "cpu":
+                assert torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+def test_stored_reference_refuses_batches_of_another_build(builds, stored):
+    def row_lengths(b):  # each pair segment's tokens in a plain row
+        return np.diff(b["cu_seq_lens_q"].numpy())[: len(b["pair_roles"])].tolist()
+    lengths = {}  # the reference's build: each pair's (chosen, rejected) tokens
+    for b in stream(builds(), shuffle=False):
+        n = row_lengths(b)
+        lengths.update(zip(b["pair_ids"].tolist(), zip(n[0::2], n[1::2], strict=True), strict=True))
+    shorter = builds(max_len=30)  # the same records, so the same pair ids, some sequences cut shorter
+    refused = passed = 0
+    for b in stream(shorter, shuffle=False):
+        n = row_lengths(b)
+        differ = [(p, c, r) for p, c, r in zip(b["pair_ids"].tolist(), n[0::2], n[1::2], strict=True)
+                  if lengths[p] != (c, r)]
+        if not differ:  # the same sequences: the stored values are theirs
+            stored.segment_logps(b)
+            passed += 1
+            continue
+        with pytest.raises(ShardFormatError, match="the reference file is of another build") as e:
+            stored.segment_logps(b)
+        (p, c, r), message = differ[0], str(e.value)
+        assert "\n" not in message and f"pair {p} is {c} + {r} tokens" in message
+        assert "{} + {} in the build".format(*lengths[p]) in message
+        refused += 1
+    assert refused and passed  # both kinds of row were seen
+
+
+@pytest.fixture(scope="module")
+def stored_cp(builds, models, tmp_path_factory):
+    """A reference stored for each CP layout's build (cp_size 2), by layout."""
+    from packer.training.preference import precompute_reference
+    made = {}
+
+    def get(layout):
+        if layout not in made:
+            path = tmp_path_factory.mktemp("refcp") / "ref.arrow"
+            made[layout] = precompute_reference(models[1], builds(cp_size=2, cp_layout=layout), path)
+        return made[layout]
+    return get
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_stored_reference_on_cp_shares_and_static_rows(builds, stored_cp, layout):
+    out, stored = builds(cp_size=2, cp_layout=layout), stored_cp(layout)
+    whole = stream(out, shuffle=False)
+    views = [stream(out, shuffle=False, static_shapes=True)]
+    views += [stream(out, shuffle=False, cp_rank=k, cp_size=2, static_shapes=s) for k in range(2) for s in (False, True)]
+    for row, *parts in zip(whole, *views, strict=True):
+        want = stored.segment_logps(row)
+        for part in parts:  # every share and fixed shape is checked against the unsharded row's lengths
+            assert torch.equal(stored.segment_logps(part), want)
+
+
+def test_dpo_loss_on_cp_shares_gives_a_filler_row_no_loss(builds, models, stored_cp):
+    from packer.planning.context_parallel import zigzag_indices
+    from packer.training.preference import MODEL_KEYS, dpo_loss, share_logps
+    out, stored = builds(cp_size=2), stored_cp("zigzag")
+    policy, reference = models
+    rows = schema.read_manifest(out).stats.rows
+    options = {"shuffle": False, "grad_accum": rows + 1}  # one optimizer step: the rows, then one filler
+    whole = stream(out, **options)
+    shares = [stream(out, cp_rank=k, cp_size=2, **options) for k in range(2)]
+    assert [real(b) for b in whole] == [True] * rows + [False]
+    with torch.no_grad():
+        for row, *parts in zip(whole, *shares, strict=True):
+            logits = [m(**{k: row[k] for k in MODEL_KEYS}).logits for m in (policy, reference)]
+            n = len(row["pair_roles"])
+            got, ref, tokens = torch.zeros(n), torch.zeros(n), 0
+            for k, part in enumerate(parts):  # the documented CP route: each share, then the all-reduce (a sum)
+                idx = torch.from_numpy(zigzag_indices(row["cu_seq_lens_q"].numpy(), 2, k))
+                got += share_logps(logits[0][:, idx], part["shift_labels"], part["seq_idx"], n)
+                ref += share_logps(logits[1][:, idx], part["shift_labels"], part["seq_idx"], n)
+                tokens += int((part["shift_labels"] != -100).sum())
+            roles, items = row["pair_roles"], row["num_items_in_batch"]
+            results = [dpo_loss(got, stored.segment_logps(parts[0]), roles, num_items=items),  # stored reference
+                       dpo_loss(got, ref, roles, num_items=items),  # the reference model's shares
+                       dpo_loss(got, ref, roles, num_items=items, loss_tokens=tokens)]  # the count, all-reduced
+            if real(row):
+                assert tokens > 0 and all(r.loss > 0 for r in results)
+                assert torch.equal(results[1].losses, results[2].losses)
+            else:  # without the rule: log 2 a pair against the model, another constant against the stored values
+                assert tokens == 0
+                for r in results:
+                    assert r.loss == 0 and not r.losses.any() and not r.chosen_rewards.any()
+                    assert not r.rejected_rewards.any()
+
+
+def test_dpo_loss_filler_rule():
+    from packer.training.preference import dpo_loss
+    roles = torch.tensor([1, 0, 1, 0])
+    policy, ref = torch.tensor([-3.0, -5.0, -2.0, -4.0], requires_grad=True), torch.tensor([-3.5, -4.5, -2.5, -3.0])
+    real = dpo_loss(policy, ref, roles, num_items=2)
+    assert real.loss > 0 and torch.equal(dpo_loss(policy, ref, roles, num_items=2, loss_tokens=7).loss, real.loss)
+    stated = dpo_loss(policy, ref, roles, num_items=2, loss_tokens=torch.tensor(0))
+    assert stated.loss == 0 and not stated.losses.any()
+    stated.loss.backward()  # still a graph, so a loop's backward on a filler works (and adds nothing)
+    assert not policy.grad.any()
+    inferred = dpo_loss(torch.zeros(4), ref, roles, num_items=2)  # a sum over no trained token is exactly 0
+    assert inferred.loss == 0 and not inferred.losses.any()
+
+
+def test_reference_file_versions(stored, builds, tmp_path):
+    import pyarrow as pa
+
+    from packer.training.preference import REFERENCE_VERSION, StoredReference
+    with pa.OSFile(str(stored.path)) as f:
+        table = pa.ipc.open_file(f).read_all()
+    meta = table.schema.metadata
+    assert meta[b"version"] == REFERENCE_VERSION.encode() == b"2"
+    old = table.select(["pair_id", "chosen_logps", "rejected_logps"])  # version 1: log-probs, no lengths
+    for version, t in (("1", old), ("3", table)):
+        path = tmp_path / f"v{version}.arrow"
+        t = t.replace_schema_metadata({**meta, b"version": version.encode()})
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, t.schema) as writer:
+            writer.write_table(t)
+        with pytest.raises(ShardFormatError, match=f"version '{version}', this packer reads version '2'") as e:
+            StoredReference(path, builds())
+        assert "\n" not in str(e.value)
+
+
+def test_precompute_reference_on_a_build_without_rows(builds, tmp_path):
+    import shutil
+
+    from packer.training.preference import precompute_reference
+    empty = tmp_path / "empty"
+    shutil.copytree(builds(), empty)
+    manifest = json.loads((empty / schema.MANIFEST_NAME).read_text())
+    for entry in manifest.pop("shards"):
+        (empty / entry["file"]).unlink()
+    manifest["shards"] = []
+    manifest["stats"].update(rows=0, tokens=0, loss_tokens=0, pairs=0, segments=0)
+    manifest.pop(schema.CONTENT_HASH)
+    (empty / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest({**manifest, schema.CONTENT_HASH:
+                                                                   schema.content_sha256(manifest)}))
+    with pytest.raises(ShardFormatError, match="lists no shards") as e:  # a packer error, not StopIteration
+        precompute_reference(None, empty, tmp_path / "ref.arrow")
+    assert "\n" not in str(e.value) and not (tmp_path / "ref.arrow").exists()
+
+
 # -- resume, ranks, epochs ------------------------------------------------------------------------
 
 

@@ -12,14 +12,17 @@ function, so it is written here from the paper; ``tests/test_preference.py`` che
 its gradients against ``DPOTrainer`` on TRL's own padded batches. A step of ``num_items_in_batch`` pairs
 (the loader counts pairs for a preference build) sums the pairs' losses and divides by it: the mean over
 the optimizer step's pairs, as TRL's ``per_sequence_loss.mean()`` is over its batch. A filler row (the
-loader's, labels all −100) adds no loss.
+loader's, labels all −100) adds no loss: :func:`dpo_loss`'s rule, so the context-parallel route, which calls
+it directly, shares it with :func:`dpo_step`.
 
 The reference, computed once (docs/preference.md, "A reference computed once"): :func:`precompute_reference`
 runs it over every row of a build (one epoch, in order, one rank) and stores each pair's summed chosen and
 rejected log-probs in an Arrow file the user names, keyed by the pair's example id (the loader's
 ``pair_ids``), so any shuffle, world size, context-parallel share or resume finds them; the file records
-the build's manifest sha256 and :class:`StoredReference` refuses another build's. ``dpo_step(policy,
-stored, batch)`` then reads the reference's values instead of running a second model.
+the build's manifest sha256, which :class:`StoredReference` checks when opened, and each pair's two
+sequence lengths, which it checks on every lookup (another build of the same source shares the pair ids).
+``dpo_step(policy, stored, batch)`` then reads the reference's values instead of running a second model,
+on a batch on any device.
 
 Context parallelism: a CP rank holds a share of each row (``shift_labels``, ``seq_idx``);
 :func:`share_logps` sums its tokens' log-probs per segment, and the sum over the CP group (an all-reduce) is
@@ -28,7 +31,6 @@ the row's :func:`segment_logps`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,7 +48,9 @@ from ..errors import ConfigError, ShardFormatError
 from .loader import PackedDataset, manifest_fingerprint
 
 REFERENCE_FORMAT = "packer-reference-logps"  # the stored reference's schema metadata "format"
-REFERENCE_VERSION = "1"
+# 2: each pair's chosen and rejected lengths beside its log-probs, checked on every lookup (1 had none: refused)
+REFERENCE_VERSION = "2"
+REFERENCE_COLUMNS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
 
 MODEL_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -80,16 +84,31 @@ class DPOOutput:
 
 
 def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, pair_roles: torch.Tensor, *,
-             beta: float = 0.1, num_items: int | None = None) -> DPOOutput:
-    """The DPO sigmoid loss of a row's pairs from each segment's summed log-prob (policy and reference)."""
+             beta: float = 0.1, num_items: int | None = None,
+             loss_tokens: int | torch.Tensor | None = None) -> DPOOutput:
+    """The DPO sigmoid loss of a row's pairs from each segment's summed log-prob (policy and reference).
+
+    A filler row (the loader's copy of a row with every label −100, completing the last optimizer step) adds
+    nothing: every field is zero (its pairs' loss would otherwise be a constant, log 2 against a reference
+    model, another against a stored one). It is known by ``loss_tokens``, the row's trained tokens (labels ≠
+    −100; on a context-parallel share, the CP group's sum of ``shift_labels ≠ −100``, all-reduced with the
+    log-probs), being 0; not given, by every segment's policy log-prob being exactly 0, a sum over no trained
+    token (a real segment's is below 0 unless the policy is saturated, where its gradient all but vanishes)."""
     chosen, rejected = pair_roles == 1, pair_roles == 0
     pc, pr = policy_logps[chosen], policy_logps[rejected]
     rc, rr = reference_logps[chosen].detach(), reference_logps[rejected].detach()
     chosen_ratio, rejected_ratio = pc - rc, pr - rr
     losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     items = losses.numel() if num_items is None else num_items
-    return DPOOutput(losses.sum() / max(items, 1), losses, beta * chosen_ratio.detach(),
-                     beta * rejected_ratio.detach(), pc, pr)
+    # 1 for a real row, 0 for a filler: a tensor on the log-probs' device, so no host sync a step
+    if loss_tokens is None:
+        real = (policy_logps != 0).any()
+    else:
+        real = torch.as_tensor(loss_tokens, device=policy_logps.device) != 0
+    real = real.to(losses.dtype)
+    losses = losses * real
+    return DPOOutput(losses.sum() / max(items, 1), losses, beta * chosen_ratio.detach() * real,
+                     beta * rejected_ratio.detach() * real, pc * real, pr * real)
 
 
 def packed_logps(model, batch: dict[str, Any]) -> torch.Tensor:
@@ -113,46 +132,83 @@ def share_logps(logits: torch.Tensor, shift_labels: torch.Tensor, seq_idx: torch
     return torch.zeros(segments, device=logits.device, dtype=logp.dtype).index_add(0, seg.clamp(max=segments - 1), logp)
 
 
+def _host(value: Any) -> np.ndarray:
+    """A batch entry as a numpy array in host memory: a tensor on any device is copied there first (numpy
+    refuses a CUDA tensor with a TypeError)."""
+    return value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+
+
+def row_lengths(batch: dict[str, Any]) -> np.ndarray:
+    """Each pair segment's tokens in the loader's unsharded row (its padding included, as ``seq_lens``
+    stores it), int64 ``[segments]``, from a row, a static-shape row (its padding segment after the pairs' is
+    left out) or a context-parallel share: a zigzag share's ``cu_seq_lens_q`` are the row's divided by the CP
+    size, so its ``cp_cu_seqlens_padded`` (the row's) are read; a contiguous share's are the row's."""
+    cu = batch["cp_cu_seqlens_padded"] if "cp_cu_seqlens_padded" in batch else batch["cu_seq_lens_q"]
+    return np.diff(_host(cu).astype(np.int64))[: len(batch["pair_roles"])]
+
+
 class StoredReference:
     """A reference's summed log-probs stored by :func:`precompute_reference`, for the build in ``directory``
-    only: another build's file is refused (ShardFormatError, one line) when it is opened."""
+    only: another build's file is refused (ShardFormatError, one line) when it is opened, and on every
+    lookup a pair whose two sequences are not as long as in the build it was computed on (another build of
+    the same source, e.g. another ``--max-len``, shares its pair ids)."""
 
     def __init__(self, path: str | os.PathLike, directory: str | os.PathLike) -> None:
         try:  # read into memory (a few MB a million pairs), so no view outlives the file
             with pa.OSFile(str(path)) as source:
                 table = pa.ipc.open_file(source).read_all()
-            columns = [table.column(name).to_numpy() for name in ("pair_id", "chosen_logps", "rejected_logps")]
-        except (OSError, KeyError, pa.ArrowInvalid) as e:
+        except (OSError, pa.ArrowInvalid) as e:
             raise ConfigError(f"{path}: not a reference file precompute_reference() wrote ({e})") from None
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        if meta.get("format") != REFERENCE_FORMAT or meta.get("version") != REFERENCE_VERSION:
+        if meta.get("format") != REFERENCE_FORMAT:
             raise ConfigError(f"{path}: not a reference file precompute_reference() wrote (format "
-                              f"{meta.get('format')!r}, version {meta.get('version')!r})")
+                              f"{meta.get('format')!r})")
+        if meta.get("version") != REFERENCE_VERSION:
+            raise ShardFormatError(f"{path}: reference file version {meta.get('version')!r}, this packer reads "
+                                   f"version {REFERENCE_VERSION!r}; run precompute_reference again")
+        try:
+            columns = [table.column(name).to_numpy() for name in REFERENCE_COLUMNS]
+        except KeyError as e:
+            raise ShardFormatError(f"{path}: a reference file of version {REFERENCE_VERSION} without its "
+                                   f"column {e}; it is damaged, run precompute_reference again") from None
         mine = manifest_fingerprint(directory)
         if meta.get("manifest_sha256") != mine:
             raise ShardFormatError(
                 f"{path}: reference log-probs of another build (manifest sha256 {meta.get('manifest_sha256', '')[:12]}…, "
                 f"{directory} has {mine[:12]}…); run precompute_reference on this build")
         self.path, self.meta = Path(path), meta
-        self.ids, self.values = columns[0], np.stack(columns[1:], 1)
+        self.ids, self.values = columns[0], np.stack(columns[1:3], 1)
+        self.lengths = np.stack(columns[3:], 1).astype(np.int64)  # [pairs, 2]: chosen, rejected tokens
 
     def __len__(self) -> int:
         return self.ids.size
 
     def segment_logps(self, batch: dict[str, Any]) -> torch.Tensor:
         """The stored reference's summed log-prob of each segment of ``batch`` (in the row's order, by its
-        ``pair_roles``), float32 ``[segments]``, looked up by the row's ``pair_ids``."""
-        ids = np.asarray(batch["pair_ids"])
+        ``pair_roles``), float32 ``[segments]`` on ``pair_roles``'s device, looked up by the row's
+        ``pair_ids``. The batch may be on any device (read in host memory, a few ints a row); each pair's
+        sequence lengths (:func:`row_lengths`) must be the stored ones, else ShardFormatError."""
+        ids, roles = _host(batch["pair_ids"]).astype(np.int64), _host(batch["pair_roles"])
         at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
         missing = ids[self.ids[at] != ids] if self.ids.size else ids
         if missing.size:
             raise ConfigError(f"{self.path}: holds no reference log-probs for pair {int(missing[0])}; it was computed "
                               "for another build or is damaged: run precompute_reference again")
-        roles = torch.as_tensor(batch["pair_roles"])
-        out = torch.empty(roles.numel(), dtype=torch.float32)
-        out[roles == 1] = torch.from_numpy(self.values[at, 0])
-        out[roles == 0] = torch.from_numpy(self.values[at, 1])
-        return out
+        chosen, rejected = roles == 1, roles == 0
+        lengths = row_lengths(batch)
+        got = np.stack([lengths[chosen], lengths[rejected]], 1)
+        wrong = np.flatnonzero((got != self.lengths[at]).any(axis=1))
+        if wrong.size:
+            k = wrong[0]
+            raise ShardFormatError(
+                f"{self.path}: pair {int(ids[k])} is {got[k, 0]} + {got[k, 1]} tokens (chosen + rejected) in this "
+                f"batch, {self.lengths[at[k], 0]} + {self.lengths[at[k], 1]} in the build the reference was computed "
+                f"on ({self.meta.get('build', '?')}): the reference file is of another build; run "
+                "precompute_reference on the build these batches come from")
+        out = np.empty(roles.size, np.float32)
+        out[chosen], out[rejected] = self.values[at, 0], self.values[at, 1]
+        device = batch["pair_roles"].device if torch.is_tensor(batch["pair_roles"]) else None
+        return torch.from_numpy(out).to(device)
 
 
 def precompute_reference(reference, directory: str | os.PathLike, out_path: str | os.PathLike, *,
@@ -169,10 +225,10 @@ def precompute_reference(reference, directory: str | os.PathLike, out_path: str 
         raise ConfigError(f"{out_path}: inside the build folder {directory}, whose files are the manifest's; "
                           "write the reference log-probs beside it instead")
     dataset = PackedDataset(directory, shuffle=False, rank=0, world_size=1, grad_accum=1)
-    if "pair_roles" not in next(iter(dataset)):
+    if not dataset.manifest.stats.paired:  # the manifest says (a build with no rows is refused by the loader)
         raise ConfigError(f"{directory}: not a preference build (no pair_roles): a DPO reference needs pairs")
     device = next(reference.parameters()).device
-    ids, chosen, rejected = [], [], []
+    ids, chosen, rejected, lengths = [], [], [], []
     rows = iter(dataset) if progress is None else progress(dataset, len(dataset))
     with torch.no_grad():
         for batch in rows:
@@ -181,7 +237,11 @@ def precompute_reference(reference, directory: str | os.PathLike, out_path: str 
             ids.append(batch["pair_ids"].numpy())
             chosen.append(logps[roles == 1].cpu().numpy())
             rejected.append(logps[roles == 0].cpu().numpy())
-    ids = np.concatenate(ids)
+            tokens, host_roles = row_lengths(batch), batch["pair_roles"].numpy()
+            lengths.append(np.stack([tokens[host_roles == 1], tokens[host_roles == 0]], 1))
+    if not ids:  # the loader refuses a build of no rows; this says so should one get here
+        raise ShardFormatError(f"{directory}: no rows, no pairs: nothing to compute a reference on")
+    ids, lengths = np.concatenate(ids), np.concatenate(lengths).astype(np.int32)
     order = np.argsort(ids, kind="stable")
     if np.any(np.diff(ids[order]) == 0):
         raise ShardFormatError(f"{directory}: a pair id appears twice in one epoch; the build is damaged, verify it")
@@ -189,7 +249,8 @@ def precompute_reference(reference, directory: str | os.PathLike, out_path: str 
             "build": str(directory), "model": model_name or getattr(getattr(reference, "config", None),
                                                                      "_name_or_path", "") or ""}
     table = pa.table({"pair_id": ids[order], "chosen_logps": np.concatenate(chosen)[order],
-                      "rejected_logps": np.concatenate(rejected)[order]}).replace_schema_metadata(meta)
+                      "rejected_logps": np.concatenate(rejected)[order], "chosen_tokens": lengths[order, 0],
+                      "rejected_tokens": lengths[order, 1]}).replace_schema_metadata(meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -207,9 +268,7 @@ def dpo_step(model, reference, batch: dict[str, Any], *, beta: float = 0.1) -> D
         with torch.no_grad():
             ref = packed_logps(reference, batch)
     policy = packed_logps(model, batch)
-    out = dpo_loss(policy, ref.to(policy.device), batch["pair_roles"].to(policy.device), beta=beta,
-                   num_items=batch.get("num_items_in_batch"))
-    if bool((batch["labels"] != IGNORE_INDEX).any()):
-        return out
-    # a filler row (labels all -100): its pairs' log-probs are 0 and their loss log 2, a constant; it is no pair
-    return DPOOutput(*(getattr(out, f.name) * 0 for f in dataclasses.fields(out)))
+    # the filler rule is dpo_loss's (the CP route calls it directly): a row with no trained token adds nothing
+    return dpo_loss(policy, ref.to(policy.device), batch["pair_roles"].to(policy.device), beta=beta,
+                    num_items=batch.get("num_items_in_batch"),
+                    loss_tokens=(batch["labels"] != IGNORE_INDEX).sum())
