@@ -531,3 +531,14 @@ def test_a_mix_of_two_preference_sources_packs_pairs(tmp_path, source):
     out = make_build(tmp_path / "out", mix=mix, pack="bfd", max_len=MAX_LEN, tokenizer=str(TOKENIZER))
     ids = [p for b in stream(out, shuffle=False) for p in b["pair_ids"].tolist()]
     assert len(ids) == len(set(ids)) == kept_pairs(out) and np.all(np.asarray(ids) >= 0)
+
+
+@pytest.mark.parametrize("overlong, says", [("truncate", "all 3 pairs have a prompt of --max-len 8 tokens or more"),
+                                            ("drop", "all 3 pairs have a sequence longer than --max-len 8")])
+def test_a_pair_build_that_packs_nothing_says_why_in_pairs(tmp_path, overlong, says):
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps({"prompt": "word " * 40, "chosen": " yes", "rejected": " no"}) + "\n"
+                           for _ in range(3)))
+    with pytest.raises(ConfigError, match=says) as e:
+        make_build(tmp_path / "o", str(src), tokenizer=str(TOKENIZER), max_len=8, overlong=overlong)
+    assert "\n" not in str(e.value)

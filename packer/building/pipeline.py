@@ -157,6 +157,17 @@ def _note(config: BuildConfig, opened: Opened) -> str | None:
     return None
 
 
+def _nothing_packed(config: BuildConfig, sequences: int, pairs: bool) -> str:
+    """Why a plan has no row: every example over-long under --overlong drop, or (pairs, --overlong truncate)
+    every pair's prompt filling --max-len, which leaves no completion (TRL's filter)."""
+    if pairs and config.overlong != "drop":
+        return (f"all {sequences // 2:,} pairs have a prompt of --max-len {config.max_len:,} tokens or more, which "
+                "leaves no completion to train: nothing to pack; raise --max-len or use --overlong truncate-left")
+    what = f"{sequences // 2:,} pairs have a sequence" if pairs else f"{sequences:,} examples are"
+    return (f"all {what} longer than --max-len {config.max_len:,} and --overlong drop drops them: nothing to pack; "
+            f"raise --max-len or use --overlong truncate{'' if pairs else ' or split'}")
+
+
 def plan_rows(config: BuildConfig, lengths, trained=None, pad_id: int = 0, *, pairs: bool = False) -> Plan:
     """The rows of the config's pack mode and epochs, from the examples' lengths (and, for
     ``--overlong truncate-left``, the over-long examples' loss flags in ``trained``, every example's
@@ -336,11 +347,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
                                      padded=pad_id is not None, pairs=opened.pairs)
     check_room(config, lengths, out, row_format)
     plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0, pairs=opened.pairs)
-    if plan.num_rows == 0:  # every example was over-long and --overlong drop dropped it
-        raise ConfigError(
-            f"all {len(lengths):,} examples are longer than --max-len {config.max_len:,} and --overlong drop drops "
-            "them: nothing to pack; raise --max-len or use --overlong truncate or split"
-        )
+    if plan.num_rows == 0:
+        raise ConfigError(_nothing_packed(config, len(lengths), opened.pairs))
     written = engine.write_shards(plan, tokens, staging, shard_bytes=config.shard_size_mb << 20, progress=progress,
                                   row_format=row_format, compression=config.compression)
     dropped = {"overlong": plan.stats["examples_dropped"], **skipped}
