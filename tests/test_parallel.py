@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import filecmp
 import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -165,3 +168,43 @@ def test_workers_finishing_out_of_order_hand_on_in_source_order():
     records[2100]["completion"] = 7  # chunk 2, done a second earlier on the other worker
     with pytest.raises(RecordError, match=r"record 1501: field 'completion' is null"):
         list(engines._pool_chunks(_mix_chunks(records), _one(slow), 2))
+
+
+_CTRL_C_AT_A_WORKERS_START = """
+import multiprocessing as mp, os, signal, sys, time
+from packer.building import engines
+
+def late_start(conn, parent, encoder):
+    time.sleep(0.5)  # a worker slow to reach its first line (a loaded machine), while Ctrl-C comes
+    engines._worker_main(conn, parent, encoder)
+
+ctx = mp.get_context("fork")
+mine, theirs = ctx.Pipe()
+proc = ctx.Process(target=late_start, args=(theirs, os.getpid(), None), daemon=True)
+getattr(engines, sys.argv[1])(proc) if sys.argv[1] != "start" else proc.start()
+theirs.close()
+try:
+    os.killpg(os.getpgid(0), signal.SIGINT)  # the terminal's Ctrl-C, to the whole group
+    time.sleep(2)
+except KeyboardInterrupt:
+    pass  # the parent takes it, as the build does
+print(proc.is_alive())
+proc.kill()  # as the engine ends its workers
+proc.join()
+"""
+
+
+@pytest.mark.parametrize("how", ["_start_ignoring_ctrl_c", "start"])
+def test_a_ctrl_c_before_a_worker_ignores_it_is_not_raised_there(how):
+    """Ctrl-C reaches every process of the group: one that lands before a new worker's first line must not
+    raise in that worker (a "Process ForkProcess-1:" traceback beside the build's one line). Started as
+    the engine starts its workers, the worker lives on and prints nothing; started plainly (the bug), the
+    KeyboardInterrupt is printed from it: the check can fail."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_A_WORKERS_START, how], capture_output=True, text=True,
+                          timeout=60, start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+                          # Python's own Ctrl-C handling, whatever this process was given (a background job ignores it)
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    if how == "start":  # where the KeyboardInterrupt lands varies, and so what the worker prints of it
+        assert proc.stderr.strip(), (proc.stdout, proc.stderr)
+    else:
+        assert (proc.stdout.split(), proc.stderr) == (["True"], ""), (proc.stdout, proc.stderr)

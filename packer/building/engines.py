@@ -155,7 +155,7 @@ class _Workers:
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, args=(theirs, os.getpid(), encoder),
                                    daemon=True)
-                proc.start()
+                _start_ignoring_ctrl_c(proc)
                 theirs.close()
                 self.procs.append(proc)
                 self.conns.append(mine)
@@ -213,9 +213,29 @@ def _feed(conn, outbox: queue.SimpleQueue) -> None:
             return  # when the close lands mid-send): the build is ending and nothing waits for this chunk
 
 
+def _start_ignoring_ctrl_c(proc) -> None:
+    """Start a worker with SIGINT blocked from before its fork until it ignores it (``_worker_main``).
+    Ctrl-C reaches every process of the terminal's group; one landing before a new worker's first line
+    ran raised KeyboardInterrupt in its bootstrap, which printed "Process ForkProcess-1:" beside the
+    parent's one line (seen when a Ctrl-C came as the second worker started, under load). Only this
+    thread's mask changes, and only for the fork: the parent takes a Ctrl-C as before, once it is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        proc.start()
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
-    # Ctrl-C reaches every process of the terminal's group: the parent alone handles it (it kills us)
+    # Ctrl-C reaches every process of the terminal's group: the parent alone handles it (it kills us).
+    # Blocked since the fork (_start_ignoring_ctrl_c): ignored first, then unblocked, so one that came in
+    # between is discarded, never raised here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
     while True:
