@@ -194,17 +194,15 @@ proc.join()
 """
 
 
-@pytest.mark.parametrize("how", ["_start_ignoring_ctrl_c", "start"])
-def test_a_ctrl_c_before_a_worker_ignores_it_is_not_raised_there(how):
+def test_a_ctrl_c_before_a_worker_ignores_it_is_not_raised_there():
     """Ctrl-C reaches every process of the group: one that lands before a new worker's first line must not
     raise in that worker (a "Process ForkProcess-1:" traceback beside the build's one line). Started as
-    the engine starts its workers, the worker lives on and prints nothing; started plainly (the bug), the
-    KeyboardInterrupt is printed from it: the check can fail."""
-    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_A_WORKERS_START, how], capture_output=True, text=True,
-                          timeout=60, start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+    the engine starts its workers, the worker lives on and prints nothing. With the engine's start made a
+    plain ``proc.start()`` (the bug) this test failed in 7 runs of 8 (the worker printed the interrupt); the
+    other is a Ctrl-C that landed where Python swallows it, which a loaded machine makes likelier."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_A_WORKERS_START, "_start_ignoring_ctrl_c"],
+                          capture_output=True, text=True, timeout=60, start_new_session=True,
+                          cwd=Path(__file__).resolve().parent.parent,
                           # Python's own Ctrl-C handling, whatever this process was given (a background job ignores it)
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    if how == "start":  # where the KeyboardInterrupt lands varies, and so what the worker prints of it
-        assert proc.stderr.strip(), (proc.stdout, proc.stderr)
-    else:
-        assert (proc.stdout.split(), proc.stderr) == (["True"], ""), (proc.stdout, proc.stderr)
+    assert (proc.stdout.split(), proc.stderr) == (["True"], ""), (proc.stdout, proc.stderr)
