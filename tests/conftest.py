@@ -33,8 +33,10 @@ def pytest_collection_finish(session) -> None:
 
 
 def files_signature(folder: Path) -> tuple:
-    """What changes when a file of ``folder`` is rewritten: each file's name, size and mtime."""
-    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
+    """What changes when a file under ``folder`` is rewritten (transformers also reads subfolders, e.g.
+    ``additional_chat_templates/``): each file's path, size and mtime."""
+    return tuple(sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                        for p in folder.rglob("*") if p.is_file()))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -64,23 +64,17 @@ def test_inputs_embeds_in_place_of_input_ids_is_exact(model_type):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_peft_prompt_tuning_is_refused(implementation):
-    from peft import PromptTuningConfig, get_peft_model
+@pytest.mark.parametrize("tuning, refusal", [("PromptTuningConfig", "PEFT prompt tuning"),
+                                             ("PrefixTuningConfig", "cache|prefix")])
+def test_peft_virtual_tokens_are_refused(implementation, tuning, refusal):
+    """Prompt tuning prepends virtual tokens to the row, prefix tuning a key/value prefix to every layer:
+    either crosses every boundary of a packed row."""
+    import peft
 
     model, _ = _prepared("llama", implementation)
-    peft_model = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-    with pytest.raises(ConfigError, match="PEFT prompt tuning"):
-        peft_model(**guard._row(_exs()))
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_peft_prefix_tuning_is_refused(implementation):
-    from peft import PrefixTuningConfig, get_peft_model
-
-    model, _ = _prepared("llama", implementation)
-    peft_model = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-    with pytest.raises(ConfigError, match="cache|prefix"):
-        peft_model(**guard._row(_exs()))
+    config = getattr(peft, tuning)(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(ConfigError, match=refusal):
+        peft.get_peft_model(model, config)(**guard._row(_exs()))
 
 
 def test_lora_stays_exact():
