@@ -2,8 +2,8 @@
 
 One wheel per session, built offline from a copy of the package's sources (so the checkout gets no
 build/ folder, whose stale files setuptools would put in the next wheel). "Installed" is the wheel
-unpacked into a folder on PYTHONPATH, which is what pip does with a pure-Python wheel; `.ci/run` does
-the full install into a fresh venv.
+unpacked into a folder on PYTHONPATH, which is what pip does with a wheel (a platform one where the
+loader's C kernel compiled); `.ci/run` does the full install into a fresh venv.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ PACKAGE_DATA = ROOT / "packer" / "data"
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    shutil.copy(ROOT / "pyproject.toml", src)
-    shutil.copy(ROOT / "README.md", src)
-    shutil.copytree(ROOT / "packer", src / "packer", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src)
+    # not the checkout's own compiled kernel: the wheel's must be the one its build compiles
+    shutil.copytree(ROOT / "packer", src / "packer", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                     "--no-index", "-q", "-w", str(dist)], check=True)
@@ -67,6 +68,17 @@ def test_an_installed_wheel_builds_the_bundled_default_from_anywhere_with_the_pi
     _python(installed, tmp_path, "-m", "packer", "build", "flan", "--limit", "1000", "--out", "shards")
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "shards").iterdir()}
     assert digests == FLAN_1000  # the editable install's bytes, pinned in test_digests
+
+
+def test_the_wheel_carries_the_compiled_kernel_where_a_compiler_is(wheel, installed, tmp_path):
+    """The row decoder's C kernel is built into the wheel, and the installed package decodes with it
+    (packer/training/decode.py); without a compiler the wheel is pure Python and numpy decodes."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the wheel has no kernel, numpy decodes")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("packer/training/_rowkernel.") and n.endswith(".so") for n in names), names
+    found = _python(installed, tmp_path, "-c", "from packer.training import decode; print(decode.KERNEL.__file__)")
+    assert Path(found.strip()).is_relative_to(installed)
 
 
 def test_an_installed_wheel_says_its_version(wheel, installed, tmp_path):

@@ -86,6 +86,7 @@ from .. import fs
 from ..contract import rows, schema
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
+from . import decode
 
 STATE_VERSION = 2
 PAIR_KEYS = ("pair_roles", "pair_ids")  # a preference build's per-row keys (training/preference.py)
@@ -123,7 +124,7 @@ class _Shards:
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
         self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
-        self.bounds: list[np.ndarray | None] = []  # per batch, its rows' cu_seq_lens (_row_bounds), made on first read
+        self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -188,31 +189,24 @@ class _Shards:
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         # the per-row cost is what bench_loader.py measures against the collator: no Python per token or
-        # segment, and what can be made once per row batch (the cu_seq_lens) is made once
+        # segment, one kernel call a row where it was built (training/decode.py)
         b = bisect.bisect_right(self.starts, index) - 1
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
-        bounds = self.bounds[b]
-        if bounds is None:
-            bounds = self.bounds[b] = _row_bounds(self.batches[b].rows)
         r, j = self.batches[b].rows, index - self.starts[b]
-        o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
-        s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
-        # a copy: the tensor is the caller's to change, the cache is not
-        cu_t = torch.from_numpy(bounds[s0 + j : s1 + j + 1].copy())
-        # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
-        ids = r.input_ids.values[o0:o1].astype(np.int64)
-        if filler:
-            labels = torch.full((1, o1 - o0), schema.IGNORE_INDEX, dtype=torch.int64)
-        else:  # the stored labels (format 1) or the ids where the loss mask is set (format 2)
-            labels = torch.from_numpy(r.labels_of(o0, o1, ids)[None])
+        if decode.KERNEL is not None:
+            ids, pos, labels, seq_idx, cu = decode.kernel_row(r, j, filler)
+        else:
+            bounds = self.bounds[b]
+            if bounds is None:  # made once a row batch
+                bounds = self.bounds[b] = decode.row_bounds(r)
+            ids, pos, labels, seq_idx, cu = decode.numpy_row(r, j, filler, bounds)
+        cu_t = torch.from_numpy(cu)
         max_len = int(r.max_seqlen[j])
-        # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
-        seq_idx = np.arange(s1 - s0, dtype=np.int32).repeat(r.seq_lens.values[s0:s1])[None]
         out = {
-            "input_ids": torch.from_numpy(ids[None]),
-            "position_ids": torch.from_numpy(r.position_ids.values[o0:o1].astype(np.int64)[None]),
-            "labels": labels,
+            "input_ids": torch.from_numpy(ids),
+            "position_ids": torch.from_numpy(pos),
+            "labels": torch.from_numpy(labels),
             "cu_seq_lens_q": cu_t,
             "cu_seq_lens_k": cu_t,
             "max_length_q": max_len,
@@ -223,19 +217,10 @@ class _Shards:
         roles = self.batches[b].roles
         if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
             # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
+            s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
             out = {"pair_roles": torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64)),
                    "pair_ids": torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64)), **out}
         return out
-
-
-def _row_bounds(r: rows.RowBatch) -> np.ndarray:
-    """Every row's ``cu_seq_lens`` (int32) one after another: row j's are ``[s0 + j, s1 + j]`` of it, where
-    ``[s0, s1)`` are its segments; one vectorised pass over a batch's segments, whose layout holds."""
-    seg_rows = np.repeat(np.arange(r.num_rows), r.seq_lens.lengths)  # each segment's row
-    ends = np.cumsum(r.seq_lens.values.astype(np.int64))  # each segment's end, in the batch's tokens
-    bounds = np.zeros(r.seq_lens.values.size + r.num_rows, np.int32)
-    bounds[np.arange(seg_rows.size) + seg_rows + 1] = ends - r.input_ids.offsets[seg_rows]
-    return bounds
 
 
 @dataclass(frozen=True, slots=True)

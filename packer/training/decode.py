@@ -1,0 +1,71 @@
+"""A row's values from its stored columns, either format: the numpy arrays the loader hands to torch.
+
+Two implementations give the same arrays. The compiled kernel (``_rowkernel.c``, built where the
+install found a C compiler) decodes a row in one call. numpy, the reference, needs a call a column
+and, for format 2, an unpack of the mask's bits and a masked copy: numpy has no fused select by a
+bitmap, so without the kernel a format-2 row costs more than a format-1 row (docs/loader.md, "Speed";
+``benchmarks/bench_loader.py`` measures both). ``tests/test_decode.py`` holds the two equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packer.contract import rows, schema
+
+try:
+    from packer.training import _rowkernel
+except ImportError:  # installed without a C compiler: numpy decodes the same values
+    _rowkernel = None
+
+# the implementation rows are decoded with: the kernel where it was built, else None (numpy); tests and
+# the benchmark set it to compare the two
+KERNEL = _rowkernel
+
+# input_ids, position_ids, labels (int64 [1, T]), seq_idx (int32 [1, T]), cu_seq_lens (int32 [n + 1])
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def kernel_row(r: rows.RowBatch, j: int, filler: bool) -> Arrays:
+    """Row ``j`` of ``r`` by the compiled kernel; ``filler``: its labels all -100."""
+    o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
+    s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
+    n = o1 - o0
+    ids, pos, labels = np.empty((1, n), np.int64), np.empty((1, n), np.int64), np.empty((1, n), np.int64)
+    seq_idx, cu = np.empty((1, n), np.int32), np.empty(s1 - s0 + 1, np.int32)
+    if filler:
+        stored, bit_start = None, -1
+    elif r.labels is not None:  # format 1
+        stored, bit_start = r.labels.values, -1
+    else:  # format 2: the loss mask's bitmap, from the bit of its value 0
+        stored, bit_start = r.loss_mask.values.bits, r.loss_mask.values.start
+    KERNEL.decode(r.input_ids.values, r.position_ids.values, stored, bit_start, r.seq_lens.values,
+                  o0, o1, s0, s1, ids, pos, labels, seq_idx, cu)
+    return ids, pos, labels, seq_idx, cu
+
+
+def numpy_row(r: rows.RowBatch, j: int, filler: bool, bounds: np.ndarray) -> Arrays:
+    """Row ``j`` of ``r`` by numpy; ``bounds`` is ``row_bounds(r)``, made once a batch."""
+    o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
+    s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
+    ids = r.input_ids.values[o0:o1].astype(np.int64)
+    if filler:
+        labels = np.full(o1 - o0, schema.IGNORE_INDEX, np.int64)
+    else:  # the stored labels (format 1) or the ids where the loss mask is set (format 2)
+        labels = r.labels_of(o0, o1, ids)
+    # each token's segment index, as causal-conv1d and the Mamba2 scan take it (docs/loader.md)
+    seq_idx = np.arange(s1 - s0, dtype=np.int32).repeat(r.seq_lens.values[s0:s1])
+    # [None] makes the (1, tokens) shape in numpy: a torch .view per column cost ~2 µs of a ~40 µs row
+    pos = r.position_ids.values[o0:o1].astype(np.int64)
+    # a copy: the array is the caller's to change, the table is not
+    return ids[None], pos[None], labels[None], seq_idx[None], bounds[s0 + j : s1 + j + 1].copy()
+
+
+def row_bounds(r: rows.RowBatch) -> np.ndarray:
+    """Every row's ``cu_seq_lens`` (int32) one after another: row j's are ``[s0 + j, s1 + j]`` of it, where
+    ``[s0, s1)`` are its segments; one vectorised pass over a batch's segments, whose layout holds."""
+    seg_rows = np.repeat(np.arange(r.num_rows), r.seq_lens.lengths)  # each segment's row
+    ends = np.cumsum(r.seq_lens.values.astype(np.int64))  # each segment's end, in the batch's tokens
+    bounds = np.zeros(r.seq_lens.values.size + r.num_rows, np.int32)
+    bounds[np.arange(seg_rows.size) + seg_rows + 1] = ends - r.input_ids.offsets[seg_rows]
+    return bounds
