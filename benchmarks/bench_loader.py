@@ -6,7 +6,9 @@ The loader checks each row batch's structure the first time a process reads one 
 enough to time; made in a temporary folder), tokens per second of:
 - the loader's first epoch in a fresh process state (every row batch checked: the worst case),
 - the same first epoch with the checks marked done (what they cost is the difference),
-- the loader's later epochs (checked batches are not checked again),
+- the loader's later epochs (checked batches are not checked again), in order and shuffled (as
+  training reads them), and in order with numpy decoding the rows instead of the C kernel (what an
+  install without a C compiler gets; packer/training/decode.py),
 - ``check_rows`` alone over every batch,
 - a fresh loader's whole first epoch, opening included, from the page cache and from disk (each shard
   file's pages dropped first with ``posix_fadvise(DONTNEED)``: what a training run's first epoch reads,
@@ -31,9 +33,11 @@ import time
 from pathlib import Path
 
 from packer.contract.rows import check_rows
+from packer.training import decode
 from packer.training.loader import make_dataloader
 
 clock = time.perf_counter
+KERNEL = decode.KERNEL  # the decoder the loader uses; set to None for a numpy pass
 
 
 def build(out: Path, limit: int, version: int) -> None:
@@ -81,10 +85,11 @@ def main() -> None:
     t_coll = best(lambda: [collator(f) for f in features], args.repeats)
 
     print(f"loader checks: {rows} rows, {tokens:,} tokens, {nbatches} row batch(es); best of {args.repeats}, "
-          f"{args.clock} clock")
+          f"{args.clock} clock; rows decoded by {'the C kernel' if KERNEL else 'numpy (no C kernel built)'}")
     print(f"  {'':30} {'format 2':>14} {'format 1':>14}   2 / 1")
     names = (("loader, first epoch (checks)", "first"), ("loader, first epoch, no checks", "unchecked"),
-             ("loader, later epochs", "later"), ("check_rows alone", "check"),
+             ("loader, later epochs", "later"), ("later epochs, shuffled", "shuffled"),
+             ("later epochs, numpy decoding", "numpy"), ("check_rows alone", "check"),
              ("fresh loader, page cache", "fresh"), ("fresh loader, from disk", "cold"))
     for name, key in names:
         r2, r1 = tokens / results[2][key], tokens / results[1][key]
@@ -99,9 +104,12 @@ def main() -> None:
 def measure(shards: Path, repeats: int) -> dict[str, list[float]]:
     from packer.training.loader import make_dataloader
 
-    times: dict[str, list[float]] = {"first": [], "unchecked": [], "later": [], "check": []}
+    times: dict[str, list[float]] = {"first": [], "unchecked": [], "later": [], "shuffled": [], "numpy": [],
+                                     "check": []}
     dl = make_dataloader(shards, shuffle=False)
     list(dl)
+    shuffled = make_dataloader(shards, seed=1)
+    list(shuffled)
 
     def first_epoch(checks: bool) -> float:
         fresh = make_dataloader(shards, shuffle=False)
@@ -119,6 +127,12 @@ def measure(shards: Path, repeats: int) -> dict[str, list[float]]:
         times["first"].append(first_epoch(True))
         times["unchecked"].append(first_epoch(False))
         times["later"].append(best(lambda: [None for _ in dl], 1))
+        times["shuffled"].append(best(lambda: [None for _ in shuffled], 1))
+        decode.KERNEL = None
+        try:
+            times["numpy"].append(best(lambda: [None for _ in dl], 1))
+        finally:
+            decode.KERNEL = KERNEL
         times["check"].append(best(lambda: [check_rows(c.rows, vocab) for c in cols], 1))
     return times
 
