@@ -41,6 +41,22 @@ import pyarrow as pa
 from ..planning.context_parallel import padding_positions
 from .schema import EXTRA_SEGMENT_COLUMNS, IGNORE_INDEX, LOSS_MASK
 
+_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # the set bits of each byte value
+_BELOW = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64)) - np.uint64(1)  # a word's bits below bit i
+_BITS = np.left_shift(np.uint8(1), np.arange(8, dtype=np.uint8))  # a byte's bit i alone
+_HAS_BITWISE_COUNT = hasattr(np, "bitwise_count")  # numpy >= 2
+
+
+def _popcount(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The set bits of each uint64: numpy's bitwise_count, or (numpy < 2) a table of the bytes'."""
+    if _HAS_BITWISE_COUNT:
+        return np.bitwise_count(words, out=out)
+    counts = _BYTE_BITS[words.view(np.uint8)].reshape(words.size, 8).sum(1)
+    if out is None:
+        return counts
+    out[...] = counts
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class Bits:
@@ -71,6 +87,33 @@ class Bits:
         # positional arguments: numpy's keyword parsing cost more than unpacking a row's bits
         return np.unpackbits(self.bits[a >> 3 : (a + n + 7) >> 3], None, None, "little")[a & 7 : (a & 7) + n].view(bool)
 
+    def at(self, index: np.ndarray) -> np.ndarray:
+        """The values at ``index`` (int64, each in ``[0, size)``), read from the bitmap in place: a few
+        values (the segment starts, say) need not unpack the others."""
+        x = index + self.start
+        return (self.bits[x >> 3] & _BITS[x & 7]) != 0
+
+    def count(self, offsets: np.ndarray) -> np.ndarray:
+        """Per ``i``, the values set in ``[offsets[i], offsets[i + 1])`` (offsets int64, nondecreasing,
+        within ``[0, size]``), int64. Counted from the bitmap by 64-bit words (1/64 of the values to add)
+        as running sums, the set bits before each boundary: those of the words before its word, and those
+        of its word below it."""
+        if offsets.size < 2 or not self.size:
+            return np.zeros(max(offsets.size - 1, 0), np.int64)
+        first = (int(offsets[0]) + self.start) >> 6  # the word holding the first boundary
+        rel = offsets + (self.start - (first << 6))  # the boundaries in bits from that word's first
+        word = rel >> 6
+        last = int(word[-1])
+        # the bitmap from that word on, copied to aligned words (0 past the bitmap's end)
+        words = np.zeros(last + 1, np.uint64)
+        src = self.bits[first << 3 : (first + last + 1) << 3]
+        words.view(np.uint8)[: src.size] = src
+        before = np.zeros(last + 1, np.int64)  # per word, the set bits of the words before it
+        _popcount(words[:last], out=before[1:])
+        np.cumsum(before, out=before)
+        upto = before[word] + _popcount(words[word] & _BELOW[rel & 63])
+        return upto[1:] - upto[:-1]
+
 
 @dataclass(frozen=True, slots=True)
 class Column:
@@ -88,7 +131,7 @@ class Column:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        return self.offsets[1:] - self.offsets[:-1]  # np.diff's, without its microseconds of argument handling
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +229,19 @@ class _Layout:
         self.row_len = batch.input_ids.lengths
         self.seq = batch.seq_lens.values.astype(np.int64)
         self.nseg = batch.seq_lens.lengths
-        self.seg_row = np.repeat(np.arange(self.n), self.nseg)
+        self.cs = np.zeros(self.seq.size + 1, np.int64)  # the segment lengths' running sum, from 0
+        np.cumsum(self.seq, out=self.cs[1:])
         self.bad = np.zeros(self.n, bool)
+        self._seg_row: np.ndarray | None = None
         self._starts: np.ndarray | None = None
         self._trained: np.ndarray | None = None
+
+    @property
+    def seg_row(self) -> np.ndarray:
+        """Per segment, its row."""
+        if self._seg_row is None:
+            self._seg_row = np.repeat(np.arange(self.n), self.nseg)
+        return self._seg_row
 
     @property
     def trained(self) -> np.ndarray:
@@ -198,10 +250,19 @@ class _Layout:
             self._trained = self.batch.trained()
         return self._trained
 
+    @property
+    def loss_bits(self) -> Bits:
+        """Per token, whether it is trained, as bits: format 2's mask as stored, format 1's labels packed
+        (a packing and a count by bytes cost a third of summing a byte per token)."""
+        if self.batch.labels is None:
+            return self.batch.loss_mask.values
+        return Bits(np.packbits(self.trained, None, "little"), 0, self.trained.size)
+
     def rows_of_segments(self, mask: np.ndarray) -> np.ndarray:
         """The rows holding a segment where ``mask`` (one entry per segment) is set."""
         rows = np.zeros(self.n, bool)
-        rows[self.seg_row[mask]] = True
+        if mask.any():
+            rows[self.seg_row[mask]] = True
         return rows
 
     def rows_of_tokens(self, mask: np.ndarray) -> np.ndarray:
@@ -215,12 +276,14 @@ class _Layout:
     def starts(self) -> np.ndarray:
         """The flat token index of every segment start of the rows whose layout holds (sorted)."""
         if self._starts is None:
-            cs = np.zeros(self.seq.size + 1, np.int64)
-            np.cumsum(self.seq, out=cs[1:])
-            seg_off = self.batch.seq_lens.offsets
-            # a segment's start: its row's first token plus the lengths before it in the row
-            start = self.batch.input_ids.offsets[self.seg_row] + cs[:-1] - cs[seg_off[self.seg_row]]
-            self._starts = start[~self.bad[self.seg_row]]
+            if not self.bad.any():
+                # every row's segments sum to its length, so rows and segments tile the tokens alike
+                self._starts = self.cs[:-1]
+            else:
+                seg_off, seg_row = self.batch.seq_lens.offsets, self.seg_row
+                # a segment's start: its row's first token plus the lengths before it in the row
+                start = self.batch.input_ids.offsets[seg_row] + self.cs[:-1] - self.cs[seg_off[seg_row]]
+                self._starts = start[~self.bad[seg_row]]
         return self._starts
 
     @property
@@ -241,18 +304,19 @@ def _segment_lengths(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
         yield lists.lengths != lay.nseg, "example_ids has another length than seq_lens"
     yield lay.nseg == 0, "no segments (an empty row)"
     yield lay.rows_of_segments(lay.seq <= 0), "a segment length ≤ 0 in seq_lens"
-    cs = np.zeros(lay.seq.size + 1, np.int64)
-    np.cumsum(lay.seq, out=cs[1:])
-    seg_off = lay.batch.seq_lens.offsets
+    cs, seg_off = lay.cs, lay.batch.seq_lens.offsets
     yield cs[seg_off[1:]] - cs[seg_off[:-1]] != lay.row_len, \
         "seq_lens do not sum to the row's length (len(input_ids)): the segment boundaries are wrong"
 
 
 def _max_seqlen(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
-    longest = np.zeros(lay.n, np.int64)
     held = lay.nseg > 0
-    if lay.seq.size:
-        longest[held] = np.maximum.reduceat(lay.seq, lay.batch.seq_lens.offsets[:-1][held])
+    if lay.seq.size and np.count_nonzero(held) == lay.n:  # every row has a segment (the common case)
+        longest = np.maximum.reduceat(lay.seq, lay.batch.seq_lens.offsets[:-1])
+    else:
+        longest = np.zeros(lay.n, np.int64)
+        if lay.seq.size:
+            longest[held] = np.maximum.reduceat(lay.seq, lay.batch.seq_lens.offsets[:-1][held])
     yield ~lay.bad & (longest != lay.batch.max_seqlen), "max_seqlen differs from max(seq_lens)"
 
 
@@ -296,13 +360,20 @@ def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     pos, starts = lay.batch.position_ids.values, lay.starts
     if pos.dtype.itemsize < 4 and lay.seq.size:  # narrow positions (format 2): their steps wrap past the type's top
         count = int(np.iinfo(pos.dtype).max) + 1
-        yield ~lay.bad & lay.rows_of_segments(lay.seq > count), \
-            f"a segment longer than its {pos.dtype} position_ids can count ({count:,})"
-    # 0 at every segment start and +1 everywhere else: the steps into a start are set to 1 first
+        if int(lay.seq.max()) > count:
+            yield ~lay.bad & lay.rows_of_segments(lay.seq > count), \
+                f"a segment longer than its {pos.dtype} position_ids can count ({count:,})"
+    # 0 at every segment start and +1 everywhere else. The common case, all of them sound, in two passes
+    # in the stored type: each token's step from the one before, a start's from -1 (so 1 means 0 there)
+    if pos.size:
+        step = np.empty(pos.size, pos.dtype)
+        np.subtract(pos[1:], pos[:-1], out=step[1:])
+        step[0] = 1  # a row whose layout is broken is not read: its first token, if not a start, passes
+        step[starts] = pos[starts] + 1  # wraps at the type's top, to a step other than 1
+        if step.min() == 1 == step.max():  # two reductions: no array of booleans to write
+            return
     step = pos[1:] - pos[:-1]
     step[starts[starts > 0] - 1] = 1
-    if (step == 1).all() and not pos[starts].any():
-        return
     wrong = np.zeros(pos.size, bool)
     wrong[1:] = step != 1
     wrong[starts] = pos[starts] != 0
@@ -313,20 +384,19 @@ def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
 
 
 def _labels(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
-    ids, starts, trained = lay.batch.input_ids.values, lay.starts, lay.trained
-    if trained[starts].any():
-        at_start = np.zeros(trained.size, bool)
-        at_start[starts] = trained[starts]
-        yield lay.rows_of_tokens(at_start), ("a label is not -100 at a segment start: a label crosses an example "
-                                             "boundary")
-    if lay.batch.labels is not None:  # a mask's labels are the ids by construction
-        other = lay.batch.labels.values != ids
-        other &= trained
+    ids, starts, labels = lay.batch.input_ids.values, lay.starts, lay.batch.labels
+    # a start's bit read alone (format 2): the mask is not unpacked for it
+    at_start = lay.trained[starts] if labels is not None else lay.batch.loss_mask.values.at(starts)
+    if at_start.any():
+        wrong = np.zeros(ids.size, bool)
+        wrong[starts] = at_start
+        yield lay.rows_of_tokens(wrong), ("a label is not -100 at a segment start: a label crosses an example "
+                                          "boundary")
+    if labels is not None:  # a mask's labels are the ids by construction
+        other = labels.values != ids
+        other &= lay.trained
         yield lay.rows_of_tokens(other), "a label is neither -100 nor the input id at its position"
-    loss = np.zeros(lay.n, np.int64)
-    held = lay.row_len > 0
-    if trained.size:  # int32 sums: a row holds < 2**31 tokens, and they take half the time of int64's
-        loss[held] = np.add.reduceat(trained.view(np.uint8), lay.batch.input_ids.offsets[:-1][held], dtype=np.int32)
+    loss = lay.loss_bits.count(lay.batch.input_ids.offsets)
     yield ~lay.bad & (loss != lay.batch.num_loss_tokens), "num_loss_tokens differs from the count of labels ≠ -100"
 
 
@@ -354,20 +424,23 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
     ids_len = batch.input_ids.lengths
     for name in ("position_ids", "labels" if batch.labels is not None else LOSS_MASK):
         off = getattr(batch, name).offsets
+        if np.array_equal(off, batch.input_ids.offsets):  # the same offsets, the same lengths (the common case)
+            continue
         wrong = ids_len != np.diff(off) if off.size == ids_len.size + 1 else np.ones(batch.num_rows, bool)
         if wrong.any():  # the flat token columns no longer line up: no other rule can be read
             problems.append(Problem(np.flatnonzero(wrong), f"{name} has another length than input_ids"))
     if problems:
         return problems
     lay = _Layout(batch, vocab, limits)
+    # count_nonzero: a few rows' booleans, where .any() costs its Python wrapper's microsecond a rule
     for rule in LAYOUT_RULES:
         for broken, message in rule(lay):
-            if broken.any():
+            if np.count_nonzero(broken):
                 problems.append(Problem(np.flatnonzero(broken), message))
                 lay.bad |= broken
     for rule in ROW_RULES + (TOKEN_RULES if tokens else ()):
         for broken, message in rule(lay):
-            if broken.any():
+            if np.count_nonzero(broken):
                 problems.append(Problem(np.flatnonzero(broken), message))
     return problems
 
