@@ -120,8 +120,9 @@ def test_layout_alone_reads_no_token_value(tmp_path):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.lists(st.booleans(), max_size=300), st.integers(0, 40), st.data())
 def test_bits_read_every_slice_as_arrow_does(values, offset, data):
-    """Bits of a sliced BooleanArray (any bit offset) against Arrow's own decoding, and labels_of against
-    the textbook rule (the id where the mask is set, else -100)."""
+    """Bits of a sliced BooleanArray (any bit offset) against Arrow's own decoding, labels_of against the
+    textbook rule (the id where the mask is set, else -100), and the bits counted between cuts and read at
+    indices against the values."""
     array = pa.array([False] * offset + values, pa.bool_()).slice(offset)
     lo = data.draw(st.integers(0, len(values)))
     hi = data.draw(st.integers(lo, len(values)))
@@ -135,6 +136,22 @@ def test_bits_read_every_slice_as_arrow_does(values, offset, data):
         loss_mask=rows.Column(bits, np.array([0, len(values)])))
     want = np.where(np.array(values, bool), ids, -100)[lo:hi]
     assert batch.labels_of(lo, hi, ids[lo:hi]).tolist() == want.tolist()
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(values)), min_size=1, max_size=6)))
+    assert bits.count(np.array(cuts, np.int64)).tolist() == [sum(values[a:b]) for a, b in zip(cuts, cuts[1:])]
+    some = np.array(data.draw(st.lists(st.integers(0, max(len(values) - 1, 0)), max_size=5 * bool(values))), np.int64)
+    assert bits.at(some).tolist() == [values[i] for i in some]
+
+
+def test_bits_counted_alike_without_numpys_bitwise_count(monkeypatch):
+    """numpy < 2 has no bitwise_count: the byte table counts the same."""
+    rng = np.random.default_rng(0)
+    values = (rng.random(1000) < 0.3).tolist()
+    bits = rows.Bits.of(pa.array([True] * 13 + values, pa.bool_()).slice(13))
+    cuts = np.array([0, 1, 63, 64, 65, 500, 999, 1000], np.int64)
+    want = [sum(values[a:b]) for a, b in zip(cuts, cuts[1:])]
+    assert bits.count(cuts).tolist() == want
+    monkeypatch.setattr(rows, "_HAS_BITWISE_COUNT", False)
+    assert bits.count(cuts).tolist() == want
 
 
 # -- check_rows against the rules read row by row (the textbook), on random sound and damaged batches --------

@@ -90,7 +90,7 @@ class Bits:
     def at(self, index: np.ndarray) -> np.ndarray:
         """The values at ``index`` (int64, each in ``[0, size)``), read from the bitmap in place: a few
         values (the segment starts, say) need not unpack the others."""
-        x = index + self.start
+        x = index + self.start if self.start else index
         return (self.bits[x >> 3] & _BITS[x & 7]) != 0
 
     def count(self, offsets: np.ndarray) -> np.ndarray:
@@ -276,7 +276,7 @@ class _Layout:
     def starts(self) -> np.ndarray:
         """The flat token index of every segment start of the rows whose layout holds (sorted)."""
         if self._starts is None:
-            if not self.bad.any():
+            if not np.count_nonzero(self.bad):
                 # every row's segments sum to its length, so rows and segments tile the tokens alike
                 self._starts = self.cs[:-1]
             else:
@@ -289,7 +289,7 @@ class _Layout:
     @property
     def good_tokens(self) -> np.ndarray | None:
         """Per token, whether its row's layout holds; None when every row's does (the common case)."""
-        return None if not self.bad.any() else np.repeat(~self.bad, self.row_len)
+        return None if not np.count_nonzero(self.bad) else np.repeat(~self.bad, self.row_len)
 
 
 Rule = Callable[[_Layout], Iterator[tuple[np.ndarray, str]]]  # yields (rows broken, message)
@@ -387,7 +387,7 @@ def _labels(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     ids, starts, labels = lay.batch.input_ids.values, lay.starts, lay.batch.labels
     # a start's bit read alone (format 2): the mask is not unpacked for it
     at_start = lay.trained[starts] if labels is not None else lay.batch.loss_mask.values.at(starts)
-    if at_start.any():
+    if np.count_nonzero(at_start):
         wrong = np.zeros(ids.size, bool)
         wrong[starts] = at_start
         yield lay.rows_of_tokens(wrong), ("a label is not -100 at a segment start: a label crosses an example "
@@ -421,11 +421,13 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
     ``vocab``: token ids must be below it (None: not checked). ``limits``: the build's budget.
     ``tokens=False`` checks the layout and the small columns only, never reading the token values."""
     problems: list[Problem] = []
-    ids_len = batch.input_ids.lengths
+    ids_off = batch.input_ids.offsets
     for name in ("position_ids", "labels" if batch.labels is not None else LOSS_MASK):
         off = getattr(batch, name).offsets
-        if np.array_equal(off, batch.input_ids.offsets):  # the same offsets, the same lengths (the common case)
+        # the same offsets, the same lengths (the common case; compared as bytes, a tenth of np.array_equal's time)
+        if off.dtype == ids_off.dtype and off.shape == ids_off.shape and off.tobytes() == ids_off.tobytes():
             continue
+        ids_len = batch.input_ids.lengths
         wrong = ids_len != np.diff(off) if off.size == ids_len.size + 1 else np.ones(batch.num_rows, bool)
         if wrong.any():  # the flat token columns no longer line up: no other rule can be read
             problems.append(Problem(np.flatnonzero(wrong), f"{name} has another length than input_ids"))
