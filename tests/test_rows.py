@@ -151,7 +151,8 @@ def test_bits_counted_alike_without_numpys_bitwise_count(monkeypatch):
     want = [sum(values[a:b]) for a, b in zip(cuts, cuts[1:])]
     assert bits.count(cuts).tolist() == want
     monkeypatch.setattr(rows, "_HAS_BITWISE_COUNT", False)
-    assert bits.count(cuts).tolist() == want
+    counted = bits.count(cuts)
+    assert counted.tolist() == want and counted.dtype == np.int64
 
 
 # -- check_rows against the rules read row by row (the textbook), on random sound and damaged batches --------

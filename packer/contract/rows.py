@@ -14,8 +14,9 @@ A row holds segments (examples, or pieces of one) one after another. For every r
   input id; ``num_loss_tokens`` counts the labels ≠ -100; token ids are in ``[0, vocab)``.
 
 A trained token is one whose label is not -100: format version 1 stores ``labels``, version 2 a
-``loss_mask`` bit per token (:class:`Bits`, unpacked only where read), whose labels are the ids where
-it is set, so "the input id" holds by construction and the other rules read :meth:`RowBatch.trained`.
+``loss_mask`` bit per token (:class:`Bits`, read in place: the segment starts' bits alone, the counts
+from the bitmap's words; unpacked only where read whole, as the padding rule does), whose labels are the ids where it is
+set, so "the input id" holds by construction.
 
 Before all of them, the three token columns (``input_ids``, ``position_ids`` and ``labels`` or
 ``loss_mask``) must have one length per row, or nothing else can be read.
@@ -25,9 +26,10 @@ segments, say), is made there and every reader follows: the loader raises the fi
 (:func:`packer.training.loader.check_rows`), ``verify`` reports them all, ``inspect`` checks the layout of
 what it reads. :func:`packer.building.writer.assemble` is what makes rows this way.
 
-Cost: a few numpy passes over the batch's columns, no Python per row; the layout and row rules never
-touch the token values, so checking them alone (``tokens=False``) reads only offsets and the small
-columns.
+Cost: a few numpy passes over the batch's columns, no Python per row, each rule's common case (no
+problem) in as few passes as it takes and the rows that break it found only when some do; the layout
+and row rules never touch the token values, so checking them alone (``tokens=False``) reads only
+offsets and the small columns. ``benchmarks/bench_loader.py`` measures it ("check_rows alone").
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _popcount(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The set bits of each uint64: numpy's bitwise_count, or (numpy < 2) a table of the bytes'."""
     if _HAS_BITWISE_COUNT:
         return np.bitwise_count(words, out=out)
-    counts = _BYTE_BITS[words.view(np.uint8)].reshape(words.size, 8).sum(1)
+    counts = _BYTE_BITS[words.view(np.uint8)].reshape(words.size, 8).sum(1, dtype=np.uint8)  # uint8 as numpy's
     if out is None:
         return counts
     out[...] = counts
@@ -253,7 +255,7 @@ class _Layout:
     @property
     def loss_bits(self) -> Bits:
         """Per token, whether it is trained, as bits: format 2's mask as stored, format 1's labels packed
-        (a packing and a count by bytes cost a third of summing a byte per token)."""
+        (a packing and a count by words cost half of summing a byte per token)."""
         if self.batch.labels is None:
             return self.batch.loss_mask.values
         return Bits(np.packbits(self.trained, None, "little"), 0, self.trained.size)
@@ -368,10 +370,12 @@ def _positions(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     if pos.size:
         step = np.empty(pos.size, pos.dtype)
         np.subtract(pos[1:], pos[:-1], out=step[1:])
-        step[0] = 1  # a row whose layout is broken is not read: its first token, if not a start, passes
+        step[0] = 1  # no token before it: a step of 1, unless it is a start (set next)
         step[starts] = pos[starts] + 1  # wraps at the type's top, to a step other than 1
         if step.min() == 1 == step.max():  # two reductions: no array of booleans to write
             return
+    # some step is not 1 (a broken layout's row may be all it is): which tokens, in the rows whose layout
+    # holds; the steps into a start are set to 1 first
     step = pos[1:] - pos[:-1]
     step[starts[starts > 0] - 1] = 1
     wrong = np.zeros(pos.size, bool)
