@@ -226,7 +226,7 @@ def _textbook(r: dict, vocab: int | None, limits: rows.Limits, tokens: bool) -> 
 
 
 LAYOUT_DAMAGE = ["seq sum", "seq zero", "empty row"]  # they move every later segment of a padded batch's padding
-DAMAGE = ["position", "label at a start", "num_loss_tokens", "vocab", "negative id", "label not the id",
+DAMAGE = ["position", "positions shifted", "positions run on", "label at a start", "num_loss_tokens", "vocab", "negative id", "label not the id",
           "max_seqlen", "negative example id", "example_ids length", "position_ids length", "loss length",
           "pad too long", "padding trained", *LAYOUT_DAMAGE]
 
@@ -265,6 +265,11 @@ def _damage(r: dict, rng: np.random.Generator, what: str, fmt: int, vocab: int) 
     trained = fmt == 2 and r["loss"][i] or None
     if what == "position" and n:
         r["pos"][i][t] = (r["pos"][i][t] + int(rng.integers(1, 3))) % 60000
+    elif what == "positions shifted" and start < n:  # every step right, the start's position not 0
+        for k in range(start, min(start + seq[j], n)):
+            r["pos"][i][k] += 1
+    elif what == "positions run on":  # not restarting at the segment boundaries
+        r["pos"][i] = list(range(n))
     elif what == "label at a start" and start < n:
         r["loss"][i][start] = True if trained else r["ids"][i][start]
         r["num_loss_tokens"][i] += int(rng.integers(0, 2))  # counted, or not
@@ -319,7 +324,7 @@ def _arrow(r: dict, fmt: int, id_type: pa.DataType, bit_offset: int, padded: boo
     return pa.RecordBatch.from_pydict(cols)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=500, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**32 - 1), fmt=st.sampled_from([1, 2]), padded=st.booleans(),
        damage=st.lists(st.sampled_from(DAMAGE), max_size=4), bit_offset=st.integers(0, 23), cut=st.integers(0, 2),
        limits=st.sampled_from([rows.Limits()] * 4 + [rows.Limits(3, 200, 20), rows.Limits(max_segment_tokens=9)]),
