@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -103,9 +104,10 @@ def test_both_implementations_give_the_textbook_arrays(stored, bit_offset, runs,
     for j in range(batch.num_rows):
         for filler in (False, True):
             want = _textbook(ids, pos, mask, seg_lens, offsets, seg_offsets, j, filler)
-            got = [decode.numpy_row(batch, j, filler, bounds)]
+            where = decode.span(batch, j)
+            got = [decode.numpy_row(batch, j, where, filler, bounds)]
             if KERNEL is not None:
-                got.append(decode.kernel_row(batch, j, filler))
+                got.append(decode.kernel_row(batch, where, filler))
             for arrays in got:
                 n = offsets[j + 1] - offsets[j]
                 shapes = [(1, n)] * 4 + [(seg_offsets[j + 1] - seg_offsets[j] + 1,)]
@@ -129,7 +131,7 @@ def test_a_row_of_thousands_of_tokens_in_long_runs_is_the_textbook_row():
         labels=None, seq_lens=rows.Column(np.array([7, 19_993], np.int32), np.array([0, 1, 2])),
         example_ids=None, num_loss_tokens=None, max_seqlen=np.array([7, 19_993], np.int32),
         loss_mask=rows.Column(rows.Bits.of(arrow), offsets))
-    ids, _, labels, seq_idx, cu = decode.kernel_row(batch, 1, False)
+    ids, _, labels, seq_idx, cu = decode.kernel_row(batch, decode.span(batch, 1), False)
     assert labels.ravel().tolist() == np.where(mask, data_ids, -100)[7:].tolist()
     assert ids.ravel().tolist() == data_ids[7:].tolist() and not seq_idx.any() and cu.tolist() == [0, 19_993]
 
@@ -144,46 +146,108 @@ def _args(n=6, **change):
     return list(args.values())
 
 
-BAD = {
-    "float ids": (TypeError, dict(ids=np.arange(6, dtype=np.float32))),
-    "int64 ids": (TypeError, dict(ids=np.arange(6, dtype=np.int64))),
-    "byte-swapped ids": (TypeError, dict(ids=np.arange(6, dtype=">u2"))),
-    "strided ids": ((BufferError, ValueError), dict(ids=np.arange(12, dtype=np.uint16)[::2])),
-    "ids short of o1": (ValueError, dict(ids=np.arange(5, dtype=np.uint16))),
-    "positions short of o1": (ValueError, dict(positions=np.arange(5, dtype=np.uint16))),
-    "bitmap short of o1": (ValueError, dict(labels=np.zeros(0, np.uint8))),
-    "bitmap start past it": (ValueError, dict(bit_start=11)),
-    "a huge bit start": (ValueError, dict(bit_start=2**62)),
-    "int32 labels given a bit start": (TypeError, dict(labels=np.zeros(6, np.int32))),
-    "uint8 labels without a bit start": (TypeError, dict(bit_start=-1)),
-    "int32 labels short of o1": (ValueError, dict(labels=np.zeros(5, np.int32), bit_start=-1)),
-    "int64 seq_lens": (TypeError, dict(seq_lens=np.array([6], np.int64))),
-    "seq_lens short of s1": (ValueError, dict(s1=2, cu=np.empty(3, np.int32))),
-    "seq_lens not summing": (ValueError, dict(seq_lens=np.array([5], np.int32))),
-    "a negative seq_len": (ValueError, dict(seq_lens=np.array([7, -1], np.int32), s1=2, cu=np.empty(3, np.int32))),
-    "o1 before o0": (ValueError, dict(o0=3, o1=2)),
-    "a negative o0": (ValueError, dict(o0=-1)),
-    "out_ids too short": (ValueError, dict(out_ids=np.empty(5, np.int64))),
-    "out_labels int32": (TypeError, dict(out_labels=np.empty(6, np.int32))),
-    "read-only out_positions": ((BufferError, ValueError), dict(out_positions=np.frombuffer(bytes(48), np.int64))),
-    "seq_idx int64": (TypeError, dict(seq_idx=np.empty(6, np.int64))),
-    "cu of the wrong size": (ValueError, dict(cu=np.empty(3, np.int32))),
-    "a float offset": (TypeError, dict(o1=6.0)),
-    "ids not a buffer": (TypeError, dict(ids=[0, 1, 2, 3, 4, 5])),
+TYPES = "must be uint16, uint32 or int32"
+SHORT = "is shorter than the row's end"
+BAD = {  # (error, what its message says, the change): each check of the kernel, by the message it gives
+    "float ids": (TypeError, f"ids {TYPES}", dict(ids=np.arange(6, dtype=np.float32))),
+    "int64 ids": (TypeError, f"ids {TYPES}", dict(ids=np.arange(6, dtype=np.int64))),
+    "byte-swapped ids": (TypeError, f"ids {TYPES}", dict(ids=np.arange(6, dtype=">u2"))),
+    "strided ids": ((BufferError, ValueError), "", dict(ids=np.arange(12, dtype=np.uint16)[::2])),
+    "ids short of o1": (ValueError, f"ids {SHORT}", dict(ids=np.arange(5, dtype=np.uint16))),
+    "positions short of o1": (ValueError, f"positions {SHORT}", dict(positions=np.arange(5, dtype=np.uint16))),
+    "bitmap short of o1": (ValueError, "bitmap is shorter", dict(labels=np.zeros(0, np.uint8))),
+    "bitmap start past it": (ValueError, "bitmap is shorter", dict(bit_start=11)),
+    "a huge bit start": (ValueError, "bitmap is shorter", dict(bit_start=2**62)),
+    "a bit start at the top": (ValueError, "bitmap is shorter", dict(bit_start=2**63 - 8)),
+    "the largest bit start": (ValueError, "bitmap is shorter", dict(bit_start=2**63 - 1)),
+    "int32 labels given a bit start": (TypeError, "bitmap must be uint8", dict(labels=np.zeros(6, np.int32))),
+    "uint8 labels without a bit start": (TypeError, "labels must be int32", dict(bit_start=-1)),
+    "int32 labels short of o1": (ValueError, f"labels {SHORT}", dict(labels=np.zeros(5, np.int32), bit_start=-1)),
+    "int64 seq_lens": (TypeError, "seq_lens must be int32", dict(seq_lens=np.array([6], np.int64))),
+    "seq_lens short of s1": (ValueError, "seq_lens is shorter", dict(s1=2, cu=np.empty(3, np.int32))),
+    "seq_lens not summing": (ValueError, "do not sum", dict(seq_lens=np.array([5], np.int32))),
+    "a negative seq_len": (ValueError, "negative length",
+                           dict(seq_lens=np.array([7, -1], np.int32), s1=2, cu=np.empty(3, np.int32))),
+    "o1 before o0": (ValueError, "need 0 <= o0 <= o1", dict(o0=3, o1=2)),
+    "a negative o0": (ValueError, "need 0 <= o0 <= o1", dict(o0=-1)),
+    "a row of 2**31 tokens": (ValueError, "fewer than 2**31 tokens", dict(o1=2**31)),
+    "out_ids too short": (ValueError, "out_ids must hold", dict(out_ids=np.empty(5, np.int64))),
+    "out_labels too long": (ValueError, "out_labels must hold", dict(out_labels=np.empty(7, np.int64))),
+    "out_labels int32": (TypeError, "out_labels must be int64", dict(out_labels=np.empty(6, np.int32))),
+    "read-only out_positions": ((BufferError, ValueError), "", dict(out_positions=np.frombuffer(bytes(48), np.int64))),
+    "seq_idx int64": (TypeError, "seq_idx must be int32", dict(seq_idx=np.empty(6, np.int64))),
+    "seq_idx too short": (ValueError, "seq_idx must hold", dict(seq_idx=np.empty(5, np.int32))),
+    "cu too short": (ValueError, "cu_seq_lens must hold", dict(cu=np.empty(1, np.int32))),
+    "cu of the wrong size": (ValueError, "cu_seq_lens must hold", dict(cu=np.empty(3, np.int32))),
+    "a float offset": (TypeError, "", dict(o1=6.0)),
+    "ids not a buffer": (TypeError, "", dict(ids=[0, 1, 2, 3, 4, 5])),
 }
 
 
 @needs_kernel
 @pytest.mark.parametrize("case", BAD)
 def test_the_kernel_refuses_a_bad_argument_and_writes_nothing(case):
-    error, change = BAD[case]
+    error, says, change = BAD[case]
     args = _args(**change)
     outs = [a.copy() for a in args[9:]]
     with pytest.raises(error) as raised:
         KERNEL.decode(*args)
-    if error in (TypeError, ValueError) and case not in ("a float offset", "ids not a buffer"):  # numpy's own
-        assert str(raised.value).startswith("decode: "), raised.value
+    if says:  # numpy's own refusals (a view it cannot give) say nothing of decode
+        assert str(raised.value).startswith("decode: ") and says in str(raised.value), raised.value
     assert all(np.array_equal(a, b) for a, b in zip(args[9:], outs) if a.flags.writeable)
+
+
+@needs_kernel
+def test_an_output_overlapping_seq_lens_is_refused_within_its_bounds():
+    """cu_seq_lens laid over seq_lens: its writes change lengths already checked, and a length read
+    again must not take seq_idx's writes past its end (guard words after it show any)."""
+    for segments in (4, 30):
+        base = np.zeros(segments + 2, np.int32)
+        base[0] = 2  # seq_lens [2, 0, 0, ...]: a valid row of 2 tokens
+        guarded = np.full(2 + 16, -7, np.int32)
+        with pytest.raises(ValueError, match="seq_lens changed"):
+            KERNEL.decode(np.arange(2, dtype=np.uint16), np.arange(2, dtype=np.uint16), None, -1, base, 0, 2, 0,
+                          segments, np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.int64),
+                          guarded[:2], base[1:])
+        assert (guarded[2:] == -7).all()
+
+
+@needs_kernel
+def test_the_kernel_releases_every_buffer_it_takes():
+    """A buffer still held after a call (on success or on any refusal) cannot be resized: array.array's
+    append raises BufferError then."""
+    import array
+
+    def held(*arrays):
+        for a in arrays:
+            a.append(a[-1])  # BufferError while a view of it is held
+            a.pop()
+
+    ids, pos = array.array("H", range(6)), array.array("H", range(6))
+    bits, seg = array.array("B", [0xFF, 0xFF]), array.array("i", [6])
+    outs = [array.array("q", [0] * 6) for _ in range(3)] + [array.array("i", [0] * 6), array.array("i", [0, 0])]
+    KERNEL.decode(ids, pos, bits, 0, seg, 0, 6, 0, 1, *outs)
+    assert list(outs[2]) == list(range(6)) and list(outs[4]) == [0, 6]
+    held(ids, pos, bits, seg, *outs)
+    for bad_cu in (array.array("i", [0]), array.array("q", [0, 0])):  # refused at the last buffer's check
+        with pytest.raises((TypeError, ValueError)):
+            KERNEL.decode(ids, pos, bits, 0, seg, 0, 6, 0, 1, *outs[:4], bad_cu)
+        held(ids, pos, bits, seg, *outs[:4], bad_cu)
+    with pytest.raises(ValueError):  # refused before any buffer is taken
+        KERNEL.decode(ids, pos, bits, 0, seg, 3, 2, 0, 1, *outs)
+    held(ids, pos, bits, seg, *outs)
+
+
+def test_a_checkouts_compiled_kernel_is_not_older_than_its_source():
+    """An editable install compiles the kernel once, into the checkout: an edit of the source since
+    then would be tested against the old binary. Rebuild with `pip install -e .`."""
+    if KERNEL is None:
+        pytest.skip("the C kernel is not built")
+    source = Path(decode.__file__).with_name("_rowkernel.c")
+    if not source.is_file():  # an installed wheel: its kernel was compiled with it
+        pytest.skip("not a checkout")
+    assert Path(KERNEL.__file__).stat().st_mtime >= source.stat().st_mtime, \
+        f"{KERNEL.__file__} is older than {source.name}: rebuild it with `pip install -e .`"
 
 
 @needs_kernel

@@ -7,7 +7,8 @@
  * copies and a select that copies or fills whole bytes of the mask at once (a loss mask is runs).
  *
  * Memory safety does not rest on the caller: every buffer's type and length is checked against the
- * offsets before anything is read or written, and a bad argument raises ValueError or TypeError.
+ * offsets before anything is read or written, every write is bounded by its buffer's checked length
+ * (also where buffers overlap), and a bad argument raises ValueError or TypeError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -163,9 +164,17 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int32_t at = 0;  /* the row's tokens fit int32: the loader's cu_seq_lens are int32 */
     cu[0] = 0;
     for (Py_ssize_t s = 0; s < s1 - s0; s++) {
+        /* read once and bounded again: an output that overlaps seq_lens (or a file changed under its
+         * memory map) may have changed a length since check() summed them */
+        const int32_t len = seg[s];
+        if (len < 0 || len > (int32_t)n - at) {
+            PyErr_SetString(PyExc_ValueError, "decode: seq_lens changed while the row was decoded "
+                            "(an output overlaps it); the outputs are incomplete");
+            goto done;
+        }
         int32_t *p = seq_idx + at;
-        for (int32_t t = 0; t < seg[s]; t++) p[t] = (int32_t)s;
-        at += seg[s];
+        for (int32_t t = 0; t < len; t++) p[t] = (int32_t)s;
+        at += len;
         cu[s + 1] = at;
     }
     result = Py_NewRef(Py_None);

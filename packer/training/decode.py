@@ -26,10 +26,17 @@ KERNEL = _rowkernel
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def kernel_row(r: rows.RowBatch, j: int, filler: bool) -> Arrays:
-    """Row ``j`` of ``r`` by the compiled kernel; ``filler``: its labels all -100."""
-    o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
-    s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
+Span = tuple[int, int, int, int]  # a row's flat tokens [o0, o1) and segments [s0, s1) in its batch
+
+
+def span(r: rows.RowBatch, j: int) -> Span:
+    return (int(r.input_ids.offsets[j]), int(r.input_ids.offsets[j + 1]), int(r.seq_lens.offsets[j]),
+            int(r.seq_lens.offsets[j + 1]))
+
+
+def kernel_row(r: rows.RowBatch, where: Span, filler: bool) -> Arrays:
+    """The row of ``r`` at ``where`` by the compiled kernel; ``filler``: its labels all -100."""
+    o0, o1, s0, s1 = where
     n = o1 - o0
     ids, pos, labels = np.empty((1, n), np.int64), np.empty((1, n), np.int64), np.empty((1, n), np.int64)
     seq_idx, cu = np.empty((1, n), np.int32), np.empty(s1 - s0 + 1, np.int32)
@@ -44,10 +51,9 @@ def kernel_row(r: rows.RowBatch, j: int, filler: bool) -> Arrays:
     return ids, pos, labels, seq_idx, cu
 
 
-def numpy_row(r: rows.RowBatch, j: int, filler: bool, bounds: np.ndarray) -> Arrays:
-    """Row ``j`` of ``r`` by numpy; ``bounds`` is ``row_bounds(r)``, made once a batch."""
-    o0, o1 = r.input_ids.offsets[j], r.input_ids.offsets[j + 1]
-    s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
+def numpy_row(r: rows.RowBatch, j: int, where: Span, filler: bool, bounds: np.ndarray) -> Arrays:
+    """Row ``j`` of ``r`` (at ``where``) by numpy; ``bounds`` is ``row_bounds(r)``, made once a batch."""
+    o0, o1, s0, s1 = where
     ids = r.input_ids.values[o0:o1].astype(np.int64)
     if filler:
         labels = np.full(o1 - o0, schema.IGNORE_INDEX, np.int64)

@@ -125,6 +125,7 @@ class _Shards:
         self.starts: list[int] = []
         self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
         self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
+        self.spans: list[list[decode.Span] | None] = []  # per batch, its rows' decode.span: made on its first read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -147,6 +148,7 @@ class _Shards:
                 self.starts.append(n)
                 self.checked.append(False)
                 self.bounds.append(None)
+                self.spans.append(None)
                 n += batch.num_rows
             if tokens != entry.tokens:
                 raise ShardFormatError(
@@ -194,13 +196,17 @@ class _Shards:
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
         r, j = self.batches[b].rows, index - self.starts[b]
+        spans = self.spans[b]
+        if spans is None:  # Python ints, made once a row batch: a numpy scalar costs ~0.1 µs each time
+            spans = self.spans[b] = [decode.span(r, k) for k in range(r.num_rows)]
+        where = spans[j]
         if decode.KERNEL is not None:
-            ids, pos, labels, seq_idx, cu = decode.kernel_row(r, j, filler)
+            ids, pos, labels, seq_idx, cu = decode.kernel_row(r, where, filler)
         else:
             bounds = self.bounds[b]
             if bounds is None:  # made once a row batch
                 bounds = self.bounds[b] = decode.row_bounds(r)
-            ids, pos, labels, seq_idx, cu = decode.numpy_row(r, j, filler, bounds)
+            ids, pos, labels, seq_idx, cu = decode.numpy_row(r, j, where, filler, bounds)
         cu_t = torch.from_numpy(cu)
         max_len = int(r.max_seqlen[j])
         out = {
@@ -217,7 +223,7 @@ class _Shards:
         roles = self.batches[b].roles
         if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
             # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
-            s0, s1 = r.seq_lens.offsets[j], r.seq_lens.offsets[j + 1]
+            s0, s1 = where[2:]
             out = {"pair_roles": torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64)),
                    "pair_ids": torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64)), **out}
         return out
