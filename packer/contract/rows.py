@@ -15,8 +15,8 @@ A row holds segments (examples, or pieces of one) one after another. For every r
 
 A trained token is one whose label is not -100: format version 1 stores ``labels``, version 2 a
 ``loss_mask`` bit per token (:class:`Bits`, read in place: the segment starts' bits alone, the counts
-from the bitmap's words; unpacked only where read whole, as the padding rule does), whose labels are the ids where it is
-set, so "the input id" holds by construction.
+from the bitmap's words; unpacked only where read whole, as the padding rule does), whose labels are
+the ids where it is set, so "the input id" holds by construction.
 
 Before all of them, the three token columns (``input_ids``, ``position_ids`` and ``labels`` or
 ``loss_mask``) must have one length per row, or nothing else can be read.
@@ -263,7 +263,7 @@ class _Layout:
     def rows_of_segments(self, mask: np.ndarray) -> np.ndarray:
         """The rows holding a segment where ``mask`` (one entry per segment) is set."""
         rows = np.zeros(self.n, bool)
-        if mask.any():
+        if np.count_nonzero(mask):
             rows[self.seg_row[mask]] = True
         return rows
 
@@ -278,8 +278,9 @@ class _Layout:
     def starts(self) -> np.ndarray:
         """The flat token index of every segment start of the rows whose layout holds (sorted)."""
         if self._starts is None:
-            if not np.count_nonzero(self.bad):
-                # every row's segments sum to its length, so rows and segments tile the tokens alike
+            if not np.count_nonzero(self.bad) and not self.batch.input_ids.offsets[0]:
+                # every row's segments sum to its length, so rows and segments tile the tokens alike (from
+                # token 0, as Column.of's offsets start)
                 self._starts = self.cs[:-1]
             else:
                 seg_off, seg_row = self.batch.seq_lens.offsets, self.seg_row
