@@ -34,20 +34,30 @@ def span(r: rows.RowBatch, j: int) -> Span:
             int(r.seq_lens.offsets[j + 1]))
 
 
-def kernel_row(r: rows.RowBatch, where: Span, filler: bool) -> Arrays:
-    """The row of ``r`` at ``where`` by the compiled kernel; ``filler``: its labels all -100."""
+Columns = tuple  # kernel_columns(r): what the kernel reads of a batch, the same for each of its rows
+
+
+def kernel_columns(r: rows.RowBatch) -> Columns:
+    """``r``'s flat columns as the kernel takes them: ids, positions, the stored labels (format 1) or the
+    loss mask's bitmap and the bit of its value 0 (format 2; -1 marks labels), the segment lengths."""
+    if r.labels is not None:
+        stored, bit_start = r.labels.values, -1
+    else:
+        stored, bit_start = r.loss_mask.values.bits, r.loss_mask.values.start
+    return r.input_ids.values, r.position_ids.values, stored, bit_start, r.seq_lens.values
+
+
+def kernel_row(columns: Columns, where: Span, filler: bool) -> Arrays:
+    """The row at ``where`` of the batch whose ``kernel_columns`` are ``columns``, by the compiled
+    kernel; ``filler``: its labels all -100."""
     o0, o1, s0, s1 = where
     n = o1 - o0
     ids, pos, labels = np.empty((1, n), np.int64), np.empty((1, n), np.int64), np.empty((1, n), np.int64)
     seq_idx, cu = np.empty((1, n), np.int32), np.empty(s1 - s0 + 1, np.int32)
+    token_ids, positions, stored, bit_start, seq_lens = columns
     if filler:
         stored, bit_start = None, -1
-    elif r.labels is not None:  # format 1
-        stored, bit_start = r.labels.values, -1
-    else:  # format 2: the loss mask's bitmap, from the bit of its value 0
-        stored, bit_start = r.loss_mask.values.bits, r.loss_mask.values.start
-    KERNEL.decode(r.input_ids.values, r.position_ids.values, stored, bit_start, r.seq_lens.values,
-                  o0, o1, s0, s1, ids, pos, labels, seq_idx, cu)
+    KERNEL.decode(token_ids, positions, stored, bit_start, seq_lens, o0, o1, s0, s1, ids, pos, labels, seq_idx, cu)
     return ids, pos, labels, seq_idx, cu
 
 

@@ -115,6 +115,16 @@ class _Batch:
     roles: rows.Column | None = None  # a preference build's pair_roles (1 chosen, 0 rejected per segment)
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What reading a row batch's rows takes, made once a batch: each row's ``decode.span`` and
+    ``max_seqlen`` as Python ints, and the kernel's columns (None: numpy decodes)."""
+
+    spans: list[decode.Span]
+    max_len: list[int]
+    columns: decode.Columns | None
+
+
 class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
@@ -125,7 +135,7 @@ class _Shards:
         self.starts: list[int] = []
         self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
         self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
-        self.spans: list[list[decode.Span] | None] = []  # per batch, its rows' decode.span: made on its first read
+        self.reads: list[_Read | None] = []  # per batch, what reading its rows takes: made on its first read
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
@@ -148,7 +158,7 @@ class _Shards:
                 self.starts.append(n)
                 self.checked.append(False)
                 self.bounds.append(None)
-                self.spans.append(None)
+                self.reads.append(None)
                 n += batch.num_rows
             if tokens != entry.tokens:
                 raise ShardFormatError(
@@ -196,19 +206,19 @@ class _Shards:
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
         r, j = self.batches[b].rows, index - self.starts[b]
-        spans = self.spans[b]
-        if spans is None:  # Python ints, made once a row batch: a numpy scalar costs ~0.1 µs each time
-            spans = self.spans[b] = [decode.span(r, k) for k in range(r.num_rows)]
-        where = spans[j]
+        read = self.reads[b]
+        if read is None:  # made once a row batch: a numpy scalar costs ~0.1 µs each time it is read
+            read = self.reads[b] = _Read([decode.span(r, k) for k in range(r.num_rows)], r.max_seqlen.tolist(),
+                                         decode.kernel_columns(r) if decode.KERNEL is not None else None)
+        where, max_len = read.spans[j], read.max_len[j]
         if decode.KERNEL is not None:
-            ids, pos, labels, seq_idx, cu = decode.kernel_row(r, where, filler)
+            ids, pos, labels, seq_idx, cu = decode.kernel_row(read.columns or decode.kernel_columns(r), where, filler)
         else:
             bounds = self.bounds[b]
             if bounds is None:  # made once a row batch
                 bounds = self.bounds[b] = decode.row_bounds(r)
             ids, pos, labels, seq_idx, cu = decode.numpy_row(r, j, where, filler, bounds)
         cu_t = torch.from_numpy(cu)
-        max_len = int(r.max_seqlen[j])
         out = {
             "input_ids": torch.from_numpy(ids),
             "position_ids": torch.from_numpy(pos),
