@@ -195,8 +195,10 @@ def _textbook(r: dict, vocab: int | None, limits: rows.Limits, tokens: bool) -> 
         add([i for i in range(n) if len(ids[i]) > limits.max_row_tokens],
             f"more than max_tokens={limits.max_row_tokens:,} tokens")
     if limits.max_segment_tokens is not None:
-        add([i for i in range(n) if any(s - (pads[i][j] if pads else 0) > limits.max_segment_tokens
-                                        for j, s in enumerate(seq[i]))],
+        # a row's pad counts where it has one a segment, else none (a miscounted row shifts no other's)
+        def pad(i, j):
+            return pads[i][j] if pads and len(pads[i]) == len(seq[i]) else 0
+        add([i for i in range(n) if any(s - pad(i, j) > limits.max_segment_tokens for j, s in enumerate(seq[i]))],
             f"a segment longer than max_len={limits.max_segment_tokens:,}")
     if not tokens:
         return out
@@ -225,10 +227,10 @@ def _textbook(r: dict, vocab: int | None, limits: rows.Limits, tokens: bool) -> 
     return out
 
 
-LAYOUT_DAMAGE = ["seq sum", "seq zero", "empty row"]  # they move every later segment of a padded batch's padding
+LAYOUT_DAMAGE = ["seq sum", "seq zero", "empty row"]
 DAMAGE = ["position", "positions shifted", "positions run on", "label at a start", "num_loss_tokens", "vocab", "negative id", "label not the id",
           "max_seqlen", "negative example id", "example_ids length", "position_ids length", "loss length",
-          "pad too long", "padding trained", *LAYOUT_DAMAGE]
+          "pad too long", "padding trained", "negative pad", "pad count missing", "pad count extra", *LAYOUT_DAMAGE]
 
 
 def _random_rows(rng: np.random.Generator, fmt: int, padded: bool, vocab: int) -> dict:
@@ -292,6 +294,12 @@ def _damage(r: dict, rng: np.random.Generator, what: str, fmt: int, vocab: int) 
         col.append(col[-1]) if rng.random() < 0.5 or not col else col.pop()
     elif what == "pad too long" and r["pads"][i]:
         r["pads"][i][j] = seq[j]
+    elif what == "negative pad" and r["pads"][i]:
+        r["pads"][i][j] = -int(rng.integers(1, 3))
+    elif what == "pad count missing" and r["pads"][i]:  # the column's total no longer the segments'
+        r["pads"][i].pop()
+    elif what == "pad count extra" and r["pads"][i] is not None:
+        r["pads"][i].append(0)
     elif what == "padding trained" and r["pads"][i] and r["pads"][i][j]:
         r["loss"][i][start + seq[j] - 1] = True if trained else r["ids"][i][start + seq[j] - 1]
     elif what == "seq sum" and seq:
@@ -338,9 +346,8 @@ def test_check_rows_finds_what_the_rules_read_row_by_row_find(seed, fmt, padded,
     id_type = {1: pa.int32(), 2: pa.uint16() if seed % 3 else pa.uint32()}[fmt]
     r["pos_type"] = {1: pa.int32(), 2: pa.uint16() if seed % 5 else pa.uint32()}[fmt]
     r["loss_name"] = "labels" if fmt == 1 else schema.LOSS_MASK
-    for what in damage:
-        if not (padded and what in LAYOUT_DAMAGE):
-            _damage(r, rng, what, fmt, 60)
+    for what in damage:  # a broken row never shifts another row's padding (RowBatch.padding() would)
+        _damage(r, rng, what, fmt, 60)
     if not padded:
         r["pads"] = None
     batch = _arrow(r, fmt, id_type, bit_offset, padded)

@@ -354,3 +354,26 @@ def test_loader_refuses_damaged_folder_at_open(copy, damage):
         (copy / schema.MANIFEST_NAME).write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(ShardFormatError):
         loader.PackedDataset(copy)
+
+
+@pytest.mark.parametrize("damage", ["negative", "the whole segment"])
+def test_a_damaged_pad_count_is_reported_by_verify_and_refused_by_the_loader(tmp_path, damage):
+    """A padded build's pad_lens broken in one row: verify lists the problem (it used to stop in a numpy
+    error while totalling the padding) and the loader refuses the shard in one line (it used to raise
+    numpy's ValueError from the padding check)."""
+    torch = pytest.importorskip("torch")  # noqa: F841 (the loader's module imports it)
+    from packer.training.loader import make_dataloader
+
+    out = make_build(tmp_path / "b", limit=40, pack="bfd", max_len=256, max_tokens=1024, cp_size=2)
+    seq0 = int(pa.ipc.open_stream(pa.BufferReader((out / "shard-00000.arrow").read_bytes())).read_all()
+               .column("seq_lens")[0].as_py()[0])
+
+    def change(values, offsets):
+        values[0] = -1 if damage == "negative" else seq0
+
+    rewrite_shard(out, schema.PAD_COLUMN, change)
+    report = verify(out)
+    assert not report.ok
+    assert any("pad_lens is not one count per segment" in str(p) for p in report.problems), report.problems
+    with pytest.raises(ShardFormatError, match="row 0: pad_lens is not one count per segment"):
+        list(make_dataloader(out))

@@ -49,7 +49,8 @@ class Totals:
             self.max_row_tokens = max(self.max_row_tokens, int(batch.input_ids.lengths.max()))
         self.example_ids.append(batch.example_ids.values.astype(np.int64))
         # a padded build: the examples' own tokens and lengths, which the source speaks of
-        padding, pads = batch.padding(), 0 if batch.pad_lens is None else batch.pad_lens.values
+        # (of the rows whose layout holds: a damaged shard is reported, never a numpy error)
+        padding, pads = batch.padding(), 0 if batch.pad_lens is None else batch.segment_pads()
         self.pad_tokens += int(np.sum(pads))
         self.seq_lens.append((batch.seq_lens.values - pads).astype(np.int64))
         if keep_tokens:

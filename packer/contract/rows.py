@@ -192,12 +192,14 @@ class RowBatch:
         return out
 
     def padding(self) -> np.ndarray | None:
-        """Per token, whether it is padding (None: the build has none); the layout must hold."""
-        if self.pad_lens is None:
-            return None
-        mask = np.zeros(self.input_ids.values.size, bool)
-        mask[padding_positions(np.cumsum(self.seq_lens.values.astype(np.int64)), self.pad_lens.values)] = True
-        return mask
+        """Per token, whether it is padding (None: the build has none), in the rows whose layout holds: a
+        damaged row's counts mark nothing and shift no other row's padding."""
+        return None if self.pad_lens is None else _padding_mask(_sound_layout(self))
+
+    def segment_pads(self) -> np.ndarray | None:
+        """Per segment, its pad count (None: the build has none); 0 in a row whose ``pad_lens`` is not one
+        count per segment."""
+        return None if self.pad_lens is None else _Layout(self, None, None).seg_pads
 
     @property
     def num_rows(self) -> int:
@@ -237,6 +239,24 @@ class _Layout:
         self._seg_row: np.ndarray | None = None
         self._starts: np.ndarray | None = None
         self._trained: np.ndarray | None = None
+        self._seg_pads: np.ndarray | None = None
+
+    @property
+    def seg_pads(self) -> np.ndarray:
+        """Per segment, its pad count (a padded build's ``pad_lens``), each read through its own row's
+        offsets; 0 in a row whose ``pad_lens`` is not one count per segment (``_pad_lens`` flags it), so a
+        damaged row never shifts another row's counts."""
+        if self._seg_pads is None:
+            pads = self.batch.pad_lens
+            counted = pads.lengths == self.nseg
+            if np.count_nonzero(counted) == self.n:  # the common case: the columns line up whole
+                self._seg_pads = pads.values.astype(np.int64)
+            else:
+                self._seg_pads = np.zeros(self.seq.size, np.int64)
+                seg = np.flatnonzero(counted[self.seg_row])
+                row = self.seg_row[seg]
+                self._seg_pads[seg] = pads.values[pads.offsets[row] + seg - self.batch.seq_lens.offsets[row]]
+        return self._seg_pads
 
     @property
     def seg_row(self) -> np.ndarray:
@@ -336,7 +356,7 @@ def _budget(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     if limit.max_row_tokens is not None:
         yield lay.row_len > limit.max_row_tokens, f"more than max_tokens={limit.max_row_tokens:,} tokens"
     if limit.max_segment_tokens is not None:  # max_len counts the examples' tokens, not their padding
-        pads = 0 if lay.batch.pad_lens is None else lay.batch.pad_lens.values
+        pads = 0 if lay.batch.pad_lens is None else lay.seg_pads
         yield lay.rows_of_segments(lay.seq - pads > limit.max_segment_tokens), \
             f"a segment longer than max_len={limit.max_segment_tokens:,}"
 
@@ -346,14 +366,31 @@ def _budget(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
 def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     pads = lay.batch.pad_lens
     if pads is not None:
-        yield (pads.lengths != lay.nseg) | lay.rows_of_segments((pads.values < 0) | (pads.values >= lay.seq)), \
+        yield (pads.lengths != lay.nseg) | lay.rows_of_segments((lay.seg_pads < 0) | (lay.seg_pads >= lay.seq)), \
             "pad_lens is not one count per segment, each below the segment's length"
 
 
 def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
-    padding = lay.batch.padding()
-    if padding is not None:
-        yield lay.rows_of_tokens(padding & lay.trained), "a padding token is trained"
+    if lay.batch.pad_lens is not None:
+        yield lay.rows_of_tokens(_padding_mask(lay) & lay.trained), "a padding token is trained"
+
+
+def _padding_mask(lay: _Layout) -> np.ndarray:
+    """Per token, whether it is padding, in the rows whose layout holds (their pad counts sound, as
+    _pad_lens has run), each segment's end from its own row's start: a broken row shifts no other's."""
+    good = ~lay.bad[lay.seg_row]
+    padding = np.zeros(lay.batch.input_ids.values.size, bool)
+    padding[padding_positions(lay.starts + lay.seq[good], lay.seg_pads[good])] = True
+    return padding
+
+
+def _sound_layout(batch: RowBatch) -> _Layout:
+    """``batch``'s layout with the rows the layout rules break marked bad, as check_rows marks them."""
+    lay = _Layout(batch, None, None)
+    for rule in LAYOUT_RULES:
+        for broken, _ in rule(lay):
+            lay.bad |= broken
+    return lay
 
 
 # -- tokens: the rows whose layout holds ------------------------------------------------------------
