@@ -104,7 +104,7 @@ def test_both_implementations_give_the_textbook_arrays(stored, bit_offset, runs,
     for j in range(batch.num_rows):
         for filler in (False, True):
             want = _textbook(ids, pos, mask, seg_lens, offsets, seg_offsets, j, filler)
-            where = decode.span(batch, j)
+            where = decode.spans(batch)[j]
             got = [decode.numpy_row(batch, j, where, filler, bounds)]
             if KERNEL is not None:
                 got.append(decode.kernel_row(decode.kernel_columns(batch), where, filler))
@@ -131,7 +131,7 @@ def test_a_row_of_thousands_of_tokens_in_long_runs_is_the_textbook_row():
         labels=None, seq_lens=rows.Column(np.array([7, 19_993], np.int32), np.array([0, 1, 2])),
         example_ids=None, num_loss_tokens=None, max_seqlen=np.array([7, 19_993], np.int32),
         loss_mask=rows.Column(rows.Bits.of(arrow), offsets))
-    ids, _, labels, seq_idx, cu = decode.kernel_row(decode.kernel_columns(batch), decode.span(batch, 1), False)
+    ids, _, labels, seq_idx, cu = decode.kernel_row(decode.kernel_columns(batch), decode.spans(batch)[1], False)
     assert labels.ravel().tolist() == np.where(mask, data_ids, -100)[7:].tolist()
     assert ids.ravel().tolist() == data_ids[7:].tolist() and not seq_idx.any() and cu.tolist() == [0, 19_993]
 

@@ -47,18 +47,28 @@ static void widen(const Py_buffer *src, Py_ssize_t lo, Py_ssize_t n, int64_t *re
 static inline int64_t pick(unsigned bit, int64_t id) { return bit ? id : IGNORE_INDEX; }
 
 /* out[i] = ids[i] where bit (start + i) of ``bits`` is set (least significant first, as Arrow packs
- * booleans), else IGNORE_INDEX. Whole bytes of the mask are one copy or one fill. */
+ * booleans), else IGNORE_INDEX. A loss mask is runs: 64 bits all set or all clear (a word of the
+ * bitmap) are one copy or one fill, as are whole bytes; only a byte where a run ends goes bit by bit. */
+static inline void select_byte(uint8_t v, const int64_t *restrict ids, int64_t *restrict out) {
+    if (v == 0xFF) memcpy(out, ids, 8 * sizeof(int64_t));
+    else if (v == 0) for (int k = 0; k < 8; k++) out[k] = IGNORE_INDEX;
+    else for (int k = 0; k < 8; k++) out[k] = pick((v >> k) & 1, ids[k]);
+}
+
 static void select_bits(const uint8_t *bits, Py_ssize_t start, Py_ssize_t n, const int64_t *restrict ids,
                         int64_t *restrict out) {
     Py_ssize_t i = 0;
     for (; i < n && ((start + i) & 7); i++) out[i] = pick((bits[(start + i) >> 3] >> ((start + i) & 7)) & 1, ids[i]);
     const uint8_t *p = bits + ((start + i) >> 3);
-    for (; i + 8 <= n; i += 8, p++) {
-        const uint8_t v = *p;
-        if (v == 0xFF) memcpy(out + i, ids + i, 8 * sizeof(int64_t));
-        else if (v == 0) for (int k = 0; k < 8; k++) out[i + k] = IGNORE_INDEX;
-        else for (int k = 0; k < 8; k++) out[i + k] = pick((v >> k) & 1, ids[i + k]);
+    for (; i + 8 <= n && ((start + i) & 63); i += 8, p++) select_byte(*p, ids + i, out + i);
+    for (; i + 64 <= n; i += 64, p += 8) {
+        uint64_t w;
+        memcpy(&w, p, sizeof w);  /* the bitmap's bytes in order: little-endian, as Arrow's bits are */
+        if (w == ~(uint64_t)0) memcpy(out + i, ids + i, 64 * sizeof(int64_t));
+        else if (w == 0) for (int k = 0; k < 64; k++) out[i + k] = IGNORE_INDEX;
+        else for (int b = 0; b < 8; b++) select_byte(p[b], ids + i + 8 * b, out + i + 8 * b);
     }
+    for (; i + 8 <= n; i += 8, p++) select_byte(*p, ids + i, out + i);
     for (Py_ssize_t k = 0; i < n; i++, k++) out[i] = pick((*p >> k) & 1, ids[i]);
 }
 

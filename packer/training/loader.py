@@ -207,8 +207,8 @@ class _Shards:
             self.check(b)
         r, j = self.batches[b].rows, index - self.starts[b]
         read = self.reads[b]
-        if read is None:  # made once a row batch: a numpy scalar costs ~0.1 µs each time it is read
-            read = self.reads[b] = _Read([decode.span(r, k) for k in range(r.num_rows)], r.max_seqlen.tolist(),
+        if read is None:  # made once a row batch
+            read = self.reads[b] = _Read(decode.spans(r), r.max_seqlen.tolist(),
                                          decode.kernel_columns(r) if decode.KERNEL is not None else None)
         where, max_len = read.spans[j], read.max_len[j]
         if decode.KERNEL is not None:
