@@ -387,10 +387,19 @@ def _padding_mask(lay: _Layout) -> np.ndarray:
 def _sound_layout(batch: RowBatch) -> _Layout:
     """``batch``'s layout with the rows the layout rules break marked bad, as check_rows marks them."""
     lay = _Layout(batch, None, None)
-    for rule in LAYOUT_RULES:
-        for broken, _ in rule(lay):
-            lay.bad |= broken
+    _mark_layout(lay)
     return lay
+
+
+def _mark_layout(lay: _Layout) -> list[Problem]:
+    """The layout rules' problems; the rows they break marked bad in ``lay`` (every later rule skips them)."""
+    problems = []
+    for rule in LAYOUT_RULES:
+        for broken, message in rule(lay):
+            if np.count_nonzero(broken):  # a few rows' booleans, where .any() costs its wrapper's microsecond
+                problems.append(Problem(np.flatnonzero(broken), message))
+                lay.bad |= broken
+    return problems
 
 
 # -- tokens: the rows whose layout holds ------------------------------------------------------------
@@ -476,12 +485,7 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
     if problems:
         return problems
     lay = _Layout(batch, vocab, limits)
-    # count_nonzero: a few rows' booleans, where .any() costs its Python wrapper's microsecond a rule
-    for rule in LAYOUT_RULES:
-        for broken, message in rule(lay):
-            if np.count_nonzero(broken):
-                problems.append(Problem(np.flatnonzero(broken), message))
-                lay.bad |= broken
+    problems = _mark_layout(lay)
     for rule in ROW_RULES + (TOKEN_RULES if tokens else ()):
         for broken, message in rule(lay):
             if np.count_nonzero(broken):

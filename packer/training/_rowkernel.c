@@ -4,7 +4,8 @@
  * Why C: numpy needs one call per column and has no fused select-by-bitmap, so a format-2 row (the
  * loss as a bit mask) cost more to decode than a format-1 row (int32 labels), and every row paid ~5
  * numpy calls of overhead (benchmarks/bench_loader.py). Here a row is one call; its work is widening
- * copies and a select that copies or fills whole bytes of the mask at once (a loss mask is runs).
+ * copies and a select that copies or fills whole 64-bit words and bytes of the mask at once (a loss
+ * mask is runs).
  *
  * Memory safety does not rest on the caller: every buffer's type and length is checked against the
  * offsets before anything is read or written, every write is bounded by its buffer's checked length

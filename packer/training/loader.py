@@ -117,12 +117,12 @@ class _Batch:
 
 @dataclass(frozen=True, slots=True)
 class _Read:
-    """What reading a row batch's rows takes, made once a batch: each row's ``decode.span`` and
-    ``max_seqlen`` as Python ints, and the kernel's columns (None: numpy decodes)."""
+    """What reading a row batch's rows takes, made once a batch: each row's span and ``max_seqlen`` as
+    Python ints, and the columns the kernel reads."""
 
     spans: list[decode.Span]
     max_len: list[int]
-    columns: decode.Columns | None
+    columns: decode.Columns
 
 
 class _Shards:
@@ -208,11 +208,10 @@ class _Shards:
         r, j = self.batches[b].rows, index - self.starts[b]
         read = self.reads[b]
         if read is None:  # made once a row batch
-            read = self.reads[b] = _Read(decode.spans(r), r.max_seqlen.tolist(),
-                                         decode.kernel_columns(r) if decode.KERNEL is not None else None)
+            read = self.reads[b] = _Read(decode.spans(r), r.max_seqlen.tolist(), decode.kernel_columns(r))
         where, max_len = read.spans[j], read.max_len[j]
         if decode.KERNEL is not None:
-            ids, pos, labels, seq_idx, cu = decode.kernel_row(read.columns or decode.kernel_columns(r), where, filler)
+            ids, pos, labels, seq_idx, cu = decode.kernel_row(read.columns, where, filler)
         else:
             bounds = self.bounds[b]
             if bounds is None:  # made once a row batch
