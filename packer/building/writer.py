@@ -26,6 +26,7 @@ from .. import fs
 from ..contract import schema
 from ..planning.context_parallel import padding_positions
 from ..planning.plan import Plan
+from .image_rows import image_columns
 from .spill import TokenStore
 
 ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
@@ -109,6 +110,8 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
     if schema.PAIR_COLUMN in fmt.extra:  # rows hold whole pairs, so a segment's parity is its role: chosen first
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow((np.arange(s_lo, s_hi) % 2 == 0).astype(np.int8))))
+    if fmt.images:  # an image build: its rows' images (packer.building.image_rows)
+        columns += image_columns(store.images, plan, s_lo, s_hi, seg_splits)
     return pa.RecordBatch.from_arrays(columns, schema=fmt.schema())
 
 

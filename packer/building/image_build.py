@@ -1,0 +1,34 @@
+"""Where an image build differs from a text build, in the pipeline's terms: the encoder of its records and
+what the manifest records of its processor (the pipeline calls these; docs/images.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..contract.config import BuildConfig
+from ..contract.vision import PROCESSOR_KEY, load_processor, processor_info
+from ..errors import ConfigError
+from .image_encoder import ImageEncoder
+
+DEFAULT_IMAGES_FIELD = "images"
+
+
+def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) -> ImageEncoder:
+    """The encoder of one source's image+text records (TRL's vision format: messages and images)."""
+    if spec.kind != "chat":
+        raise ConfigError(f"--processor: image+text records are chat records (messages with image parts); this "
+                          f"data is {spec.kind} data: give --messages-field")
+    field = config.images_field or DEFAULT_IMAGES_FIELD
+    columns = stream.columns()
+    if field not in columns:
+        raise ConfigError(f"--images-field {field}: the data has no such field; its columns are {', '.join(columns)}")
+    base = Path(stream.files[0]).parent if stream.source.kind == "local" and stream.files else None
+    return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
+                        max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors)
+
+
+def tokenizer_record(config: BuildConfig, record: dict) -> dict:
+    """The manifest's tokenizer record, with the processor's (its class and fingerprint) in an image build."""
+    if config.processor is None:
+        return record
+    return {**record, PROCESSOR_KEY: processor_info(load_processor(config.processor), config.processor)}

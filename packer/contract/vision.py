@@ -1,0 +1,190 @@
+"""The image side of the contract: what an image build's columns mean, how stored image bytes become
+the picture the processor sees, and the processor itself; the one place the build, the checks and the
+loader take these rules from (docs/images.md).
+
+An image build's rows have three more columns (:data:`IMAGE_FIELDS`), each a list per row, in token
+order: ``images`` (each image's encoded bytes, as the source held them), ``image_tokens`` (how many
+placeholder tokens each image's span holds in ``input_ids``) and ``image_sizes`` (each image's height and
+width after its EXIF orientation, two int32 a image). A segment's images are the spans of the family's
+image token in its tokens, so no per-segment count is stored.
+
+Decoding is transformers' ``load_image`` (EXIF orientation applied, converted to RGB), so the loader's
+pictures are the processor's when it is handed the same file. The processor is loaded as ``AutoProcessor``
+loads it; where a part of it needs torchvision, which is absent here (the Qwen-VL families' video
+processors), it is assembled from the folder's image processor, tokenizer and chat template by the
+family's own processor class, without a video processor (:func:`load_processor`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ..errors import ConfigError
+
+IMAGES, IMAGE_TOKENS, IMAGE_SIZES = "images", "image_tokens", "image_sizes"
+IMAGE_FIELDS = (
+    pa.field(IMAGES, pa.list_(pa.binary()), nullable=False),
+    pa.field(IMAGE_TOKENS, pa.list_(pa.int32()), nullable=False),
+    pa.field(IMAGE_SIZES, pa.list_(pa.int32()), nullable=False),
+)
+# The most pixels an image may have (height x width, before any resize): PIL's own bomb threshold is
+# twice its MAX_IMAGE_PIXELS (about 179 M); a 20,000 x 20,000 PNG (400 M pixels, 1.2 GB decoded) is
+# refused from its header, before a byte of it is decoded.
+MAX_PIXELS = 1 << 27  # 134 M pixels: 12,000 x 11,000; 400 MB as RGB
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+PROCESSOR_KEY = "processor"  # the manifest's tokenizer record holds the processor's (processor_info) in an image build
+
+
+# -- families ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What packer knows of a processor's model family: its image token, the placeholder each image
+    part renders as in the chat template's text (expanded to the processor's count), and the model
+    class whose own ``get_rope_index`` gives an example's positions (None: 1-D positions)."""
+
+    name: str
+    rope_model: str | None  # transformers class holding get_rope_index (mRoPE families)
+    text_row: bool = True  # the model's forward takes a text-position row first ([4, 1, T])
+
+
+# Families whose processor's expansion is one image token repeated the processor's count for each
+# image (``processor.image_token * n``), checked token for token against the processor in tests.
+FAMILIES = {
+    "Qwen2_5_VLProcessor": Family("Qwen2.5-VL", "Qwen2_5_VLModel"),
+    "Qwen2VLProcessor": Family("Qwen2-VL", "Qwen2VLModel", text_row=False),
+}
+
+
+def family_of(processor) -> Family:
+    name = type(processor).__name__.removesuffix(_NO_VIDEO)
+    family = FAMILIES.get(name)
+    if family is None:
+        known = ", ".join(f"{f.name} ({n})" for n, f in FAMILIES.items())
+        raise ConfigError(f"--processor: {name} is not a family packer packs images for yet (known: {known}); "
+                          "build its text-only data, or use one of these")
+    return family
+
+
+# -- decoding ----------------------------------------------------------------------------------------
+
+
+def open_image(data: bytes):
+    """The PIL image of encoded ``data``, its header read (nothing decoded yet); raises PIL's errors."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data))
+
+
+def oriented_size(image) -> tuple[int, int]:
+    """(height, width) after the image's EXIF orientation (what ``load_image`` hands the processor)."""
+    width, height = image.size
+    orientation = image.getexif().get(0x0112, 1)  # 5-8: turned a quarter, width and height swap
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+
+
+def decode(data: bytes):
+    """The RGB picture the processor sees for stored bytes: transformers' ``load_image`` of the opened image
+    (EXIF orientation applied, then converted to RGB, the first frame of an animation)."""
+    from transformers.image_utils import load_image
+
+    return load_image(open_image(data))
+
+
+# -- the processor -----------------------------------------------------------------------------------
+
+_NO_VIDEO = "WithoutVideo"
+
+
+def _without_video(cls):
+    """``cls`` (a processor class) accepting ``video_processor=None``: the family's own class and code,
+    only its argument check skips the video processor, whose torchvision is absent."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument is None and argument_name == "video_processor":
+            return None
+        return cls.check_argument_for_proper_class(self, argument_name, argument)
+
+    return type(cls.__name__ + _NO_VIDEO, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class,
+                                                    "__module__": cls.__module__})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@cache
+def load_processor(name: str):
+    """The processor in folder ``name`` as ``AutoProcessor`` loads it, or assembled without its video
+    processor where that needs torchvision; a ConfigError in one line otherwise."""
+    import transformers
+
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--processor {name}: no such folder; give a processor folder (save_pretrained's)")
+    if not any((folder / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(f"--processor {name}: holds neither {' nor '.join(PROCESSOR_FILES)}, so it is not a "
+                          "processor's folder; save the model's processor there (`AutoProcessor...save_pretrained`)")
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise ConfigError(f"--processor {name}: cannot be loaded ({str(e).strip().splitlines()[0][:200]})") from e
+        processor = _assemble(folder, name)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--processor {name}: cannot be loaded ({str(e).strip().splitlines()[0][:200]})") from e
+    if not hasattr(processor, "image_processor"):
+        raise ConfigError(f"--processor {name}: {type(processor).__name__} has no image processor, so it cannot "
+                          "read images; give a vision-language model's processor")
+    if not processor.chat_template:
+        raise ConfigError(f"--processor {name}: has no chat template (chat_template.jinja); add the model's")
+    return processor
+
+
+def _assemble(folder: Path, name: str):
+    """The folder's processor made by its own class from its image processor, tokenizer and chat template
+    (each loaded by transformers' Auto classes), without the video processor that needs torchvision."""
+    import transformers
+
+    cls_name = next((c for c in (_read_json(folder / f).get("processor_class") for f in
+                                 (*PROCESSOR_FILES, "tokenizer_config.json")) if c), None)
+    cls = getattr(transformers, cls_name, None) if cls_name else None
+    if cls is None:
+        raise ConfigError(f"--processor {name}: names no processor class transformers has ({cls_name!r}); "
+                          "set processor_class in its processor_config.json")
+    if "video_processor" not in cls.get_attributes():
+        raise ConfigError(f"--processor {name}: {cls_name} needs torchvision, which packer does not use; "
+                          "install a CPU torchvision that matches torch, or use another family")
+    image_processor = transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    template = folder / "chat_template.jinja"
+    chat_template = template.read_text() if template.is_file() else _read_json(folder / "chat_template.json").get(
+        "chat_template", getattr(tokenizer, "chat_template", None))
+    return _without_video(cls)(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                               chat_template=chat_template)
+
+
+def processor_info(processor, name: str) -> dict[str, Any]:
+    """What the manifest records of the processor: its class and a fingerprint of its image processor's
+    configuration and chat template (the tokenizer has its own record)."""
+    config = json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)
+    template = processor.chat_template if isinstance(processor.chat_template, str) else json.dumps(
+        processor.chat_template, sort_keys=True)
+    return {
+        "name_or_path": name,
+        "class": type(processor).__name__.removesuffix(_NO_VIDEO),
+        "image_processor": type(processor.image_processor).__name__,
+        "fingerprint": hashlib.sha256((config + "\0" + (template or "")).encode()).hexdigest(),
+    }
