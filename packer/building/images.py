@@ -67,7 +67,10 @@ def read_image(value: Any, base: Path | None, which: str) -> Image:
             decode(data)  # decoded whole once, then dropped: a truncated or corrupt file fails here
     except RecordError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, PILImage.DecompressionBombError) as e:
+    except PILImage.DecompressionBombError:  # PIL's own guard, past twice its MAX_IMAGE_PIXELS, at the header
+        raise RecordError(f"{which} has more pixels than PIL opens (a decompression bomb?); resize it",
+                          "image_too_large") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise RecordError(f"{which} cannot be decoded ({first}); replace the file", "image_undecodable") from None
     if height < 1 or width < 1:

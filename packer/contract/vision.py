@@ -18,6 +18,7 @@ family's own processor class, without a video processor (:func:`load_processor`)
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import json
 from dataclasses import dataclass
@@ -137,6 +138,9 @@ def load_processor(name: str):
     if not any((folder / f).is_file() for f in PROCESSOR_FILES):
         raise ConfigError(f"--processor {name}: holds neither {' nor '.join(PROCESSOR_FILES)}, so it is not a "
                           "processor's folder; save the model's processor there (`AutoProcessor...save_pretrained`)")
+    named = _processor_class(folder)
+    if named is not None and "video_processor" in named.get_attributes() and importlib.util.find_spec("torchvision") is None:
+        return _checked(_assemble(folder, name), name)  # AutoProcessor would load the tokenizer, then fail on the video
     try:
         processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True)
     except ImportError as e:
@@ -145,6 +149,10 @@ def load_processor(name: str):
         processor = _assemble(folder, name)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--processor {name}: cannot be loaded ({str(e).strip().splitlines()[0][:200]})") from e
+    return _checked(processor, name)
+
+
+def _checked(processor, name: str):
     if not hasattr(processor, "image_processor"):
         raise ConfigError(f"--processor {name}: {type(processor).__name__} has no image processor, so it cannot "
                           "read images; give a vision-language model's processor")
@@ -153,17 +161,27 @@ def load_processor(name: str):
     return processor
 
 
-def _assemble(folder: Path, name: str):
-    """The folder's processor made by its own class from its image processor, tokenizer and chat template
-    (each loaded by transformers' Auto classes), without the video processor that needs torchvision."""
+def _processor_class(folder: Path):
+    """The processor class the folder's configs name (as AutoProcessor reads them), or None."""
     import transformers
 
     cls_name = next((c for c in (_read_json(folder / f).get("processor_class") for f in
                                  (*PROCESSOR_FILES, "tokenizer_config.json")) if c), None)
     cls = getattr(transformers, cls_name, None) if cls_name else None
+    return cls if isinstance(cls, type) and hasattr(cls, "get_attributes") else None
+
+
+def _assemble(folder: Path, name: str):
+    """The folder's processor made by its own class from its image processor, tokenizer and chat template
+    (each loaded by transformers' Auto classes), without the video processor that needs torchvision."""
+    import transformers
+
+    cls = _processor_class(folder)
     if cls is None:
+        cls_name = _read_json(folder / "processor_config.json").get("processor_class")
         raise ConfigError(f"--processor {name}: names no processor class transformers has ({cls_name!r}); "
                           "set processor_class in its processor_config.json")
+    cls_name = cls.__name__
     if "video_processor" not in cls.get_attributes():
         raise ConfigError(f"--processor {name}: {cls_name} needs torchvision, which packer does not use; "
                           "install a CPU torchvision that matches torch, or use another family")
