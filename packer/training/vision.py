@@ -92,12 +92,14 @@ class VisionRows:
             if not mine:
                 grids.append(None)
                 continue
-            done = self.processor.image_processor([decode(b) for b in mine], return_tensors="pt")
-            outputs.append(dict(done))
-            grids.append(done.get("image_grid_thw"))
+            done = dict(self.processor.image_processor([decode(b) for b in mine]))  # numpy: one copy at the concatenation
+            outputs.append(done)
+            grid = done.get("image_grid_thw")
+            grids.append(None if grid is None else torch.from_numpy(np.asarray(grid)))
         if outputs:
             for key in outputs[0]:
-                out[key] = torch.cat([o[key] for o in outputs], dim=0)
+                values = [np.asarray(o[key]) for o in outputs]
+                out[key] = torch.from_numpy(values[0] if len(values) == 1 else np.concatenate(values))
             self._check_grids(out, counts, where)
         out["mm_token_type_ids"] = torch.from_numpy(is_image.astype(np.int64))[None]
         if self._rope is not None:
