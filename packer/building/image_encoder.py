@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.vision import family_of, load_processor
+from ..contract.vision import decode, family_of, image_token_id, images_kwargs, load_processor
 from ..errors import RecordError
 from .chat import CHAT_ROLES, drop_nones, normalize_tools
 from .formatting import Formatter, Segments
@@ -76,10 +76,12 @@ class ImageFormatter(Formatter):
     """A chat Formatter whose records keep their image parts and carry images; the images of the last
     record formatted are in ``last_images``."""
 
-    def __init__(self, spec, tokenizer, images_field: str, base: Path | None, image_token: str):
+    def __init__(self, spec, tokenizer, images_field: str, base: Path | None, image_token: str, replace=None):
         super().__init__(spec, tokenizer)
         self.images_field, self.base, self.image_token = images_field, base, image_token
+        self.replace = replace  # the "replace" rule: (text, spans, images) -> (text, spans, image tokens each)
         self.last_images: list[Image] = []
+        self.last_counts: list[int] | None = None
 
     def _chat(self, record: dict[str, Any]) -> Segments:
         spec = self.spec
@@ -98,12 +100,16 @@ class ImageFormatter(Formatter):
         if placed != len(images):
             raise RecordError(f"the chat template writes {placed} image placeholder(s) for its {len(images)} image(s) "
                               "(an image part in a turn the template leaves out?)", "image_count")
+        text, spans = rendered.text, rendered.spans
+        self.last_counts = None
+        if self.replace is not None and images:
+            text, spans, self.last_counts = self.replace(text, spans, images)
         segments: Segments = []
         cursor = 0
-        for start, end in rendered.spans:
-            segments += [(rendered.text[cursor:start], False), (rendered.text[start:end], True)]
+        for start, end in spans:
+            segments += [(text[cursor:start], False), (text[start:end], True)]
             cursor = end
-        segments.append((rendered.text[cursor:], False))
+        segments.append((text[cursor:], False))
         self.last_images = images
         return [s for s in segments if s[0]]
 
@@ -114,7 +120,8 @@ class EncodedImages(Encoded):
     where each image's span starts in the example's tokens and how many tokens it holds."""
 
     images: list[list[Image]] = field(default_factory=list)
-    spans: list[list[tuple[int, int]]] = field(default_factory=list)  # per image: (first token, tokens)
+    # per image: (its first image token, tokens from it to its last image token, its image tokens)
+    spans: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
 
 class ImageEncoder(Encoder):
@@ -125,22 +132,39 @@ class ImageEncoder(Encoder):
                  max_len: int | None = None, skip_errors: bool = False):
         self.processor_name = processor
         proc = load_processor(processor)
-        family_of(proc)  # an unknown family is refused before any record is read
+        self.family = family_of(proc)  # an unknown family is refused before any record is read
         tokenizer.chat_template = proc.chat_template  # the processor's template renders the records
         tokenizer.chat_template_name = f"--processor {processor}'s chat template"
         super().__init__(tokenizer, spec, skip_errors=skip_errors)
-        self.image_token, self.image_token_id = proc.image_token, int(proc.image_token_id)
-        self.formatter = ImageFormatter(spec, tokenizer, images_field, base, self.image_token)
+        self.image_token = proc.image_token  # what the template writes for an image
+        self.image_token_id = image_token_id(proc)  # what an image's span is made of in the ids
+        self.model_token = proc.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        replace = self._replace if self.family.rule == "replace" else None
+        self.formatter = ImageFormatter(spec, tokenizer, images_field, base, self.image_token, replace)
         self.max_len = max_len
-        self._pending: list[list[Image]] = []
+        self._pending: list[tuple[list[Image], list[int] | None]] = []
 
     def example(self, record: dict[str, Any]):
         out = super().example(record)
-        self._pending.append(self.formatter.last_images)  # only a record that made it this far is kept
+        # only a record that made it this far is kept
+        self._pending.append((self.formatter.last_images, self.formatter.last_counts))
         return out
 
+    def _replace(self, text: str, spans: list[tuple[int, int]], images: list[Image]):
+        """The "replace" rule: the processor's own replacement text for each image in place of its placeholder
+        (its ``_process_images`` and ``get_text_with_replacements``, as ``processor.__call__`` runs them), the
+        trained spans moved with it; and each image's count of image tokens."""
+        proc = load_processor(self.processor_name)
+        _, replacements = proc._process_images([[decode(im.data) for im in images]], **images_kwargs(proc))
+        texts, offsets = proc.get_text_with_replacements([text], replacements)
+        moved = []
+        for start, end in spans:
+            shift = sum(len(o["replacement"]) - (o["span"][1] - o["span"][0]) for o in offsets[0] if o["span"][1] <= start)
+            moved.append((start + shift, end + shift))
+        return texts[0], moved, [r.count(self.model_token) for r in replacements]
+
     def image_tokens(self, images: list[Image]) -> list[int]:
-        """Each image's placeholder count, by the processor's own rule for its (height, width)."""
+        """The "count" rule: each image's placeholder count, by the processor's own rule for its size."""
         if not images:
             return []
         data = load_processor(self.processor_name)._get_num_multimodal_tokens(
@@ -155,19 +179,28 @@ class ImageEncoder(Encoder):
         np.cumsum(enc.lengths, out=starts[1:])
         repeat = np.ones(len(enc.ids), np.int64)
         spans_out, kept, dropped = [], [], 0
-        for k, images in enumerate(pending):
+        for k, (images, counts) in enumerate(pending):
             ids = enc.ids[starts[k]:starts[k + 1]]
             at = np.flatnonzero(ids == self.image_token_id)
-            if len(at) != len(images):  # the text's count was checked; a tokenizer that splits the token is not
-                raise RecordError(f"{where} {int(enc.example_ids[k]) + 1}: the placeholder {self.image_token!r} is "
-                                  f"{len(at)} token(s) for {len(images)} image(s); the tokenizer does not hold it as "
-                                  "one token", "image_count")
-            counts = self.image_tokens(images)
-            repeat[starts[k] + at] = counts
-            first = at + np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64) - 1)[:-1]]).astype(np.int64)
-            spans = [(int(f), n) for f, n in zip(first.tolist(), counts, strict=True)]
-            length = int(enc.lengths[k]) + sum(counts) - len(counts)
-            if self.max_len is not None and spans and length > self.max_len and spans[-1][0] + spans[-1][1] > self.max_len:
+            if counts is None:  # the "count" rule: each image's one placeholder token, repeated
+                if len(at) != len(images):
+                    raise RecordError(f"{where} {int(enc.example_ids[k]) + 1}: the placeholder {self.image_token!r} is "
+                                      f"{len(at)} token(s) for {len(images)} image(s); the tokenizer does not hold it "
+                                      "as one token", "image_count")
+                counts = self.image_tokens(images)
+                repeat[starts[k] + at] = counts
+                first = at + np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64) - 1)[:-1]]).astype(np.int64)
+                spans = [(int(f), n, n) for f, n in zip(first.tolist(), counts, strict=True)]
+            else:  # the "replace" rule: the ids hold each image's tokens already, in order
+                if len(at) != sum(counts):
+                    raise RecordError(f"{where} {int(enc.example_ids[k]) + 1}: {len(at)} image tokens for the "
+                                      f"{sum(counts)} the processor's replacements hold", "image_count")
+                ends = np.cumsum(counts)
+                spans = [(int(at[e - n]), int(at[e - 1] - at[e - n] + 1), n)
+                         for e, n in zip(ends.tolist(), counts, strict=True)]
+            length = int(repeat[starts[k]:starts[k + 1]].sum())
+            last = spans[-1][0] + spans[-1][1] if spans else 0
+            if self.max_len is not None and length > self.max_len and last > self.max_len:
                 dropped += 1  # a cut at --max-len would fall inside or before an image: dropped, counted
                 repeat[starts[k]:starts[k + 1]] = 0
                 continue
@@ -182,4 +215,4 @@ class ImageEncoder(Encoder):
         if dropped:
             skipped = Skipped(({**skipped.by_part[0], CUT_IMAGE: skipped.by_part[0].get(CUT_IMAGE, 0) + dropped},))
         return EncodedImages(ids.astype(np.int32), trained.astype(np.uint8), lengths[keep].astype(np.int64),
-                             enc.example_ids[keep], skipped, [pending[k] for k in kept], spans_out)
+                             enc.example_ids[keep], skipped, [pending[k][0] for k in kept], spans_out)

@@ -25,8 +25,8 @@ def segment_images(store: ImageStore, plan: Plan, s_lo: int, s_hi: int) -> np.nd
     for e, start, length in zip(plan.example[s_lo:s_hi].tolist(), plan.start[s_lo:s_hi].tolist(),
                                 plan.length[s_lo:s_hi].tolist()):
         k = np.arange(store.first[e], store.first[e + 1])
-        first, tokens = store.index[k, 4], store.index[k, 5]
-        k = k[(first >= start) & (first + tokens <= start + length)]
+        first, extent = store.index[k, 4], store.index[k, 5]
+        k = k[(first >= start) & (first + extent <= start + length)]
         rows.append(k)
         counts.append(len(k))
     return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), np.asarray(counts, np.int64)
@@ -44,7 +44,7 @@ def image_columns(store: ImageStore, plan: Plan, s_lo: int, s_hi: int, seg_split
     data_off = np.zeros(len(blobs) + 1, np.int32)
     np.cumsum(sizes, out=data_off[1:])
     binary = pa.Array.from_buffers(pa.binary(), len(blobs), [None, pa.py_buffer(data_off), pa.py_buffer(b"".join(blobs))])
-    tokens = store.index[rows, 5].astype(np.int32)
+    tokens = store.index[rows, 6].astype(np.int32)
     hw = store.index[rows][:, 2:4].astype(np.int32).reshape(-1)
     return [
         pa.ListArray.from_arrays(_arrow(row_off), binary),

@@ -4,7 +4,8 @@ by the writer.
 Three more files in the spill folder (:mod:`packer.building.spill`), in source order::
 
     images.bin          bytes             every kept example's images, encoded, concatenated
-    image_index.bin     int64[images, 6]  per image: byte offset, bytes, height, width, first token, tokens
+    image_index.bin     int64[images, 7]  per image: byte offset, bytes, height, width, first image token,
+                                          tokens to its last image token, image tokens
     example_images.bin  int32[examples]   images per example
 
 ``progress.json`` counts what of them its marker covers (``images``, ``image_bytes``), and a rerun
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 DATA, INDEX, PER_EXAMPLE = "images.bin", "image_index.bin", "example_images.bin"
-INDEX_WIDTH = 6  # offset, bytes, height, width, first token, tokens
+INDEX_WIDTH = 7  # offset, bytes, height, width, first image token, extent, image tokens
 
 
 class Appender:
@@ -47,9 +48,9 @@ class Appender:
         offset = progress.get("image_bytes", 0)
         rows = []
         for example_images, spans in zip(images, chunk.spans, strict=True):
-            for image, (first, tokens) in zip(example_images, spans, strict=True):
+            for image, (first, extent, tokens) in zip(example_images, spans, strict=True):
                 self.files[DATA].write(image.data)
-                rows.append((offset, len(image.data), image.height, image.width, first, tokens))
+                rows.append((offset, len(image.data), image.height, image.width, first, extent, tokens))
                 offset += len(image.data)
         self.files[INDEX].write(np.asarray(rows, np.int64).reshape(-1, INDEX_WIDTH).tobytes())
         self.files[PER_EXAMPLE].write(np.asarray([len(i) for i in images], np.int32).tobytes())
@@ -66,7 +67,7 @@ class ImageStore:
     """A finished spill's images: example k's are index rows first[k]:first[k+1]."""
 
     data_path: Path
-    index: np.ndarray  # int64[images, 6]
+    index: np.ndarray  # int64[images, INDEX_WIDTH]
     first: np.ndarray  # int64[examples + 1]
 
     def read(self, rows: np.ndarray) -> list[bytes]:

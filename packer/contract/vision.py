@@ -49,20 +49,37 @@ PROCESSOR_KEY = "processor"  # the manifest's tokenizer record holds the process
 
 @dataclass(frozen=True, slots=True)
 class Family:
-    """What packer knows of a processor's model family: its image token, the placeholder each image
-    part renders as in the chat template's text (expanded to the processor's count), and the model
-    class whose own ``get_rope_index`` gives an example's positions (None: 1-D positions)."""
+    """What packer knows of a processor's model family.
+
+    ``rule``: how an image's placeholder becomes its tokens. ``"count"``: the one placeholder token the chat
+    template writes is repeated the count the processor's own ``_get_num_multimodal_tokens`` gives for the
+    image's size (no pixel computed: what ``processor(text, images)`` expands it to, for these families).
+    ``"replace"``: the processor's own replacement text for the image (``_process_images`` then
+    ``get_text_with_replacements``, the code ``processor.__call__`` runs) replaces the placeholder in the
+    rendered text before it is tokenized (families whose replacement holds more than the image token).
+    ``rope_model``: the transformers class whose own ``get_rope_index`` gives an example's positions (None:
+    1-D positions). ``text_row``: the forward takes a text-position row first (``[4, 1, T]``).
+    ``type_ids``: the name under which the processor returns its 0/1 image-token mask (None: it returns none).
+    ``batched``: the image processor's outputs have a per-example batch axis first ([1, images, ...]); a row's
+    examples are then one batch of one, their images concatenated along axis 1."""
 
     name: str
-    rope_model: str | None  # transformers class holding get_rope_index (mRoPE families)
-    text_row: bool = True  # the model's forward takes a text-position row first ([4, 1, T])
+    rule: str
+    rope_model: str | None = None
+    text_row: bool = False
+    type_ids: str | None = None
+    batched: bool = False
 
 
-# Families whose processor's expansion is one image token repeated the processor's count for each
-# image (``processor.image_token * n``), checked token for token against the processor in tests.
 FAMILIES = {
-    "Qwen2_5_VLProcessor": Family("Qwen2.5-VL", "Qwen2_5_VLModel"),
-    "Qwen2VLProcessor": Family("Qwen2-VL", "Qwen2VLModel", text_row=False),
+    "Qwen2_5_VLProcessor": Family("Qwen2.5-VL", "count", "Qwen2_5_VLModel", True, "mm_token_type_ids"),
+    "Qwen2VLProcessor": Family("Qwen2-VL", "count", "Qwen2VLModel", True, "mm_token_type_ids"),
+    # Qwen3.5's processor is Qwen3-VL's; Qwen3_5Model.get_rope_index is Qwen3VLModel's (tests check both)
+    "Qwen3VLProcessor": Family("Qwen3-VL / Qwen3.5", "count", "Qwen3VLModel", True, "mm_token_type_ids"),
+    "Gemma3Processor": Family("Gemma 3", "replace", type_ids="token_type_ids"),
+    "Idefics3Processor": Family("Idefics3", "replace", batched=True),
+    "SmolVLMProcessor": Family("SmolVLM", "replace", batched=True),
+    "LlavaProcessor": Family("LLaVA", "count"),
 }
 
 
@@ -70,10 +87,23 @@ def family_of(processor) -> Family:
     name = type(processor).__name__.removesuffix(_NO_VIDEO)
     family = FAMILIES.get(name)
     if family is None:
-        known = ", ".join(f"{f.name} ({n})" for n, f in FAMILIES.items())
-        raise ConfigError(f"--processor: {name} is not a family packer packs images for yet (known: {known}); "
-                          "build its text-only data, or use one of these")
+        known = ", ".join(sorted({f.name for f in FAMILIES.values()}))
+        raise ConfigError(f"--processor: {name} is not a family packer packs images for (known: {known}); build "
+                          "its data with one of these, or as text")
     return family
+
+
+def image_token_id(processor) -> int:
+    """The id of the model's image token: what each image's span in ``input_ids`` is made of (Gemma 3's
+    soft token, not the ``<start_of_image>`` its template writes)."""
+    return int(processor.image_token_ids[0])
+
+
+def images_kwargs(processor) -> dict[str, Any]:
+    """The image processor's arguments as ``processor.__call__`` merges them (the processor's defaults)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    return processor._merge_kwargs(tokenizer_init_kwargs=tokenizer.init_kwargs if tokenizer is not None else {}
+                                   )["images_kwargs"]
 
 
 # -- decoding ----------------------------------------------------------------------------------------

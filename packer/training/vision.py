@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..contract.vision import IMAGE_TOKENS, IMAGES, PROCESSOR_KEY, decode, family_of, load_processor
+from ..contract.vision import (
+    IMAGE_TOKENS,
+    IMAGES,
+    PROCESSOR_KEY,
+    decode,
+    family_of,
+    image_token_id,
+    images_kwargs,
+    load_processor,
+)
 from ..errors import ConfigError, ShardFormatError
 
 
@@ -70,38 +79,53 @@ class VisionRows:
         holder.get_vision_position_ids = types.MethodType(model.get_vision_position_ids, holder)
         return types.MethodType(model.get_rope_index, holder)
 
+    @cached_property
+    def _token(self) -> int:
+        return image_token_id(self.processor)
+
+    @cached_property
+    def _kwargs(self) -> dict[str, Any]:
+        return images_kwargs(self.processor)
+
+    @cached_property
+    def _keys(self) -> set[str]:
+        """The image processor's outputs the model takes (the processor's own drops, e.g. Gemma 3's num_crops)."""
+        return set(self.processor.image_processor.model_input_names) - set(self.processor.unused_input_names)
+
     def row(self, arrow, j: int, out: dict[str, Any], where: str) -> dict[str, Any]:
         """``out`` (the text batch of row ``j`` of record batch ``arrow``) with the row's vision inputs."""
         blobs = arrow.column(IMAGES)[j].as_py()
-        counts = arrow.column(IMAGE_TOKENS)[j].values.to_numpy()
+        counts = arrow.column(IMAGE_TOKENS)[j].values.to_numpy().astype(np.int64)
         ids = out["input_ids"][0].numpy()
         cu = out["cu_seq_lens_q"].numpy()
-        image_id = int(self.processor.image_token_id)
-        is_image = ids == image_id
-        # each image's span: a run of placeholders; the runs of each segment are its example's images
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))
-        starts, ends = edges[0::2], edges[1::2]
-        if len(starts) != len(blobs) or not np.array_equal(ends - starts, counts):
-            raise ShardFormatError(f"{where}: its image spans ({(ends - starts).tolist()}) are not its {len(blobs)} "
-                                   f"images' token counts ({counts.tolist()}); the shard is damaged, rebuild the folder")
-        per_segment = np.searchsorted(starts, cu, side="left")
+        is_image = ids == self._token
+        # a segment's images are those whose image tokens its tokens hold, in order
+        per_segment = np.add.reduceat(is_image, cu[:-1]) if len(ids) else np.zeros(len(cu) - 1, np.int64)
+        bounds = np.searchsorted(np.concatenate([[0], np.cumsum(counts)]), np.concatenate([[0], np.cumsum(per_segment)]))
+        if len(counts) != len(blobs) or is_image.sum() != counts.sum() or not np.array_equal(
+                np.concatenate([[0], np.cumsum(counts)])[bounds], np.concatenate([[0], np.cumsum(per_segment)])):
+            raise ShardFormatError(f"{where}: its image tokens per segment ({per_segment.tolist()}) are not its "
+                                   f"{len(blobs)} images' ({counts.tolist()}); the shard is damaged, rebuild the folder")
         outputs: list[dict] = []
         grids: list[Any] = []
         for s in range(len(cu) - 1):
-            mine = blobs[per_segment[s]:per_segment[s + 1]]
+            mine = blobs[bounds[s]:bounds[s + 1]]
             if not mine:
                 grids.append(None)
                 continue
-            done = dict(self.processor.image_processor([decode(b) for b in mine]))  # numpy: one copy at the concatenation
-            outputs.append(done)
-            grid = done.get("image_grid_thw")
-            grids.append(None if grid is None else torch.from_numpy(np.asarray(grid)))
+            # one call per example, its images nested as processor.__call__ gets them; numpy, one copy at the end
+            done = self.processor.image_processor([[decode(b) for b in mine]], **self._kwargs)
+            outputs.append({k: np.asarray(v) for k, v in done.items() if k in self._keys})
+            grid = outputs[-1].get("image_grid_thw")
+            grids.append(None if grid is None else torch.from_numpy(grid))
         if outputs:
+            axis = 1 if self.family.batched else 0  # Idefics3: a batch of one holding the row's images
             for key in outputs[0]:
-                values = [np.asarray(o[key]) for o in outputs]
-                out[key] = torch.from_numpy(values[0] if len(values) == 1 else np.concatenate(values))
+                values = [o[key] for o in outputs]
+                out[key] = torch.from_numpy(values[0] if len(values) == 1 else _concatenate(values, axis))
             self._check_grids(out, counts, where)
-        out["mm_token_type_ids"] = torch.from_numpy(is_image.astype(np.int64))[None]
+        if self.family.type_ids is not None:
+            out[self.family.type_ids] = torch.from_numpy(is_image.astype(np.int64))[None]
         if self._rope is not None:
             out["position_ids"] = self._positions(out, cu, grids)
         return out
@@ -117,7 +141,7 @@ class VisionRows:
 
     def _positions(self, out: dict[str, Any], cu: np.ndarray, grids: list) -> torch.Tensor:
         ids = out["input_ids"]
-        types_ = out["mm_token_type_ids"]
+        types_ = (ids == self._token).long()
         parts = []
         for s in range(len(cu) - 1):
             lo, hi = int(cu[s]), int(cu[s + 1])
@@ -127,6 +151,20 @@ class VisionRows:
         if self.family.text_row:
             positions = torch.cat([out["position_ids"][None], positions], dim=0)
         return positions
+
+
+def _concatenate(values: list[np.ndarray], axis: int) -> np.ndarray:
+    """Along ``axis``; a batched family's per-example arrays padded to the largest on the axes after it
+    (Idefics3 pads its images to the batch's largest, its pixel_attention_mask marking what is real)."""
+    if axis == 0 or all(v.shape[2:] == values[0].shape[2:] for v in values):
+        return np.concatenate(values, axis=axis)
+    shape = [max(v.shape[d] for v in values) for d in range(values[0].ndim)]
+    padded = []
+    for v in values:
+        p = np.zeros((v.shape[0], v.shape[1], *shape[2:]), v.dtype)
+        p[(slice(None), slice(None), *(slice(0, n) for n in v.shape[2:]))] = v
+        padded.append(p)
+    return np.concatenate(padded, axis=axis)
 
 
 def check_view(manifest, view) -> None:
