@@ -24,7 +24,8 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
         raise ConfigError(f"--images-field {field}: the data has no such field; its columns are {', '.join(columns)}")
     base = Path(stream.files[0]).parent if stream.source.kind == "local" and stream.files else None
     return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
-                        max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors)
+                        max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors,
+                        template_given=config.chat_template is not None)
 
 
 def tokenizer_record(config: BuildConfig, record: dict) -> dict:

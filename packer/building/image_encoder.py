@@ -36,9 +36,11 @@ def _is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") == "image" or "image" in part or "image_url" in part)
 
 
-def vision_messages(messages: Any, name: str) -> tuple[list[dict], int]:
+def vision_messages(messages: Any, name: str, join_answers: bool = True) -> tuple[list[dict], int]:
     """A record's messages as the processor's template takes them (image parts kept, Nones dropped) and
-    the number of image parts; an assistant's text parts are joined into its content."""
+    the number of image parts; an assistant's text parts are joined into its content where ``join_answers``
+    (an untagged template: packer finds the answers by their text, chat.md), else kept as parts (a
+    ``{% generation %}``-tagged template marks them itself, and some templates read parts only)."""
     if messages is None:
         raise RecordError(f"field {name!r} is null", "null_field")
     if not isinstance(messages, list) or not messages:
@@ -62,7 +64,8 @@ def vision_messages(messages: Any, name: str) -> tuple[list[dict], int]:
                 if any(_is_image_part(p) for p in content):
                     raise RecordError(f"turn {i} (assistant) holds an image: only user and system turns may",
                                       "image_in_answer")
-                message["content"] = "".join(p["text"] for p in content)
+                if join_answers:
+                    message["content"] = "".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise RecordError(f"turn {i}'s content is {type(content).__name__}, not text or a list of parts",
                               "wrong_type")
@@ -85,7 +88,8 @@ class ImageFormatter(Formatter):
 
     def _chat(self, record: dict[str, Any]) -> Segments:
         spec = self.spec
-        messages, parts = vision_messages(record.get(spec.messages_field), spec.messages_field)
+        tagged = getattr(self.template, "tagged", False)
+        messages, parts = vision_messages(record.get(spec.messages_field), spec.messages_field, join_answers=not tagged)
         values = record.get(self.images_field)
         values = [] if values is None else values
         if not isinstance(values, (list, tuple)):
@@ -129,12 +133,13 @@ class ImageEncoder(Encoder):
     process loads it once (``load_processor`` caches it)."""
 
     def __init__(self, tokenizer, spec, *, processor: str, images_field: str, base: Path | None,
-                 max_len: int | None = None, skip_errors: bool = False):
+                 max_len: int | None = None, skip_errors: bool = False, template_given: bool = False):
         self.processor_name = processor
         proc = load_processor(processor)
         self.family = family_of(proc)  # an unknown family is refused before any record is read
-        tokenizer.chat_template = proc.chat_template  # the processor's template renders the records
-        tokenizer.chat_template_name = f"--processor {processor}'s chat template"
+        if not template_given:  # the processor's template renders the records (--chat-template: its tagged twin)
+            tokenizer.chat_template = proc.chat_template
+            tokenizer.chat_template_name = f"--processor {processor}'s chat template"
         super().__init__(tokenizer, spec, skip_errors=skip_errors)
         self.image_token = proc.image_token  # what the template writes for an image
         self.image_token_id = image_token_id(proc)  # what an image's span is made of in the ids

@@ -84,7 +84,8 @@ FAMILIES = {
 
 
 def family_of(processor) -> Family:
-    name = type(processor).__name__.removesuffix(_NO_VIDEO)
+    """The family of a processor (or of a processor class); a ConfigError naming it when packer has none."""
+    name = (processor if isinstance(processor, type) else type(processor)).__name__.removesuffix(_NO_VIDEO)
     family = FAMILIES.get(name)
     if family is None:
         known = ", ".join(sorted({f.name for f in FAMILIES.values()}))
@@ -169,6 +170,8 @@ def load_processor(name: str):
         raise ConfigError(f"--processor {name}: holds neither {' nor '.join(PROCESSOR_FILES)}, so it is not a "
                           "processor's folder; save the model's processor there (`AutoProcessor...save_pretrained`)")
     named = _processor_class(folder)
+    if named is not None:  # an unknown family is refused before its tokenizer is loaded
+        family_of(named)
     if named is not None and "video_processor" in named.get_attributes() and importlib.util.find_spec("torchvision") is None:
         return _checked(_assemble(folder, name), name)  # AutoProcessor would load the tokenizer, then fail on the video
     try:
