@@ -292,3 +292,23 @@ def test_a_text_build_keeps_its_bytes_and_imports_no_image_code(tmp_path):
     assert not result.manifest.row_format.images
     assert "processor" not in result.manifest.tokenizer
     assert "images" not in schema.open_shard(next((tmp_path / "t").glob("shard-*.arrow"))).schema.names
+
+
+def test_verify_checks_the_image_columns_and_rederives_the_tokens(built, data, tmp_path):
+    from conftest import rewrite_column
+
+    from packer.checking.verify import verify
+
+    report = verify(built, source=str(data / "data.jsonl"))
+    lines = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
+    assert report.ok, [str(p) for p in report.problems]
+    assert report.checked["images"] == sum(len(r["images"]) for r in lines)
+    for column, change, expect in (
+        ("image_tokens", lambda v, o: v.__setitem__(0, v[0] + 1), "the processor gives"),
+        ("images", lambda v, o: v.__setitem__(0, v[0][:300]), "does not decode"),
+    ):
+        copy = tmp_path / column
+        shutil.copytree(built, copy)
+        rewrite_column(next(copy.glob("shard-*.arrow")), column, change)
+        problems = [str(p) for p in verify(copy).problems if p.check == "images"]
+        assert any(expect in p for p in problems), problems

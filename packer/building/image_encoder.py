@@ -168,6 +168,23 @@ class ImageEncoder(Encoder):
             moved.append((start + shift, end + shift))
         return texts[0], moved, [r.count(self.model_token) for r in replacements]
 
+    def offsets_and_spans(self, records: list[dict]) -> list[tuple[np.ndarray, list[tuple[int, int]], bool, bool]]:
+        """As the text Encoder's (``verify --source`` recomputes the loss mask from them), for the expanded
+        tokens: under the "count" rule each image's tokens take its one placeholder's offsets."""
+        out = []
+        for record in records:
+            self._pending = []
+            text, spans, flag = self.example(record)
+            (images, counts), self._pending = self._pending[0], []
+            enc = self.backend.encode(text, add_special_tokens=self.add_special_tokens)
+            offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+            if counts is None and images:
+                repeat = np.ones(len(offsets), np.int64)
+                repeat[np.asarray(enc.ids) == self.image_token_id] = self.image_tokens(images)
+                offsets = np.repeat(offsets, repeat, axis=0)
+            out.append((offsets, spans, flag, self.appends_eos(enc.ids)))
+        return out
+
     def image_tokens(self, images: list[Image]) -> list[int]:
         """The "count" rule: each image's placeholder count, by the processor's own rule for its size."""
         if not images:
