@@ -312,3 +312,28 @@ def test_verify_checks_the_image_columns_and_rederives_the_tokens(built, data, t
         rewrite_column(next(copy.glob("shard-*.arrow")), column, change)
         problems = [str(p) for p in verify(copy).problems if p.check == "images"]
         assert any(expect in p for p in problems), problems
+
+
+def test_inspect_shows_each_segments_images_and_marks_their_spans(built):
+    runner = CliRunner()
+    result = runner.invoke(main, ["inspect", str(built), "--row", "0", "--full"])
+    assert result.exit_code == 0, result.output
+    table = schema.open_shard(next(built.glob("shard-*.arrow"))).to_pylist()[0]
+    assert result.output.count("image(s):") == sum(1 for n in _per_segment_images(table) if n)
+    assert "⟦image: " in result.output and "<|image_pad|>" not in result.output
+    shown = json.loads(runner.invoke(main, ["inspect", str(built), "--row", "0", "--json"]).output)
+    assert [i["tokens"] for s in shown["segments"] for i in s.get("images", [])] == table["image_tokens"]
+
+
+def _per_segment_images(row: dict) -> list[int]:
+    """Images per segment, from the row's image tokens and counts alone."""
+    ids, at, out, k = row["input_ids"], 0, [], 0
+    for n in row["seq_lens"]:
+        tokens = sum(1 for t in ids[at:at + n] if t == 151655)
+        m = 0
+        while tokens > 0:
+            tokens -= row["image_tokens"][k]
+            k, m = k + 1, m + 1
+        out.append(m)
+        at += n
+    return out
