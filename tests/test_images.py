@@ -337,3 +337,51 @@ def _per_segment_images(row: dict) -> list[int]:
         out.append(m)
         at += n
     return out
+
+
+def test_llava_style_records_and_pil_images(data, processor_dir, tmp_path):
+    """LLaVA-style data (``image`` + ``conversations`` with ``<image>``) is chat data with image parts."""
+    from PIL import Image
+
+    from packer.building.images import read_image
+
+    shutil.copy(data / "hopper.jpg", tmp_path / "hopper.jpg")
+    record = {"id": "a", "image": "hopper.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nWho is this?"}, {"from": "gpt", "value": "Grace Hopper."}]}
+    (tmp_path / "llava.jsonl").write_text(json.dumps(record) + "\n")
+    build(BuildConfig(source=str(tmp_path / "llava.jsonl"), out=str(tmp_path / "out"), processor=str(processor_dir),
+                      num_proc=1))
+    (example, ids, mask, _), = _segments(tmp_path / "out")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\nWho is this?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Grace Hopper."}]}]
+    reference = _reference(_processor(processor_dir), {"messages": messages, "images": ["hopper.jpg"]}, tmp_path)
+    assert ids[:-1] == reference["input_ids"][0]
+    # a PIL image (what `datasets` decodes an Image feature to) is stored as the bytes of the file it came from
+    assert read_image(Image.open(tmp_path / "hopper.jpg"), None, "image 1").data == (tmp_path / "hopper.jpg").read_bytes()
+
+
+def test_a_mix_of_image_sources_keeps_each_examples_images(built, data, processor_dir, tmp_path):
+    import numpy as np
+
+    from packer.building.mix import positions_sources
+    from packer.checking.verify import verify
+
+    lines = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copy(data / "hopper_wide.png", second / "w.png")
+    other = [{"messages": _record(10 + i, ["w.png"])["messages"][:2], "images": ["w.png"]} for i in range(6)]
+    (second / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
+    parts = ({"source": str(data / "data.jsonl"), "weight": 0.5}, {"source": str(second / "other.jsonl"), "weight": 0.5})
+    out = tmp_path / "mix"
+    result = build(BuildConfig(source="mix", mix=parts, out=str(out), processor=str(processor_dir), pack="bfd",
+                               max_len=4096, num_proc=1, limit=10))
+    processor = _processor(processor_dir)
+    source = positions_sources(list(parts), 0, result.manifest.stats.examples_read)
+    for example, ids, _, _ in _segments(out):
+        k = int(source[example])
+        index = int(np.sum(source[:example] == k))
+        record, folder = (lines[index], data) if k == 0 else (other[index], second)
+        assert ids[:-1] == _reference(processor, record, folder)["input_ids"][0]
+    report = verify(out)
+    assert report.ok and report.checked["images"] > 0, [str(p) for p in report.problems]

@@ -10,7 +10,7 @@ from ..contract.vision import PROCESSOR_KEY, load_processor, processor_info
 from ..errors import ConfigError
 from .image_encoder import ImageEncoder
 
-DEFAULT_IMAGES_FIELD = "images"
+DEFAULT_IMAGES_FIELDS = ("images", "image")
 
 
 def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) -> ImageEncoder:
@@ -18,14 +18,23 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
     if spec.kind != "chat":
         raise ConfigError(f"--processor: image+text records are chat records (messages with image parts); this "
                           f"data is {spec.kind} data: give --messages-field")
-    field = config.images_field or DEFAULT_IMAGES_FIELD
     columns = stream.columns()
+    # TRL's vision format names its images `images`; LLaVA-style data (`image` + `conversations`) `image`
+    field = config.images_field or next((f for f in DEFAULT_IMAGES_FIELDS if f in columns), DEFAULT_IMAGES_FIELDS[0])
     if field not in columns:
         raise ConfigError(f"--images-field {field}: the data has no such field; its columns are {', '.join(columns)}")
     base = Path(stream.files[0]).parent if stream.source.kind == "local" and stream.files else None
     return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
                         max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors,
                         template_given=config.chat_template is not None)
+
+
+def for_columns(config: BuildConfig, columns: list[str]) -> BuildConfig:
+    """An image build's config for a source's columns: LLaVA-style data (``conversations`` of ``{"from",
+    "value"}`` turns, ``<image>`` in the text) is chat data in its ``conversations`` field."""
+    if config.processor is None or config.messages_field or "messages" in columns or "conversations" not in columns:
+        return config
+    return config.replace(messages_field="conversations")
 
 
 def tokenizer_record(config: BuildConfig, record: dict) -> dict:

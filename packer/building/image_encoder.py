@@ -47,6 +47,8 @@ def vision_messages(messages: Any, name: str, join_answers: bool = True) -> tupl
         raise RecordError(f"field {name!r} must be a non-empty list of turns", "wrong_type")
     out, images = [], 0
     for i, message in enumerate(messages):
+        if isinstance(message, dict) and "from" in message and "value" in message:
+            message = llava_turn(message, i)
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RecordError(f"turn {i} is not a {{'role': str, 'content': ...}} object", "wrong_type")
         message = drop_nones(message)
@@ -73,6 +75,25 @@ def vision_messages(messages: Any, name: str, join_answers: bool = True) -> tupl
     if not any(m["role"] == "assistant" for m in out):
         raise RecordError("the conversation has no assistant turn, so nothing would be trained", "empty_completion")
     return out, images
+
+
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+LLAVA_IMAGE = "<image>"
+
+
+def llava_turn(turn: dict, i: int) -> dict:
+    """A LLaVA-style turn (``{"from": "human" | "gpt", "value": "<image>\nWhat is ...?"}``) as a TRL vision
+    message: each ``<image>`` in the text is an image part where it stands."""
+    role = LLAVA_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+    if role is None or not isinstance(turn["value"], str):
+        raise RecordError(f"turn {i} is not a {{'from': human | gpt | system, 'value': str}} turn", "wrong_type")
+    parts: list[dict] = []
+    for k, text in enumerate(turn["value"].split(LLAVA_IMAGE)):
+        if k:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {"role": role, "content": parts}
 
 
 class ImageFormatter(Formatter):
@@ -126,6 +147,15 @@ class EncodedImages(Encoded):
     images: list[list[Image]] = field(default_factory=list)
     # per image: (its first image token, tokens from it to its last image token, its image tokens)
     spans: list[list[tuple[int, int, int]]] = field(default_factory=list)
+
+
+def reordered(encoded: Encoded, parts: list[EncodedImages], order: np.ndarray) -> EncodedImages:
+    """A mix chunk's examples (``encoded``, put in mix order by ``order`` from the parts' concatenation)
+    with their images and spans put in the same order."""
+    images = [x for part in parts for x in part.images]
+    spans = [x for part in parts for x in part.spans]
+    return EncodedImages(encoded.ids, encoded.trained, encoded.lengths, encoded.example_ids, encoded.skipped,
+                         [images[k] for k in order.tolist()], [spans[k] for k in order.tolist()])
 
 
 class ImageEncoder(Encoder):

@@ -10,6 +10,7 @@ image is the record's ``RecordError``, naming the image (``--on-error skip`` cou
 
 from __future__ import annotations
 
+import io
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,13 @@ def _bytes_of(value: Any, base: Path | None, which: str) -> bytes:
         raise RecordError(f"{which} is a dict with neither 'bytes' nor 'path'", "image_missing")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
+    if hasattr(value, "getexif") and hasattr(value, "save"):  # a PIL image (`datasets` decodes its Image feature)
+        name = getattr(value, "filename", "")
+        if name and Path(name).is_file():
+            return Path(name).read_bytes()  # the file it was read from: its own bytes
+        out = io.BytesIO()  # made in memory: encoded once, in its own format (PNG where it has none)
+        value.save(out, format=value.format or "PNG")
+        return out.getvalue()
     if isinstance(value, str):
         path = Path(value).expanduser()
         if not path.is_absolute() and base is not None:

@@ -104,7 +104,9 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         read |= _signatures(stream)
         fields = {f: part.get(f) for f in mix.FIELDS}
         try:
-            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+            columns = stream.columns()
+            spec = make_spec(recipe=source.recipe, config=image_build.for_columns(config.replace(mix=None, **fields), columns),
+                             columns=columns)
         except ConfigError as e:
             if config.mix is None:
                 raise

@@ -198,7 +198,6 @@ class BuildConfig:
                                               "--overlong truncate (text after the last image) or drop"),
                    (self.overlong == "truncate-left", "--overlong truncate-left would cut the images at the start; "
                                                       "use --overlong truncate or drop"),
-                   (self.mix is not None, "a mix of image+text sources is not supported yet; build one source"),
                    (self.engine == "ray", "--engine ray does not carry images yet; use --engine local"),
                    (self.cp_size > 1 or self.pad_to_multiple_of > 1, "--cp-size/--pad-to-multiple-of: padding an "
                                                                      "image build is not supported yet")]
