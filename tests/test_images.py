@@ -385,3 +385,16 @@ def test_a_mix_of_image_sources_keeps_each_examples_images(built, data, processo
         assert ids[:-1] == _reference(processor, record, folder)["input_ids"][0]
     report = verify(out)
     assert report.ok and report.checked["images"] > 0, [str(p) for p in report.problems]
+
+
+def test_dataloader_workers_decode_and_preprocess_the_same_batches(built):
+    import torch
+
+    from packer import make_dataloader
+
+    alone = list(make_dataloader(built, shuffle=False))
+    workers = list(make_dataloader(built, shuffle=False, num_workers=2))
+    assert len(alone) == len(workers)
+    for a, b in zip(alone, workers, strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)

@@ -3,10 +3,10 @@ the picture the processor sees, and the processor itself; the one place the buil
 loader take these rules from (docs/images.md).
 
 An image build's rows have three more columns (:data:`IMAGE_FIELDS`), each a list per row, in token
-order: ``images`` (each image's encoded bytes, as the source held them), ``image_tokens`` (how many
-placeholder tokens each image's span holds in ``input_ids``) and ``image_sizes`` (each image's height and
-width after its EXIF orientation, two int32 a image). A segment's images are the spans of the family's
-image token in its tokens, so no per-segment count is stored.
+order: ``images`` (each image's encoded bytes, as the source held them), ``image_tokens`` (how many of the
+family's image token each image holds in ``input_ids``) and ``image_sizes`` (each image's height and width
+after its EXIF orientation, two int32 an image). A segment's images are those whose image tokens its tokens
+hold, in order, so no per-segment count is stored.
 
 Decoding is transformers' ``load_image`` (EXIF orientation applied, converted to RGB), so the loader's
 pictures are the processor's when it is handed the same file. The processor is loaded as ``AutoProcessor``

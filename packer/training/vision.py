@@ -3,11 +3,12 @@ the model computes, added to the text row's batch (the loader calls :class:`Visi
 whichever process reads the row, so DataLoader workers decode and preprocess images in parallel).
 
 - The vision inputs: each segment's images decoded (:func:`packer.contract.vision.decode`) and put through
-  the processor's image processor alone, one call per example, as ``processor.apply_chat_template`` does
-  for that example; each output key concatenated along its first axis over the row's examples, in token
-  order, under the processor's own names (``pixel_values``, ``image_grid_thw``, ...). A row without an
-  image gets no vision key.
-- ``mm_token_type_ids`` (1 on image placeholders), as the processor returns it.
+  the processor's image processor alone, one call per example with the processor's image arguments, as
+  ``processor.apply_chat_template`` does for that example; each output the model takes concatenated over
+  the row's examples, in token order, under the processor's own names (``pixel_values``,
+  ``image_grid_thw``, ...): along axis 0, or for a family whose outputs have a per-example batch axis
+  (Idefics3/SmolVLM) along axis 1, the row one batch of one. A row without an image gets no vision key.
+- The processor's 0/1 image-token mask, under its name, for the families whose processor returns one.
 - ``position_ids``: for the mRoPE families, each example's positions as the model's own
   ``get_rope_index`` computes them for that example alone (``[3, 1, len]``), concatenated along T, with the
   text row's 1-D positions first where the model's forward takes a text-position row (``[4, 1, T]``).
@@ -15,9 +16,8 @@ whichever process reads the row, so DataLoader workers decode and preprocess ima
   the image grids) are what the row holds, and a build then stores a third of the bytes and imports no
   modeling code (docs/images.md).
 
-Each image's placeholder span must hold the tokens its grid gives; a row where it does not is refused
-(``ShardFormatError``), never trained on.
-"""
+A segment's image tokens must be its images' counts, and (Qwen) each count the tokens its grid gives; a
+row where they are not is refused (``ShardFormatError``), never trained on."""
 
 from __future__ import annotations
 
