@@ -41,6 +41,11 @@ FAMILIES = {
     "idefics3": ("idefics3.image_processing_pil_idefics3.Idefics3ImageProcessorPil", {}, "Idefics3Processor",
                  "idefics3.jinja", "idefics3_training.jinja", {"image_seq_len": 169}, None,
                  ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")),
+    "qwen2_vl": ("qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil", {}, "Qwen2VLProcessor",
+                 "qwen2_5_vl.jinja", None, {}, None, ()),  # Qwen2-VL's template is Qwen2.5-VL's
+    "smolvlm": ("smolvlm.image_processing_pil_smolvlm.SmolVLMImageProcessorPil", {}, "SmolVLMProcessor",
+                "smolvlm.jinja", "smolvlm_training.jinja", {"image_seq_len": 64}, None,
+                ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")),
     "llava": ("llava.image_processing_pil_llava.LlavaImageProcessorPil", {}, "LlavaProcessor", "llava_next.jinja",
               "llava_next_training.jinja", {"patch_size": 14, "vision_feature_select_strategy": "default"}, None,
               ("<image>",)),
@@ -98,17 +103,32 @@ def _reference(processor, record: dict, folder: Path):
         for part in message["content"]:
             if part["type"] == "image":
                 part["image"] = str(folder / next(images))
+    if type(processor).__name__.startswith("SmolVLM"):
+        # SmolVLM's apply_chat_template reads its video processor (torchvision) even for images: its own
+        # __call__ on its template's text and the image files, loaded by transformers, is the reference
+        from transformers.image_utils import load_image
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        text = render_jinja_template(conversations=[messages], chat_template=processor.chat_template)[0][0]
+        files = [load_image(str(folder / name)) for name in record["images"]]
+        return processor(text=[text], images=[files] if files else None)
     return processor.apply_chat_template(messages, tokenize=True, return_dict=True)
 
 
 def _tiny_rope(name: str):
-    """A tiny random model's own get_rope_index (Qwen3-VL's, Qwen3.5's)."""
+    """A tiny random model's own get_rope_index (Qwen2-VL's, Qwen3-VL's, Qwen3.5's)."""
     from transformers import Qwen3_5Config, Qwen3_5Model, Qwen3VLConfig, Qwen3VLModel
 
     text = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
             "intermediate_size": 16, "vocab_size": 152000, "head_dim": 8}
     vision = {"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 16, "intermediate_size": 16,
               "deepstack_visual_indexes": []}
+    if name == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLModel
+
+        return Qwen2VLModel(Qwen2VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+            vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2})).get_rope_index
     if name == "qwen3_5":
         return Qwen3_5Model(Qwen3_5Config(text_config={**text, "layer_types": ["full_attention"]},
                                           vision_config=vision)).get_rope_index
@@ -147,16 +167,16 @@ def test_a_family_is_exact_against_its_own_processor(name, source, tmp_path):
         assert answer in trained and "Who is this" not in trained and "Compare" not in trained
     batch = next(iter(make_dataloader(out, shuffle=False)))
     with_images = [r for r in refs if "pixel_values" in r]
-    axis = 1 if name == "idefics3" else 0
+    axis = 1 if name in ("idefics3", "smolvlm") else 0
     expected = np.concatenate([np.asarray(r["pixel_values"]) for r in with_images], axis=axis)
     assert np.array_equal(batch["pixel_values"].numpy(), expected)  # bit for bit
     for key in ("image_grid_thw", "pixel_attention_mask"):
         if key in with_images[0]:
             assert np.array_equal(batch[key].numpy(), np.concatenate([np.asarray(r[key]) for r in with_images], axis))
-    type_ids = {"gemma3": "token_type_ids", "qwen3_vl": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids"}.get(name)
+    type_ids = "token_type_ids" if name == "gemma3" else "mm_token_type_ids" if name.startswith("qwen") else None
     if type_ids is not None:  # the processor's own 0/1 mask, per example, concatenated (the EOS: 0)
         assert batch[type_ids][0].tolist() == [t for r in refs for t in [*r[type_ids][0], 0]]
-    if name in ("qwen3_vl", "qwen3_5"):
+    if name.startswith("qwen"):
         rope = _tiny_rope(name)
         eos = torch.tensor([[batch["input_ids"][0, batch["cu_seq_lens_q"][1] - 1]]])
         parts = [rope(torch.cat([torch.tensor(r["input_ids"]), eos], 1),
