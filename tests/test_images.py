@@ -398,3 +398,14 @@ def test_dataloader_workers_decode_and_preprocess_the_same_batches(built):
     for a, b in zip(alone, workers, strict=True):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_a_processors_tokenizer_folder_is_the_default_processor_for_records_with_images(data, processor_dir, tmp_path):
+    with_images = build(BuildConfig(source=str(data / "data.jsonl"), out=str(tmp_path / "a"),
+                                    tokenizer=str(processor_dir), num_proc=1, limit=3))
+    assert with_images.manifest.config.processor == str(processor_dir) and with_images.manifest.row_format.images
+    (tmp_path / "text.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                  {"role": "assistant", "content": "Hello."}]}) + "\n")
+    text = build(BuildConfig(source=str(tmp_path / "text.jsonl"), out=str(tmp_path / "b"), tokenizer=str(processor_dir),
+                             num_proc=1))
+    assert text.manifest.config.processor is None and not text.manifest.row_format.images

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..contract.config import BuildConfig
-from ..contract.vision import PROCESSOR_KEY, load_processor, processor_info
-from ..errors import ConfigError
+from ..contract.vision import PROCESSOR_FILES, PROCESSOR_KEY, load_processor, processor_info
+from ..errors import ConfigError, PackerError
+from . import sources
 from .image_encoder import ImageEncoder
 
 DEFAULT_IMAGES_FIELDS = ("images", "image")
@@ -27,6 +28,24 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
     return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
                         max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors,
                         template_given=config.chat_template is not None)
+
+
+def default_processor(config: BuildConfig) -> BuildConfig:
+    """``--processor`` left out: the ``--tokenizer`` folder, when it holds a processor's config and the
+    (first) source's records have an images field; else the config as it is (a text build)."""
+    folder = Path(config.tokenizer).expanduser() if config.tokenizer else None
+    if config.processor is not None or folder is None or not any((folder / f).is_file() for f in PROCESSOR_FILES):
+        return config
+    part = (config.mix or ({"source": config.source},))[0]
+    try:
+        stream = sources.open_stream(sources.resolve(part["source"], recipe=part.get("recipe"),
+                                                     split=part.get("split"), from_hub=config.from_hub,
+                                                     files=part.get("files")), limit=1)
+        columns = stream.columns()
+    except PackerError:
+        return config  # the build reports what is wrong with the source
+    fields = (config.images_field,) if config.images_field else DEFAULT_IMAGES_FIELDS
+    return config.replace(processor=config.tokenizer) if any(f in columns for f in fields) else config
 
 
 def for_columns(config: BuildConfig, columns: list[str]) -> BuildConfig:

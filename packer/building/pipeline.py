@@ -202,6 +202,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     interrupted past its commit point (its manifest written) is complete: it returns.
     """
     started = time.time_ns()
+    config = image_build.default_processor(config)  # --processor left out: a processor's --tokenizer folder
     out = output.local_folder(config.out)
     try:
         return _locked_build(config, out, progress=progress)
