@@ -409,3 +409,17 @@ def test_a_processors_tokenizer_folder_is_the_default_processor_for_records_with
     text = build(BuildConfig(source=str(tmp_path / "text.jsonl"), out=str(tmp_path / "b"), tokenizer=str(processor_dir),
                              num_proc=1))
     assert text.manifest.config.processor is None and not text.manifest.row_format.images
+
+
+def test_shards_are_cut_by_their_image_bytes_too(processor_dir, tmp_path):
+    """--shard-size counts a row's images: two rows of a 1.2 MB image each make two 1 MB shards."""
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(0).integers(0, 256, (640, 640, 3), dtype=np.uint8)  # incompressible
+    Image.fromarray(noise).save(tmp_path / "noise.png")
+    lines = [_record(i, ["noise.png"]) for i in (0, 2)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = build(BuildConfig(source=str(tmp_path / "data.jsonl"), out=str(tmp_path / "out"), processor=str(processor_dir),
+                               batch_size=1, shard_size_mb=1, num_proc=1))
+    assert len(result.manifest.shards) == 2

@@ -51,3 +51,16 @@ def image_columns(store: ImageStore, plan: Plan, s_lo: int, s_hi: int, seg_split
         pa.ListArray.from_arrays(_arrow(row_off), _arrow(tokens)),
         pa.ListArray.from_arrays(_arrow(row_off * 2), _arrow(hw)),
     ]
+
+
+def row_bytes(store: ImageStore, plan: Plan) -> np.ndarray:
+    """Each planned row's image bytes (what ``--shard-size`` counts beside its tokens): its segments'
+    examples' images (a kept segment holds all of its example's)."""
+    per_example = np.zeros(len(store.first) - 1, np.int64)
+    if len(store.index):
+        sizes = np.concatenate([[0], np.cumsum(store.index[:, 1])])
+        per_example = sizes[store.first[1:]] - sizes[store.first[:-1]]
+    per_segment = per_example[plan.example]
+    if len(per_segment) == 0:
+        return np.zeros(plan.num_rows, np.int64)
+    return np.add.reduceat(per_segment, plan.row_splits[:-1]) * (np.diff(plan.row_splits) > 0)

@@ -24,6 +24,16 @@ DATA, INDEX, PER_EXAMPLE = "images.bin", "image_index.bin", "example_images.bin"
 INDEX_WIDTH = 7  # offset, bytes, height, width, first image token, extent, image tokens
 
 
+def complete(folder: Path, progress: dict[str, Any]) -> bool:
+    """Whether the image files hold at least what ``progress`` commits (a marker without its images: the
+    spill starts over, as for the token files)."""
+    images = progress.get("images", 0)
+    if not images and not (folder / PER_EXAMPLE).is_file():
+        return True  # a text build's spill, or an image build's before its first image
+    need = ((DATA, progress.get("image_bytes", 0)), (INDEX, images * INDEX_WIDTH * 8), (PER_EXAMPLE, progress["examples"] * 4))
+    return all((folder / name).is_file() and (folder / name).stat().st_size >= size for name, size in need)
+
+
 class Appender:
     """Appends each chunk's images (a chunk without them: nothing), counting them in ``progress``."""
 

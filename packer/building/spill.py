@@ -126,6 +126,8 @@ def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
                 if not path.is_file() or path.stat().st_size < need:
                     progress = None  # a marker without its data: start over
                     break
+            if progress is not None and not image_spill.complete(folder, progress):
+                progress = None  # an image build's marker without its images: start over
     if progress is None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
