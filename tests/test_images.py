@@ -286,7 +286,7 @@ def test_packing_never_cuts_an_image(data, processor_dir, tmp_path):
         assert len(first[1]) == 200 and first[3]["image_tokens"] == [44]
 
 
-def test_a_text_build_keeps_its_bytes_and_imports_no_image_code(tmp_path):
+def test_a_text_build_has_no_image_columns(tmp_path):
     """The image columns are optional: a build without --processor has none (test_digests pins its bytes)."""
     result = build(BuildConfig(source="flan", out=str(tmp_path / "t"), limit=20))
     assert not result.manifest.row_format.images
