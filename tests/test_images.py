@@ -303,6 +303,13 @@ def test_verify_checks_the_image_columns_and_rederives_the_tokens(built, data, t
     lines = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
     assert report.ok, [str(p) for p in report.problems]
     assert report.checked["images"] == sum(len(r["images"]) for r in lines)
+    from PIL import Image, ImageOps
+
+    changed = tmp_path / "changed_source"  # the same records, one picture replaced by another of its size
+    shutil.copytree(data, changed)
+    ImageOps.mirror(Image.open(data / "hopper_wide.png")).save(changed / "hopper_wide.png")
+    problems = [str(p) for p in verify(built, source=str(changed / "data.jsonl")).problems]
+    assert any("other images than their source" in p for p in problems), problems
     for column, change, expect in (
         ("image_tokens", lambda v, o: v.__setitem__(0, v[0] + 1), "the processor gives"),
         ("images", lambda v, o: v.__setitem__(0, v[0][:300]), "does not decode"),
