@@ -33,8 +33,13 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
 def default_processor(config: BuildConfig) -> BuildConfig:
     """``--processor`` left out: the ``--tokenizer`` folder, when it holds a processor's config and the
     (first) source's records have an images field; else the config as it is (a text build)."""
-    folder = Path(config.tokenizer).expanduser() if config.tokenizer else None
-    if config.processor is not None or folder is None or not any((folder / f).is_file() for f in PROCESSOR_FILES):
+    if config.processor is not None or not config.tokenizer:
+        return config
+    try:
+        folder = Path(config.tokenizer).expanduser()
+        if not any((folder / f).is_file() for f in PROCESSOR_FILES):
+            return config
+    except (OSError, RuntimeError):  # no such user's home, a name too long: loading the tokenizer says so
         return config
     part = (config.mix or ({"source": config.source},))[0]
     try:
