@@ -32,7 +32,8 @@ from ..errors import ConfigError
 
 IMAGES, IMAGE_TOKENS, IMAGE_SIZES = "images", "image_tokens", "image_sizes"
 IMAGE_FIELDS = (
-    pa.field(IMAGES, pa.list_(pa.binary()), nullable=False),
+    # large_binary: 64-bit byte offsets, so a record batch's images may pass 2 GB (a batch holds up to 2**20 tokens)
+    pa.field(IMAGES, pa.list_(pa.large_binary()), nullable=False),
     pa.field(IMAGE_TOKENS, pa.list_(pa.int32()), nullable=False),
     pa.field(IMAGE_SIZES, pa.list_(pa.int32()), nullable=False),
 )
