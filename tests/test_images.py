@@ -430,3 +430,11 @@ def test_shards_are_cut_by_their_image_bytes_too(processor_dir, tmp_path):
     result = build(BuildConfig(source=str(tmp_path / "data.jsonl"), out=str(tmp_path / "out"), processor=str(processor_dir),
                                batch_size=1, shard_size_mb=1, num_proc=1))
     assert len(result.manifest.shards) == 2
+
+
+def test_a_hub_processor_that_is_not_in_the_cache_is_one_line_offline(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(main, ["build", str(data / "data.jsonl"), "--processor", "nobody-packer/no-such-vlm",
+                                       "--tokenizer", "bundled", "--out", str(tmp_path / "out"), "-q"])
+    line = one_line(result)
+    assert "--processor nobody-packer/no-such-vlm" in line and "download it" in line
