@@ -138,6 +138,10 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
                  f" · {s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.examples_truncated_left is not None:
         lines.append(f"  truncated    {truncation_text(s.examples_truncated_left, s.examples_answer_too_long)}")
+    if view.images is not None:  # an image build
+        count, size, processor = view.images
+        lines.append(f"  images       {count:,} in rows · {size / 1e6:,.1f} MB, {size / max(1, view.bytes):.0%} of the "
+                     f"shards · stored as their source bytes · {processor} (docs/images.md)")
     lines.append(f"  fill         {s.fill:.1%} of {s.row_budget:,}-token rows; rows / lower bound "
                  f"{s.rows / max(1, s.lower_bound):.3f} ({s.lower_bound:,})")
     if s.padded:

@@ -330,6 +330,9 @@ def test_inspect_shows_each_segments_images_and_marks_their_spans(built):
     assert "⟦image: " in result.output and "<|image_pad|>" not in result.output
     shown = json.loads(runner.invoke(main, ["inspect", str(built), "--row", "0", "--json"]).output)
     assert [i["tokens"] for s in shown["segments"] for i in s.get("images", [])] == table["image_tokens"]
+    summary = json.loads(runner.invoke(main, ["inspect", str(built), "--json"]).output)["images"]
+    stored = [b for shard in built.glob("shard-*.arrow") for row in schema.open_shard(shard).to_pylist() for b in row["images"]]
+    assert summary == {"images": len(stored), "bytes": sum(map(len, stored)), "processor": "Qwen2_5_VLProcessor"}
 
 
 def _per_segment_images(row: dict) -> list[int]:

@@ -95,7 +95,8 @@ def summary(directory: PathLike, *, compare: bool = True) -> Summary:
         row_pairs = (int(per_row.min()), float(per_row.mean()), int(per_row.max())) if per_row.size else (0, 0.0, 0)
     return Summary(directory=str(directory), note=manifest.note, config=manifest.config,
                    tokenizer=manifest.tokenizer.get("name_or_path"), stats=manifest.stats, shards=manifest.shards,
-                   mix=mix_view(manifest), modes=modes, row_pairs=row_pairs)
+                   mix=mix_view(manifest), modes=modes, row_pairs=row_pairs,
+                   images=inspect_images.totals(directory, manifest))
 
 
 def mix_view(manifest: Manifest) -> tuple[MixPart, ...] | None:

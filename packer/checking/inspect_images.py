@@ -4,14 +4,32 @@ sizes), and each image's run of placeholder tokens drawn as one marker instead o
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.compute as pc
 
-from ..contract.vision import IMAGE_SIZES, IMAGE_TOKENS, PROCESSOR_KEY, image_token_id, load_processor
+from ..contract import schema
+from ..contract.vision import IMAGE_SIZES, IMAGE_TOKENS, IMAGES, PROCESSOR_KEY, image_token_id, load_processor
+from ..fs import join
 
 
 def image_token(manifest) -> int | None:
     """The image token id of an image build's processor (None: a text build)."""
     record = manifest.tokenizer.get(PROCESSOR_KEY)
     return None if record is None else image_token_id(load_processor(record["name_or_path"]))
+
+
+def totals(directory, manifest) -> tuple[int, int, str] | None:
+    """An image build's images in its rows, their bytes, and its processor's class (None: a text build);
+    from the columns' offsets, no image read."""
+    record = manifest.tokenizer.get(PROCESSOR_KEY)
+    if record is None:
+        return None
+    count = size = 0
+    for entry in manifest.shards:
+        column = schema.open_shard(join(directory, entry.file), manifest.row_format).column(IMAGES)
+        for chunk in column.chunks:
+            count += len(chunk.values)
+            size += int(pc.sum(pc.binary_length(chunk.values)).as_py() or 0)
+    return count, size, str(record.get("class"))
 
 
 def segment_images(record: dict, bounds: np.ndarray, token: int) -> list[tuple[dict, ...]]:

@@ -73,6 +73,7 @@ class Summary:
     mix: tuple[MixPart, ...] | None
     modes: tuple[Mode, ...] | None  # None: not compared
     row_pairs: tuple[int, float, int] | None = None  # a preference build: pairs per row (fewest, mean, most)
+    images: tuple[int, int, str] | None = None  # an image build: images in the rows, their bytes, the processor's class
 
     @property
     def bytes(self) -> int:
@@ -91,6 +92,8 @@ class Summary:
         if self.modes is not None:
             out["modes"] = [dataclasses.asdict(m) for m in self.modes]
             out["modes_unit"] = "pairs" if self.stats.paired else "examples"  # what every mode places whole
+        if self.images is not None:
+            out["images"] = {"images": self.images[0], "bytes": self.images[1], "processor": self.images[2]}
         if self.row_pairs is not None:  # stats.pairs is one epoch's; the rows hold every epoch's
             fewest, mean, most = self.row_pairs
             out["pairs"] = {"pairs": self.stats.pairs, "sequences": self.stats.segments,
