@@ -24,7 +24,7 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
    trained mask with one recomputed apart from it (a token is trained when its character offsets
    overlap a trained span), so a fault in the encoder's span mapping shows. A preference build's
    segments are compared the same way, each pair's mask recomputed from its prompt's end, and its
-   ``pair_roles`` against the plan's (``verify_pairs`` checks the pairing invariants in step 3).
+   ``pair_roles`` against the plan's (the row invariants check the pairing in step 3, as the loader does).
 
 Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
 ``source`` costs a re-tokenize and holds the source's tokens in memory.
