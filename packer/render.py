@@ -87,7 +87,7 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
-                 "were tokenized by the interrupted run)" if result.resumed else ""))
+                 "were tokenized by the interrupted run)" if result.resumed is not None else ""))
     return lines
 
 
