@@ -188,6 +188,8 @@ def test_unreachable_hub_id_fails_fast(tmp_path, monkeypatch):
     line = one_line(build_cli("someone/no-such-dataset", "--out", str(tmp_path / "out")))
     assert time.perf_counter() - began < 10
     assert "cannot reach the Hugging Face Hub for 'someone/no-such-dataset'" in line and "local files" in line
+    # huggingface_hub's command now (huggingface-cli is gone from it)
+    assert "`hf download someone/no-such-dataset --repo-type dataset --local-dir DIR`" in line
 
 
 def test_unreachable_hub_tokenizer_fails_fast(tmp_path, monkeypatch):
