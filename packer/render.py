@@ -7,7 +7,8 @@ import re
 
 import click
 
-from .building.pipeline import BUNDLED, BuildResult
+from .building.mix import ran_out
+from .building.pipeline import BUNDLED, BuildResult, source_parts
 from .checking.report import Report
 from .checking.views import Elided, Example, MixPart, Mode, Row, Summary
 from .contract.schema import Stats
@@ -100,6 +101,9 @@ def build_lines(result: BuildResult) -> list[str]:
                      f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
     if s.padded:
         lines.append(f"padding   {padding_text(s, cfg)}")
+    ended = ran_out_text(cfg, s)
+    if ended:
+        lines.append(f"mix       {ended}")
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size_text(size)}"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
@@ -163,6 +167,9 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
                      f"{s.rows // s.epochs:,} · {size_text(view.bytes)} on disk = {disk_cost_text(s.epochs, view.bytes)}")
     if view.mix:
         lines.extend(mix_lines(view.mix))
+        ended = ran_out_text(cfg, s)
+        if ended:
+            lines.append(f"  {ended}")
     for sh in view.shards:
         lines.append(f"  {sh.file}  {plural(sh.rows, 'row')}  {plural(sh.tokens, 'token')}  {size_text(sh.bytes)}  "
                      f"sha256 {sh.sha256[:12]}")
@@ -204,6 +211,20 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
                  f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt.rows:,} rows, "
                  f"{bfd.rows - opt.rows:,} fewer.")
     return lines
+
+
+def ran_out_text(cfg, s: Stats) -> str | None:
+    """Which part of a weighted mix ran out and so ended it (None: not a weighted mix, or it ended at
+    --limit), with what each part gave."""
+    parts = source_parts(cfg)
+    k = ran_out(list(parts), cfg.seed, cfg.limit, s.examples_read)
+    if k is None:
+        return None
+    read = [part.get("records_read") for part in s.sources or ()]
+    gave = f" after {read[k]:,} records" if k < len(read) and read[k] is not None else ""
+    rest = "; the other parts' records past their draws were not read" + \
+        (" (--limit not reached)" if cfg.limit is not None else "")
+    return f"ended when part {k + 1}, {parts[k]['source']}, ran out{gave} (its weight {parts[k]['weight']:g}){rest}"
 
 
 def mix_lines(parts: tuple[MixPart, ...]) -> list[str]:
