@@ -26,9 +26,9 @@ from packer import make_dataloader
 from packer.training.preference import StoredReference, dpo_step, precompute_reference
 
 try:
-    from common import batches_over_epochs, tiny_llama
+    from common import batches_over_epochs, filler_note, is_filler, tiny_llama
 except ImportError:  # imported as examples.dpo_loop
-    from examples.common import batches_over_epochs, tiny_llama
+    from examples.common import batches_over_epochs, filler_note, is_filler, tiny_llama
 
 
 def stored_reference(reference, directory, path, *, progress: bool = False) -> StoredReference:
@@ -52,12 +52,17 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, b
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = batches_over_epochs(loader)
+    if progress and filler_note(loader):
+        print(filler_note(loader))
     log = []
     bar = tqdm(total=steps, desc="dpo", unit="step", disable=not progress, dynamic_ncols=True)
     for _ in range(steps):
         loss = chosen = rejected = 0.0
         for _ in range(grad_accum):
-            out = dpo_step(model, reference, next(batches), beta=beta)  # loss already / the step's pairs
+            batch = next(batches)
+            if is_filler(batch):  # no loss, no rewards, zero gradient: not computed
+                continue
+            out = dpo_step(model, reference, batch, beta=beta)  # loss already / the step's pairs
             out.loss.backward()
             loss += out.loss.item()
             chosen += out.chosen_rewards.sum().item()
