@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, make_build
+from conftest import PARALLEL, ROOT, make_build
 
 from packer.checking.verify import verify
 from packer.cli import main
@@ -261,21 +261,23 @@ def test_out_is_a_file(tmp_path):
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------
 
-# three chunks (CHUNK records each, the last of one): both workers get one, and the rows fill three shards
-INTERRUPT_LIMIT = 2001
-INTERRUPT_ARGS = ["flan", "--limit", str(INTERRUPT_LIMIT), "--shard-size", "1", "--batch-size", "4", "-q", "-j", "2"]
+# conftest.PARALLEL: three chunks (CHUNK records each, the last of one), so both workers get one, and the rows fill
+# several shards; its uninterrupted bytes are the session's parallel_reference (built once for every such test)
+INTERRUPT_ARGS = ["flan", "--limit", str(PARALLEL["limit"]), "--pack", PARALLEL["pack"], "--max-len",
+                  str(PARALLEL["max_len"]), "--overlong", PARALLEL["overlong"], "--shard-size",
+                  str(PARALLEL["shard_size_mb"]), "-q", "-j", "2"]
 # with two workers: while they start, and once the first result came back from one
 CTRL_C_MOMENTS = [Moment("tokenizing: the second worker starting", "os.fork", "", 2),
                   Moment("tokenizing: a worker's first result", "pickle.find_class"),
                   WRITING, COMMIT_POINT, COMMITTED]
 
 
-def test_ctrl_c_at_each_moment_with_two_workers(tmp_path):
+def test_ctrl_c_at_each_moment_with_two_workers(tmp_path, parallel_reference):
     """Ctrl-C while the workers start, tokenizing, writing, committing and after the commit point, into
     one folder again and again: each run ends within seconds with one line and exit 130 (past its commit
     point, 0 and no complaint), takes its workers with it, leaves the lock free, and the last rerun
     completes with the bytes of an uninterrupted build."""
-    reference = make_build(tmp_path / "reference", limit=INTERRUPT_LIMIT, shard_size_mb=1, batch_size=4, num_proc=2)
+    reference = parallel_reference
     assert len(list(reference.glob("shard-*.arrow"))) >= 3  # the moments in writing and committing come
     out = tmp_path / "out"
     outcomes = []
