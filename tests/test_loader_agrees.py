@@ -159,22 +159,25 @@ def write_null(shard: Path, column: str) -> None:
         writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=table.schema))
 
 
-@pytest.mark.parametrize("kind, column", [("sft-2", "num_loss_tokens"), ("sft-2", "loss_mask"),
-                                          ("sft-1", "max_seqlen"), ("pairs-2", "pair_roles")])
-def test_a_null_is_one_line_from_loader_and_verify(builds, tmp_path, kind, column):
-    """A null (the file's size and hashes recorded anew, as a tool rewriting the shard would) is refused in
-    one line by both, never a pyarrow traceback, and never read as a value."""
-    out = tmp_path / "out"
-    shutil.copytree(builds(kind), out)
-    shard = out / schema.shard_name(0)
-    write_null(shard, column)
-    manifest = json.loads((out / schema.MANIFEST_NAME).read_text())
-    manifest["shards"][0].update(bytes=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
-    manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
-    (out / schema.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
-    said = _loader_error(out)
-    assert said is not None and f"null values in {column}" in said and "\n" not in said
-    assert [p.message for p in verify(out).problems if p.check == "rows"][0] == f"null values in {column}"
+def test_a_null_in_any_column_is_one_line_from_loader_and_verify(builds, tmp_path):
+    """A null in each column in turn (the file's size and hashes recorded anew, as a tool rewriting the shard
+    would) is refused in one line by both, never a pyarrow traceback, and never read as a value: every
+    column of a format-1 pair build and of a padded format-2 build (between them, each column of each format)."""
+    cases = [(kind, name) for kind in ("pairs-1", "padded-2")
+             for name in schema.open_shard(builds(kind) / schema.shard_name(0)).schema.names]
+    for kind, column in cases:
+        out = tmp_path / f"{kind}-{column}"
+        shutil.copytree(builds(kind), out)
+        shard = out / schema.shard_name(0)
+        write_null(shard, column)
+        manifest = json.loads((out / schema.MANIFEST_NAME).read_text())
+        manifest["shards"][0].update(bytes=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+        manifest[schema.CONTENT_HASH] = schema.content_sha256(manifest)
+        (out / schema.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        said = _loader_error(out)
+        assert said is not None and f"null values in {column}" in said and "\n" not in said, (kind, column, said)
+        assert [p.message for p in verify(out).problems if p.check == "rows"][0] == f"null values in {column}"
+    assert len(cases) >= 16
 
 
 if __name__ == "__main__":  # the wide sweep
