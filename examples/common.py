@@ -41,6 +41,7 @@ def filler_note(loader) -> str | None:
     fillers = len(data) - data.epoch_rows  # one process: the epoch's micro-batches beyond its rows
     if not fillers:
         return None
-    return (f"note: {data.epoch_rows:,} rows an epoch, in optimizer steps of {data.grad_accum} micro-batches: each epoch's "
+    rows = f"{data.epoch_rows:,} row{'s' * (data.epoch_rows != 1)}"
+    return (f"note: {rows} an epoch, in optimizer steps of {data.grad_accum} micro-batches: each epoch's "
             f"last step is completed by {fillers} filler row{'s' * (fillers != 1)} (no loss), skipped here "
             "(build more rows, or lower --grad-accum, to train on whole steps)")
