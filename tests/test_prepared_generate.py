@@ -51,6 +51,10 @@ def test_packer_varlen_with_a_cache_is_causal_from_the_keys_end():
         out, _ = attention.packed_attention(module, q[:, :, -t_q:], k, v, None,
                                             position_ids=torch.arange(9 - t_q, 9).view(1, -1))  # fmt: skip
         torch.testing.assert_close(out, full[:, -t_q:])
+    # a batch of several sequences with a cache: their padding cannot be seen, so refused in one line
+    q2, k2 = torch.cat([q, q])[:, :, -1:], torch.cat([k, k])
+    with pytest.raises(ConfigError, match="one sequence at a time; it does not see the attention_mask of a batch of 2"):
+        attention.packed_attention(module, q2, k2, k2, None)
     # queries whose positions restart (a packed row) with keys beyond them: refused, as with cu_seq_lens
     with pytest.raises(ConfigError, match="the keys cover 9 positions and the queries 3"):
         attention.packed_attention(module, q[:, :, -3:], k, v, None, position_ids=torch.tensor([[5, 0, 1]]))

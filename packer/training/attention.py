@@ -243,6 +243,12 @@ def _cached_attention(module, query, key, value, dropout, scaling, sliding_windo
             f"positions and the queries {t_q} (a past_key_values cache or prefix, e.g. PEFT prefix tuning); "
             "pass no cache with packed rows (use_cache=False)"
         )
+    if query.shape[0] != 1:  # transformers builds no mask for a custom implementation: padding would be attended
+        raise ConfigError(
+            f"{type(module).__name__}: packer_varlen generates one sequence at a time; it does not see the "
+            f"attention_mask of a batch of {query.shape[0]} (a padded prompt would attend to its padding): for "
+            "batched generation call model.set_attn_implementation('sdpa'), and packer.prepare(model) again to train"
+        )
     # query i sits at key position t_k - t_q + i: it sees the keys up to it (and, with a window, the W-1 before)
     i = torch.arange(t_q, device=query.device)[:, None] + (t_k - t_q)
     j = torch.arange(t_k, device=query.device)[None, :]
