@@ -27,8 +27,9 @@ packer's but its errors) switches a model to ``packer_varlen`` only if packed ro
 judged against the model's own eager attention, and keeps a guard on it.
 
 Refused inside the function (``ConfigError``), rather than computed wrongly: attention logit
-soft-capping and attention sinks (``s_aux``), non-causal modules, and keys that do not cover exactly the
-row's tokens (a cache or prefix, e.g. PEFT prefix tuning: ``cu_seq_lens_k`` indexes the row only). The
+soft-capping and attention sinks (``s_aux``), non-causal modules, keys that do not cover exactly a packed
+row's tokens (a cache or prefix, e.g. PEFT prefix tuning: ``cu_seq_lens_k`` indexes the row only), and a
+cached decode of several sequences (their padding mask is not seen). The
 kernel call paths (1, 2) are tested on CPU against reference implementations of the kernels' documented
 semantics (tests/test_varlen_kernels.py), and against the real kernels where CUDA is present.
 """
