@@ -16,7 +16,8 @@ from packer.training import attention, guard
 
 
 @pytest.mark.parametrize("model_type, overrides", [
-    ("mistral", dict(sliding_window=4)),  # plain attention; the decode steps pass the window
+    ("llama", None),  # plain attention
+    ("mistral", dict(sliding_window=4)),  # plain attention with a window, which the decode steps pass
     ("qwen3_next", None),  # GatedDeltaNet + attention: the per-segment path and packer_varlen
     ("minimax", None),  # lightning attention + attention
 ])  # fmt: skip
