@@ -71,6 +71,11 @@ MODEL_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "ma
 CHUNK_ELEMENTS = 1 << 24
 
 
+def _wide(device: torch.device) -> torch.dtype:
+    """float64, where the device has it (Apple's MPS has none: float32 there, as before)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 class _TokenLogps(torch.autograd.Function):
     """Each row's log-softmax at its label, in float64, from logits ``[N, V]`` of any float dtype.
 
@@ -83,21 +88,22 @@ class _TokenLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-        lse = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
+        wide = _wide(logits.device)
+        lse = torch.empty(logits.shape[0], dtype=wide, device=logits.device)
         for a in range(0, logits.shape[0], step):
-            lse[a : a + step] = torch.logsumexp(logits[a : a + step].double(), dim=-1)
+            lse[a : a + step] = torch.logsumexp(logits[a : a + step].to(wide), dim=-1)
         ctx.save_for_backward(logits, labels, lse)
-        return logits.gather(-1, labels[:, None])[:, 0].double() - lse
+        return logits.gather(-1, labels[:, None])[:, 0].to(wide) - lse
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits, labels, lse = ctx.saved_tensors
-        grad = grad.double()
+        grad = grad.to(lse.dtype)
         out = torch.empty_like(logits)
         step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
         for a in range(0, logits.shape[0], step):  # d/dx (x[label] - lse) = onehot(label) - softmax(x)
             g = grad[a : a + step, None]
-            chunk = torch.exp(logits[a : a + step].double() - lse[a : a + step, None]).mul_(-g)
+            chunk = torch.exp(logits[a : a + step].to(lse.dtype) - lse[a : a + step, None]).mul_(-g)
             out[a : a + step] = chunk.scatter_add_(-1, labels[a : a + step, None], g).to(out.dtype)
         return out, None
 
@@ -296,8 +302,8 @@ class StoredReference:
                 "precompute_reference on the build these batches come from")
         out = np.empty(roles.size, np.float64)
         out[chosen], out[rejected] = self.values[at, 0], self.values[at, 1]
-        device = batch["pair_roles"].device if torch.is_tensor(batch["pair_roles"]) else None
-        return torch.from_numpy(out).to(device)
+        device = batch["pair_roles"].device if torch.is_tensor(batch["pair_roles"]) else torch.device("cpu")
+        return torch.from_numpy(out).to(device=device, dtype=_wide(device))
 
 
 def precompute_reference(reference, directory: str | os.PathLike, out_path: str | os.PathLike, *,
