@@ -3,6 +3,7 @@ to lines of text. No I/O here; ``color`` says whether lines carry ANSI styles (c
 
 from __future__ import annotations
 
+import math
 import re
 
 import click
@@ -115,7 +116,12 @@ def _budget_text(cfg, s: Stats) -> str:
     """A build's mode and row budget, in its unit (a preference build's batch is of pairs)."""
     if cfg.pack == "batch":
         return f"batch of {cfg.batch_size}" + (" pairs" if s.paired else "")
-    return f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
+    budget = cfg.row_budget()  # the rows' true budget: a padded build's max_tokens rounded down to its multiple
+    if budget == cfg.max_tokens:
+        return f"{cfg.pack}, ≤ {budget:,} tokens"
+    layout = cfg.layout()
+    step = math.lcm(layout.segment_multiple, layout.row_multiple)
+    return f"{cfg.pack}, ≤ {budget:,} tokens: --max-tokens {cfg.max_tokens:,} rounded down to a multiple of {step}"
 
 
 def pairs_text(s: Stats) -> str:
@@ -187,7 +193,9 @@ def _fill(m: Mode) -> str:
 def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
-    padding = f", {s.pad_tokens:,} of them padding" if s.pad_tokens else ""  # modes plan the padded segments
+    # modes plan the padded segments; a contiguous CP build's rows' own padding is each mode's (its computed tokens)
+    segment_padding = modes[0].tokens - s.tokens
+    padding = f", {segment_padding:,} of them padding" if segment_padding else ""
     unit = "pairs" if s.paired else "examples"  # a preference build's modes place pairs whole
     what = (f"{s.segments // 2:,} pairs ({s.segments:,} segments, each pair placed whole, " if unit == "pairs"
             else f"{s.segments:,} segments (")
