@@ -1,6 +1,6 @@
 """Train on packer shards with a plain PyTorch loop: no collator, no padding, exact loss normalisation.
 
-    python examples/train_loop.py shards/ --steps 20 --grad-accum 4
+    python examples/train_loop.py shards/ --steps 5 --grad-accum 4     # the tour's shards: 80 CPU-seconds
 
 Every batch is one packed row (``packer.training.loader``); ``model(**batch)`` gets ``num_items_in_batch``, the
 loss tokens of the whole optimizer step, so each micro-batch's loss is ``sum of its token losses /
@@ -17,9 +17,9 @@ from tqdm import tqdm
 from packer import make_dataloader
 
 try:
-    from common import batches_over_epochs, tiny_llama
+    from common import batches_over_epochs, filler_note, is_filler, tiny_llama
 except ImportError:  # imported as examples.train_loop
-    from examples.common import batches_over_epochs, tiny_llama
+    from examples.common import batches_over_epochs, filler_note, is_filler, tiny_llama
 
 
 def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, model=None,
@@ -31,12 +31,17 @@ def train(directory, *, steps: int = 3, grad_accum: int = 2, lr: float = 1e-3, m
     loader = make_dataloader(directory, grad_accum=grad_accum, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = batches_over_epochs(loader)
+    if progress and filler_note(loader):
+        print(filler_note(loader))
     losses = []
     bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     for i in range(steps):
         step_loss = 0.0
         for _ in range(grad_accum):
-            loss = model(**next(batches)).loss  # already divided by the step's loss tokens
+            batch = next(batches)
+            if is_filler(batch):  # zero loss, zero gradient: not computed
+                continue
+            loss = model(**batch).loss  # already divided by the step's loss tokens
             loss.backward()
             step_loss += loss.item()
         optimizer.step()

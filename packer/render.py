@@ -3,17 +3,31 @@ to lines of text. No I/O here; ``color`` says whether lines carry ANSI styles (c
 
 from __future__ import annotations
 
+import math
 import re
 
 import click
 
-from .building.pipeline import BuildResult
+from .building.mix import ran_out
+from .building.pipeline import BUNDLED, BuildResult, source_parts
 from .checking.report import Report
 from .checking.views import Elided, Example, MixPart, Mode, Row, Summary
 from .contract.schema import Stats
 
 # One colour per segment of a drawn row, in turn.
 PALETTE = ("cyan", "magenta", "yellow", "green", "blue", "red")
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 row``, ``2 rows``: a count and its noun, singular for one."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def size_text(nbytes: float) -> str:
+    """A size in the unit that shows it: ``12.3 MB``, ``45.6 kB``, ``789 bytes`` (never ``0.0 MB``)."""
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:,.1f} MB"
+    return f"{nbytes / 1e3:,.1f} kB" if nbytes >= 1e3 else plural(int(nbytes), "byte")
 
 
 def padding_removed(tokens: int, padded_tokens: int) -> float:
@@ -37,7 +51,7 @@ def padding_text(s, cfg) -> str:
 
 def disk_cost_text(epochs: int, size: int) -> str:
     """What holding every planned epoch costs on disk."""
-    return f"{epochs} epochs × {size / epochs / 1e6:,.1f} MB: the tokens are read once and written {epochs} times"
+    return f"{epochs} epochs × {size_text(size / epochs)}: the tokens are read once and written {epochs} times"
 
 
 def build_lines(result: BuildResult) -> list[str]:
@@ -50,6 +64,10 @@ def build_lines(result: BuildResult) -> list[str]:
         lines.append(f"{result.out}: already holds this build (same source, config and tokenizer); nothing to do")
     if m.note:
         lines.append(f"note: {m.note}")
+    elif m.tokenizer.get("name_or_path") == BUNDLED:  # one's own data, no --tokenizer: say whose tokens these are
+        vocab = m.tokenizer.get("vocab_size", 0)
+        lines.append(f"note: tokenized by packer's bundled toy tokenizer (vocab {vocab:,}, trained on its FLAN-style "
+                     "sample), as no --tokenizer was given: pass your model's (a folder or a Hub id) to train on these")
     mode = _budget_text(cfg, s)
     dropped = ", ".join(f"{k} {v:,}" for k, v in s.dropped_by_reason.items()) or "none"
     size = sum(sh.bytes for sh in m.shards)
@@ -84,10 +102,13 @@ def build_lines(result: BuildResult) -> list[str]:
                      f"{s.rows / max(1, s.lower_bound):.3f} × lower bound {s.lower_bound:,}")
     if s.padded:
         lines.append(f"padding   {padding_text(s, cfg)}")
-    lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
+    ended = ran_out_text(cfg, s)
+    if ended:
+        lines.append(f"mix       {ended}")
+    lines.append(f"shards    {len(m.shards)} in {result.out} ({size_text(size)}"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
-                 "were tokenized by the interrupted run)" if result.resumed else ""))
+                 "were tokenized by the interrupted run)" if result.resumed is not None else ""))
     return lines
 
 
@@ -95,13 +116,18 @@ def _budget_text(cfg, s: Stats) -> str:
     """A build's mode and row budget, in its unit (a preference build's batch is of pairs)."""
     if cfg.pack == "batch":
         return f"batch of {cfg.batch_size}" + (" pairs" if s.paired else "")
-    return f"{cfg.pack}, ≤ {cfg.max_tokens:,} tokens"
+    budget = cfg.row_budget()  # the rows' true budget: a padded build's max_tokens rounded down to its multiple
+    if budget == cfg.max_tokens:
+        return f"{cfg.pack}, ≤ {budget:,} tokens"
+    layout = cfg.layout()
+    step = math.lcm(layout.segment_multiple, layout.row_multiple)
+    return f"{cfg.pack}, ≤ {budget:,} tokens: --max-tokens {cfg.max_tokens:,} rounded down to a multiple of {step}"
 
 
 def pairs_text(s: Stats) -> str:
     """What a preference build's rows hold: its pairs, their sequences and rows (every epoch's)."""
     epochs = f" × {s.epochs} epochs" if s.epochs else ""
-    return (f"{s.pairs:,} pairs{epochs} → {s.segments:,} sequences in {s.rows:,} rows "
+    return (f"{plural(s.pairs, 'pair')}{epochs} → {plural(s.segments, 'sequence')} in {plural(s.rows, 'row')} "
             f"({s.segments / 2 / max(1, s.rows):.1f} pairs a row, never split)")
 
 
@@ -121,7 +147,7 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
     s, cfg = view.stats, view.config
     if view.note:
         lines.append(f"note: {view.note}")
-    lines.append(click.style(f"{view.directory}: {s.rows:,} rows ({_budget_text(cfg, s)}), tokenizer {view.tokenizer}",
+    lines.append(click.style(f"{view.directory}: {plural(s.rows, 'row')} ({_budget_text(cfg, s)}), tokenizer {view.tokenizer}",
                              bold=True))
     if s.paired:
         lines.append(f"  pairs        {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_truncated:,} "
@@ -133,7 +159,7 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
     else:
         lines.append(f"  examples     {s.examples_read:,} read · {s.examples_packed:,} whole · {s.examples_split:,} split · "
                      f"{s.examples_truncated:,} truncated · {sum(s.dropped_by_reason.values()):,} dropped "
-                     f"· {s.segments:,} segments in rows")
+                     f"· {plural(s.segments, 'segment')} in rows")
     lines.append(f"  tokens       {s.tokens:,} in rows ({s.loss_tokens:,} trained, {s.loss_tokens / max(1, s.tokens):.1%})"
                  f" · {s.tokens_truncated:,} truncated · {s.tokens_dropped:,} dropped")
     if s.examples_truncated_left is not None:
@@ -148,11 +174,15 @@ def summary_lines(view: Summary, color: bool) -> list[str]:
         lines.append(f"  padding      {padding_text(s, cfg)}")
     if s.epochs:
         lines.append(f"  epochs       {s.epochs} planned, each its own shuffle: {s.rows:,} rows = {s.epochs} × "
-                     f"{s.rows // s.epochs:,} · {view.bytes / 1e6:,.1f} MB on disk = {disk_cost_text(s.epochs, view.bytes)}")
+                     f"{s.rows // s.epochs:,} · {size_text(view.bytes)} on disk = {disk_cost_text(s.epochs, view.bytes)}")
     if view.mix:
         lines.extend(mix_lines(view.mix))
+        ended = ran_out_text(cfg, s)
+        if ended:
+            lines.append(f"  {ended}")
     for sh in view.shards:
-        lines.append(f"  {sh.file}  {sh.rows:,} rows  {sh.tokens:,} tokens  {sh.bytes / 1e6:,.1f} MB  sha256 {sh.sha256[:12]}")
+        lines.append(f"  {sh.file}  {plural(sh.rows, 'row')}  {plural(sh.tokens, 'token')}  {size_text(sh.bytes)}  "
+                     f"sha256 {sh.sha256[:12]}")
     if view.modes:
         lines.extend(modes_lines(view.modes, s))
     return _plain(lines, color)
@@ -167,7 +197,9 @@ def _fill(m: Mode) -> str:
 def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
     """The modes compared on the build's segments: a table, then what it means."""
     world = s.world_size
-    padding = f", {s.pad_tokens:,} of them padding" if s.pad_tokens else ""  # modes plan the padded segments
+    # modes plan the padded segments; a contiguous CP build's rows' own padding is each mode's (its computed tokens)
+    segment_padding = modes[0].tokens - s.tokens
+    padding = f", {segment_padding:,} of them padding" if segment_padding else ""
     unit = "pairs" if s.paired else "examples"  # a preference build's modes place pairs whole
     what = (f"{s.segments // 2:,} pairs ({s.segments:,} segments, each pair placed whole, " if unit == "pairs"
             else f"{s.segments:,} segments (")
@@ -191,6 +223,20 @@ def modes_lines(modes: tuple[Mode, ...], s: Stats) -> list[str]:
                  f"(retune the learning rate; the loss curve changes). optimal: bfd's budget in {opt.rows:,} rows, "
                  f"{bfd.rows - opt.rows:,} fewer.")
     return lines
+
+
+def ran_out_text(cfg, s: Stats) -> str | None:
+    """Which part of a weighted mix ran out and so ended it (None: not a weighted mix, or it ended at
+    --limit), with what each part gave."""
+    parts = source_parts(cfg)
+    k = ran_out(list(parts), cfg.seed, cfg.limit, s.examples_read)
+    if k is None:
+        return None
+    read = [part.get("records_read") for part in s.sources or ()]
+    gave = f" after {read[k]:,} records" if k < len(read) and read[k] is not None else ""
+    rest = "; the other parts' records past their draws were not read" + \
+        (" (--limit not reached)" if cfg.limit is not None else "")
+    return f"ended when part {k + 1}, {parts[k]['source']}, ran out{gave} (its weight {parts[k]['weight']:g}){rest}"
 
 
 def mix_lines(parts: tuple[MixPart, ...]) -> list[str]:

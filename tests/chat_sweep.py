@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN3 = ROOT.parent / "shared" / "data" / "tokenizers" / "qwen3"
+# PACKER_SHARED_DATA: as in conftest.py (where the tests look for the shared data)
+QWEN3 = Path(os.environ.get("PACKER_SHARED_DATA") or ROOT.parent / "shared" / "data") / "tokenizers" / "qwen3"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",

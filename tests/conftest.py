@@ -18,7 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from packer import BuildConfig, build
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The maintainers' GSM8K and tokenizers. PACKER_SHARED_DATA points the tests elsewhere (.ci/run points it at a
+# missing folder to run, a second time, every test that used it: each must skip, as on a fresh clone).
+SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or ROOT.parent / "shared" / "data")
 BUNDLED_TOKENIZER = ROOT / "packer" / "data" / "tokenizer"
 
 
@@ -89,14 +91,120 @@ def rewrite_column(path: Path, column: str, change) -> None:
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=table.schema))
 
 
+ABSENT = "is absent (the shared GSM8K and tokenizers)"  # the end of need_shared's one skip reason
+
+
 def need_shared(path: Path | str) -> Path:
     """``path`` under ../shared/data (given relative to it, or whole), or this test skipped with one reason
     spelt one way for every such test: a tokenizer folder needs its tokenizer.json, a file itself."""
     path = SHARED_DATA / path
+    if path.is_relative_to(SHARED_DATA):  # (a whole path elsewhere, the bundled tokenizer say, is no use of it)
+        _shared_use.mark()
     there = path.is_file() if path.suffix else (path / "tokenizer.json").is_file()
     if not there:
-        pytest.skip(f"../shared/data/{path.relative_to(SHARED_DATA)} is absent (the shared GSM8K and tokenizers)")
+        pytest.skip(f"../shared/data/{path.relative_to(SHARED_DATA)} {ABSENT}")
     return path
+
+
+# -- which tests use the shared data, and whether they all skip without it (.ci/run) -------------------
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("packer")
+    group.addoption("--shared-log", metavar="FILE",
+                    help="write to FILE the ids of the tests that used ../shared/data (need_shared, a fixture "
+                         "that called it, or a file opened or listed under it)")
+    group.addoption("--shared-hidden", metavar="FILE",
+                    help="run only the tests FILE lists (a --shared-log), with PACKER_SHARED_DATA pointing at a "
+                         "missing folder: the run fails unless each skips with need_shared's reason")
+
+
+class _SharedUse:
+    """Which tests and fixtures touched the shared data during a run: need_shared called while they ran,
+    or (an audit hook, so a test that forgot need_shared is found too) a path under it opened or listed."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None  # the test or fixture now running
+        self.tests: set[str] = set()
+        self.fixtures: set[str] = set()
+
+    def mark(self) -> None:
+        if self.current is not None:
+            (self.fixtures if self.current.startswith("fixture:") else self.tests).add(self.current.removeprefix("fixture:"))
+
+    def audit(self, event: str, args: tuple) -> None:
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], str | bytes | os.PathLike):
+            path = os.fsdecode(args[0])
+            if path.startswith(self.root):
+                self.mark()
+
+    def start(self) -> None:
+        self.root = str(SHARED_DATA)
+        import sys
+
+        sys.addaudithook(self.audit)  # for the rest of the process: only in a --shared-log run
+
+
+_shared_use = _SharedUse()
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--shared-log"):
+        _shared_use.start()
+    if config.getoption("--shared-hidden") and SHARED_DATA.exists():
+        raise pytest.UsageError(f"--shared-hidden: PACKER_SHARED_DATA must name a missing folder, not {SHARED_DATA}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before, _shared_use.current = _shared_use.current, f"fixture:{fixturedef.argname}"
+    try:
+        return (yield)
+    finally:
+        _shared_use.current = before
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _shared_use.current = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _shared_use.current = None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    listed = config.getoption("--shared-hidden")
+    if listed:
+        wanted = set(Path(listed).read_text().splitlines())
+        keep = [item for item in items if item.nodeid in wanted]
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+        items[:] = keep
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.skipped and ABSENT in str(report.longrepr):
+        return
+    if (report.when == "call" or not report.passed) and hasattr(_shared_use, "hidden_wrong"):
+        _shared_use.hidden_wrong.append(f"{report.nodeid} {report.outcome} ({report.when})")
+
+
+def pytest_sessionstart(session) -> None:
+    if session.config.getoption("--shared-hidden"):
+        _shared_use.hidden_wrong = []
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    log = session.config.getoption("--shared-log")
+    if log:
+        used = [item.nodeid for item in session.items
+                if item.nodeid in _shared_use.tests or _shared_use.fixtures & set(item.fixturenames)]
+        Path(log).write_text("".join(f"{nodeid}\n" for nodeid in used))
+    wrong = getattr(_shared_use, "hidden_wrong", None)
+    if wrong:
+        print("\nwith ../shared/data hidden, these tests did not skip with need_shared's reason "
+              "(a fresh clone would see them so; call need_shared first):\n  " + "\n  ".join(wrong))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def one_line(result) -> str:

@@ -188,6 +188,8 @@ def test_unreachable_hub_id_fails_fast(tmp_path, monkeypatch):
     line = one_line(build_cli("someone/no-such-dataset", "--out", str(tmp_path / "out")))
     assert time.perf_counter() - began < 10
     assert "cannot reach the Hugging Face Hub for 'someone/no-such-dataset'" in line and "local files" in line
+    # huggingface_hub's command now (huggingface-cli is gone from it)
+    assert "`hf download someone/no-such-dataset --repo-type dataset --local-dir DIR`" in line
 
 
 def test_unreachable_hub_tokenizer_fails_fast(tmp_path, monkeypatch):
@@ -235,13 +237,13 @@ def test_on_error_skip_counts_skipped_records_by_reason(tmp_path):
     rows = [dict(r) for r in GOOD]
     rows += [{"prompt": None, "completion": "b"}, {"prompt": "q", "completion": ""}, {"prompt": "q", "completion": "  "},
              {"prompt": "q", "completion": "word " * 200}, {"prompt": 5, "completion": "b"}]
-    src = jsonl(tmp_path / "d.jsonl", rows[:-1])
+    src = jsonl(tmp_path / "d.jsonl", rows[:-1], ['{"prompt": "x", "completion": '])  # and a line that does not parse
     result = CliRunner().invoke(main, ["build", str(src), "--on-error", "skip", "--max-len", "32", "--overlong", "drop",
                                        "--out", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     stats = json.loads((tmp_path / "out" / schema.MANIFEST_NAME).read_text())["stats"]
-    assert stats["dropped_by_reason"] == {"empty_text": 2, "null_field": 1, "overlong": 1}
-    assert stats["records_skipped"] == 3 and stats["examples_read"] == len(rows) - 1
+    assert stats["dropped_by_reason"] == {"empty_text": 2, "null_field": 1, "overlong": 1, "malformed_json": 1}
+    assert stats["records_skipped"] == 4 and stats["examples_read"] == len(rows)
     assert stats["examples"] + stats["records_skipped"] == stats["examples_read"]
     verify = CliRunner().invoke(main, ["verify", str(tmp_path / "out"), "--source", str(src)])
     assert verify.exit_code == 0, verify.output

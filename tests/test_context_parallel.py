@@ -441,7 +441,7 @@ def test_inspect_compares_the_modes_in_the_padded_budget(tmp_path):
     modes = {m.mode: m for m in inspect_.summary(out).modes}
     assert modes["bfd"].peak_row_tokens == modes["optimal"].peak_row_tokens == budget
     # verify holds the rows to the same budget: a row of 609 or 610 tokens is not one this build makes
-    from packer.checking.verify_rows import limits
+    from packer.contract.rows import build_limits as limits
 
     assert limits(schema.read_manifest(out).config).max_row_tokens == budget
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, make_build
+from conftest import PARALLEL, ROOT, make_build
 
 from packer.checking.verify import verify
 from packer.cli import main
@@ -261,21 +261,23 @@ def test_out_is_a_file(tmp_path):
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------
 
-# three chunks (CHUNK records each, the last of one): both workers get one, and the rows fill three shards
-INTERRUPT_LIMIT = 2001
-INTERRUPT_ARGS = ["flan", "--limit", str(INTERRUPT_LIMIT), "--shard-size", "1", "--batch-size", "4", "-q", "-j", "2"]
+# conftest.PARALLEL: three chunks (CHUNK records each, the last of one), so both workers get one, and the rows fill
+# several shards; its uninterrupted bytes are the session's parallel_reference (built once for every such test)
+INTERRUPT_ARGS = ["flan", "--limit", str(PARALLEL["limit"]), "--pack", PARALLEL["pack"], "--max-len",
+                  str(PARALLEL["max_len"]), "--overlong", PARALLEL["overlong"], "--shard-size",
+                  str(PARALLEL["shard_size_mb"]), "-q", "-j", "2"]
 # with two workers: while they start, and once the first result came back from one
 CTRL_C_MOMENTS = [Moment("tokenizing: the second worker starting", "os.fork", "", 2),
                   Moment("tokenizing: a worker's first result", "pickle.find_class"),
                   WRITING, COMMIT_POINT, COMMITTED]
 
 
-def test_ctrl_c_at_each_moment_with_two_workers(tmp_path):
+def test_ctrl_c_at_each_moment_with_two_workers(tmp_path, parallel_reference):
     """Ctrl-C while the workers start, tokenizing, writing, committing and after the commit point, into
     one folder again and again: each run ends within seconds with one line and exit 130 (past its commit
     point, 0 and no complaint), takes its workers with it, leaves the lock free, and the last rerun
     completes with the bytes of an uninterrupted build."""
-    reference = make_build(tmp_path / "reference", limit=INTERRUPT_LIMIT, shard_size_mb=1, batch_size=4, num_proc=2)
+    reference = parallel_reference
     assert len(list(reference.glob("shard-*.arrow"))) >= 3  # the moments in writing and committing come
     out = tmp_path / "out"
     outcomes = []
@@ -411,3 +413,42 @@ def test_ctrl_c_in_a_finaliser_is_not_lost():
     finally:
         sys.unraisablehook = previous
         signal.signal(signal.SIGINT, handler)
+
+
+
+def test_a_build_stopped_loses_at_most_a_chunk_and_a_rerun_says_what_it_resumes(tmp_path, monkeypatch):
+    """Progress is committed after each chunk once spill.COMMIT_RECORDS records are done (1,000: every
+    chunk; here 100-record chunks and commits, so that two chunks cost little): a build stopped before its
+    first commit, and the rerun says it resumes from 0 records; stopped before its second commit, and the
+    next rerun resumes from the first chunk's 100, each saying so above its bars and in its summary.
+    (Stopped in this process, by a commit that raises: what a Ctrl-C there leaves, which the tests above
+    prove on the real process.)"""
+    from packer.building import spill
+
+    # the promise (docs/cli.md): a commit at least every 1,000 records or 10 s, at a chunk's end
+    assert max(spill.CHUNK, spill.COMMIT_RECORDS) <= 1000 and spill.COMMIT_SECONDS <= 10
+    monkeypatch.setattr(spill, "CHUNK", 100)
+    monkeypatch.setattr(spill, "COMMIT_RECORDS", 100)
+    out = tmp_path / "out"
+    args = ["build", "flan", "--limit", "150", "--batch-size", "4", "-j", "1", "--out", str(out)]  # two chunks
+    real, calls = spill._commit, []
+
+    def commit(*a, stop_at):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        real(*a)
+
+    for stop_at, says in ((1, None), (2, "resuming: 0 records already tokenized (the interrupted run committed none)\n")):
+        calls.clear()
+        monkeypatch.setattr(spill, "_commit", lambda *a, n=stop_at: commit(*a, stop_at=n))
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code != 0 and not (out / schema.MANIFEST_NAME).exists(), result.output
+        assert says is None or says in result.stderr, result.stderr
+    monkeypatch.setattr(spill, "_commit", real)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "resuming: 100 records already tokenized\n" in result.stderr
+    assert result.stdout.splitlines()[-1].endswith(" s (resumed: 100 of the 150 records were tokenized by the "
+                                                   "interrupted run)")
+    assert verify(out).ok

@@ -198,18 +198,48 @@ def test_the_kernel_refuses_a_bad_argument_and_writes_nothing(case):
 
 
 @needs_kernel
-def test_an_output_overlapping_seq_lens_is_refused_within_its_bounds():
-    """cu_seq_lens laid over seq_lens: its writes change lengths already checked, and a length read
-    again must not take seq_idx's writes past its end (guard words after it show any)."""
+def test_an_output_overlapping_seq_lens_is_refused_before_a_write():
+    """cu_seq_lens laid over seq_lens: its writes would change lengths already checked; refused before
+    anything is written (guard words after seq_idx and seq_lens itself unchanged)."""
     for segments in (4, 30):
         base = np.zeros(segments + 2, np.int32)
         base[0] = 2  # seq_lens [2, 0, 0, ...]: a valid row of 2 tokens
         guarded = np.full(2 + 16, -7, np.int32)
-        with pytest.raises(ValueError, match="seq_lens changed"):
+        before = base.copy()
+        with pytest.raises(ValueError, match="cu_seq_lens overlaps seq_lens"):
             KERNEL.decode(np.arange(2, dtype=np.uint16), np.arange(2, dtype=np.uint16), None, -1, base, 0, 2, 0,
                           segments, np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.int64),
                           guarded[:2], base[1:])
-        assert (guarded[2:] == -7).all()
+        assert (guarded == -7).all() and np.array_equal(base, before)
+
+
+OVERLAPS = {  # (the output, what it is laid over): each refused, whichever byte they share
+    "out_ids over out_labels": (10, 11), "out_labels over out_ids": (11, 9), "out_positions over out_ids": (10, 9),
+    "out_ids over ids": (9, 0), "out_labels over the bitmap": (11, 2), "seq_idx over positions": (12, 1),
+    "cu_seq_lens over seq_idx": (13, 12),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", OVERLAPS)
+def test_an_output_sharing_memory_with_another_buffer_is_refused(case):
+    """Outputs laid over each other or over an input (views of one buffer, sharing a few bytes at the
+    edge): the copies would be undefined behaviour (AddressSanitizer's memcpy-param-overlap), so the
+    call is refused, naming both, before anything is written."""
+    out, over = OVERLAPS[case]
+    args = _args(n=8)
+    base = np.zeros(4096, np.uint8)
+    target = args[over]
+    shared = base[1000 : 1000 + target.nbytes]
+    shared[...] = target.view(np.uint8)
+    args[over] = shared.view(target.dtype)
+    # the output ends a word into the other (aligned, as a real output is): its first bytes shared alone
+    size = args[out].nbytes
+    args[out] = base[1008 - size : 1008].view(args[out].dtype)
+    snapshot = base.copy()
+    with pytest.raises(ValueError, match="overlaps"):
+        KERNEL.decode(*args)
+    assert np.array_equal(base, snapshot)
 
 
 @needs_kernel

@@ -94,6 +94,27 @@ def test_plain_loop_trains(small):
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
+def test_plain_loop_says_and_skips_its_filler_rows_exactly(tmp_path, monkeypatch, capsys):
+    """3 rows in steps of 2 micro-batches: each epoch's second step is completed by a filler row, which the
+    loop skips (and says so): the same losses and weights as computing it."""
+    import torch
+
+    train_loop = importlib.import_module("train_loop")
+    common = importlib.import_module("common")
+    three = make_build(tmp_path / "three", limit=9, batch_size=3, max_len=256)
+    runs = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(train_loop, "is_filler", lambda batch: False)
+        model = common.tiny_llama(three)
+        runs.append((train_loop.train(three, steps=3, grad_accum=2, model=model, progress=skip),
+                     [p.detach().clone() for p in model.parameters()]))
+    (skipped, weights), (computed, weights_computed) = runs
+    np.testing.assert_allclose(skipped, computed, rtol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(weights, weights_computed, strict=True))
+    assert "each epoch's last step is completed by 1 filler row (no loss), skipped here" in capsys.readouterr().out
+
+
 def test_trainer_uses_the_packed_loader_and_normalises_like_the_plain_loop(small, tmp_path, capsys):
     trainer_mod = importlib.import_module("trainer")
     train_loop = importlib.import_module("train_loop")

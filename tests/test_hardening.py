@@ -125,7 +125,8 @@ def test_hub_tokenizer_id_offline_is_not_a_missing_folder(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "packer: error: --tokenizer someone/no-such-tokenizer: not a local folder, and not in the Hub cache while "
-        "offline (or the Hub is unreachable); download it where there is network and pass the folder"
+        "offline (or the Hub is unreachable); download it where there is network (`hf download "
+        "someone/no-such-tokenizer --local-dir DIR`) and pass the folder"
     ]
 
 

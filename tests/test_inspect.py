@@ -11,7 +11,7 @@ import fsspec
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import make_build
+from conftest import make_build, one_line
 
 from packer import BuildConfig
 from packer.building.pipeline import tokenizer_path
@@ -254,6 +254,17 @@ def test_inspect_reads_fsspec_urls(flan_batch):
                 json.loads(run(flan_batch, "--row", 3, "--json"))["segments"]
             assert inspect_.find_example(url, 7).pieces == inspect_.find_example(flan_batch, 7).pieces
         bad = CliRunner().invoke(main, ["inspect", "memory://no-such-build"])
-        assert bad.exit_code == 2 and "no such directory" in bad.output
+        assert bad.exit_code == 2 and "no such folder" in bad.output
     finally:
         fs.rm("/inspect-test", recursive=True)
+
+
+def test_inspect_and_verify_of_a_data_file_say_what_it_is_and_what_to_run(tmp_path):
+    """A user's first `packer inspect data.jsonl`: the file exists, so it is never "no such" anything;
+    the line says it is a file and which commands to run on it."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "q", "completion": "a"}\n')
+    for command in ("inspect", "verify"):
+        line = one_line(CliRunner().invoke(main, [command, str(data)]))
+        assert line.startswith(f"packer: error: {data}: a file, not a build's folder"), line
+        assert f"`packer build {data} --out shards/`, then `packer inspect shards/`" in line and "no such" not in line

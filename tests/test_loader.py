@@ -125,7 +125,7 @@ def test_batch_matches_row(build):
 
 
 def test_open_refuses_bad_directories(tmp_path):
-    with pytest.raises(ShardFormatError, match="no such directory"):
+    with pytest.raises(ShardFormatError, match="no such folder"):
         PackedDataset(tmp_path / "nope")
     with pytest.raises(ShardFormatError, match="no manifest.json"):
         PackedDataset(tmp_path)

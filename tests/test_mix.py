@@ -97,6 +97,21 @@ def test_each_example_is_its_own_sources_tokens(weighted, srcs, tmp_path):
         assert np.array_equal(tokens, alone[k][index]), (position, k, index)
 
 
+def test_a_weighted_mix_says_which_part_ran_out(srcs, tmp_path):
+    """No --limit: the mix ends at the first draw of a part with no record left, here the part of 40
+    records beside one of 200 at the same weight; the build summary and inspect name it."""
+    out, short = tmp_path / "out", tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(40)))
+    result = cli("build", str(srcs["qa"]), str(short), "--mix", "0.5,0.5", "-q", "-j", "1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    counts = manifest(out)["stats"]["sources"]
+    assert counts[1]["records_read"] == 40 and counts[0]["records_read"] < 200  # the first had records left
+    said = f"ended when part 2, {short}, ran out after 40 records (its weight 0.5)"
+    assert any(line.startswith(f"mix       {said}") for line in result.stdout.splitlines()), result.stdout
+    assert any(line.startswith(f"  {said}") for line in cli("inspect", str(out)).output.splitlines())
+    assert mix.ran_out([{"source": "a", "weight": 1.0}, {"source": "b", "weight": 1.0}], 0, 300, 300) is None  # --limit
+
+
 def test_inspect_shows_the_mix_and_verify_checks_every_source(weighted, srcs, tmp_path):
     shown = cli("inspect", str(weighted))
     assert shown.exit_code == 0, shown.output

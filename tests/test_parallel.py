@@ -71,12 +71,12 @@ def flan_700():
 
 def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_700):
     monkeypatch.setattr(spill, "CHUNK", 100)
-    monkeypatch.setattr(spill, "GROUP", 2)  # a commit marker every 200 records
+    monkeypatch.setattr(spill, "COMMIT_RECORDS", 200)  # a commit marker every 200 records (every 2nd chunk)
     stream, tokenizer, spec = flan_700
     identity = {"test": 1}
 
     fresh = spill.tokenize(stream, _one(Encoder(tokenizer, spec)), tmp_path / "fresh", identity, engine=LocalEngine())
-    assert fresh.records == 700 and fresh.reused_records == 0
+    assert fresh.records == 700 and fresh.reused_records is None  # no earlier run
 
     folder = tmp_path / "resumed"
     crashing = _CountingEncoder(tokenizer, spec, crash_at=6)  # chunks 1-5 encoded, marker after chunk 4
@@ -98,7 +98,7 @@ def test_interrupted_stage_reuses_finished_chunks(tmp_path, monkeypatch, flan_70
     # Another identity: the old tokens are discarded, everything is redone.
     other = _CountingEncoder(tokenizer, spec)
     again = spill.tokenize(stream, _one(other), folder, {"test": 2}, engine=LocalEngine())
-    assert again.reused_records == 0 and other.calls == 7
+    assert again.reused_records is None and other.calls == 7  # another build's spill: no earlier run of this one
 
 
 def test_build_resumes_its_tokens_after_a_crash(tmp_path, monkeypatch, capsys):

@@ -307,8 +307,9 @@ def test_build_output_counts_pairs(batch_build, cp_build, src, tmp_path):
     lines = build_lines(BuildResult(out=batch_build, manifest=m, reused=False, seconds=0.5))
     text = "\n".join(lines)
     s = m.stats
-    assert text.splitlines()[0].startswith(f"pairs     24 read · {s.examples_packed} packed whole · "
-                                           f"{s.examples_truncated} truncated")
+    assert lines[0].startswith("note: tokenized by packer's bundled toy tokenizer")  # no --tokenizer: said first
+    assert lines[1].startswith(f"pairs     24 read · {s.examples_packed} packed whole · "
+                               f"{s.examples_truncated} truncated")
     assert "24 pairs → 48 sequences in 8 rows (3.0 pairs a row" in text
     assert "rows      8 (batch of 3 pairs) · padded DPO batches (6 sequences each)" in text
     assert "examples" not in text

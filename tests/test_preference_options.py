@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA, make_build
+from conftest import BUNDLED_TOKENIZER, SHARED_DATA, make_build, need_shared
 
 from packer.contract import schema
 from packer.errors import ConfigError, ShardFormatError
@@ -38,8 +38,7 @@ def records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    if not (TOKENIZER / "tokenizer.json").is_file():
-        pytest.skip(f"{TOKENIZER} is absent")
+    need_shared(TOKENIZER)
     path = tmp_path_factory.mktemp("src") / "prefs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records()))
     return path
@@ -236,7 +235,7 @@ def test_stored_reference_reads_a_batch_on_another_device(builds, stored):
             with pytest.raises(TypeError):  # what a CUDA batch does to numpy: the case the lookup must avoid
                 np.asarray(moved["pair_ids"])
             got = stored.segment_logps(moved)
-            assert got.device == torch.device(device) and got.shape == want.shape and got.dtype == torch.float32
+            assert got.device == torch.device(device) and got.shape == want.shape and got.dtype == torch.float64
             if device == "cpu":
                 assert torch.equal(got.as_subclass(torch.Tensor), want)
 
@@ -341,100 +340,83 @@ def test_dpo_loss_filler_rule():
     assert inferred.loss == 0 and not inferred.losses.any()
 
 
-def test_reference_file_versions(stored, builds, tmp_path):
+def _write_reference(path, table, meta):
+    import pyarrow as pa
+    t = table.replace_schema_metadata(meta)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, t.schema) as writer:
+        writer.write_table(t)
+    return path
+
+
+def test_reference_file_versions(stored, builds, tmp_path, caplog):
     import pyarrow as pa
 
     from packer.training.preference import REFERENCE_VERSION, StoredReference
     with pa.OSFile(str(stored.path)) as f:
         table = pa.ipc.open_file(f).read_all()
     meta = table.schema.metadata
-    assert meta[b"version"] == REFERENCE_VERSION.encode() == b"2"
+    assert meta[b"version"] == REFERENCE_VERSION.encode() == b"3" and len(meta[b"sha256"]) == 64
+    assert table.schema.field("chosen_logps").type == pa.float64()  # dpo_step's float64 sums, kept whole
     old = table.select(["pair_id", "chosen_logps", "rejected_logps"])  # version 1: log-probs, no lengths
-    for version, t in (("1", old), ("3", table)):
-        path = tmp_path / f"v{version}.arrow"
-        t = t.replace_schema_metadata({**meta, b"version": version.encode()})
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, t.schema) as writer:
-            writer.write_table(t)
-        with pytest.raises(ShardFormatError, match=f"version '{version}', this packer reads version '2'") as e:
+    for version, t in (("1", old), ("4", table)):
+        path = _write_reference(tmp_path / f"v{version}.arrow", t, {**meta, b"version": version.encode()})
+        with pytest.raises(ShardFormatError, match=f"version '{version}', this packer reads versions 2, 3") as e:
             StoredReference(path, builds())
         assert "\n" not in str(e.value)
+    # version 2 (float32 log-probs, no checksum) is still read, with a warning that a change cannot be told
+    v2 = table.cast(table.schema.set(1, pa.field("chosen_logps", pa.float32()))
+                    .set(2, pa.field("rejected_logps", pa.float32())))
+    v2_meta = {k: v for k, v in meta.items() if k != b"sha256"} | {b"version": b"2"}
+    with caplog.at_level("WARNING", logger="packer"):
+        read = StoredReference(_write_reference(tmp_path / "v2.arrow", v2, v2_meta), builds())
+    assert "without a checksum" in caplog.text
+    np.testing.assert_allclose(read.values, stored.values, rtol=1e-7)
 
 
-def test_precompute_reference_on_a_build_without_rows(builds, tmp_path):
-    import shutil
+def test_a_changed_or_non_finite_reference_file_is_refused(stored, builds, models, tmp_path):
+    import pyarrow as pa
+
+    from packer.training.preference import StoredReference
+    with pa.OSFile(str(stored.path)) as f:
+        table = pa.ipc.open_file(f).read_all()
+    meta = table.schema.metadata
+    raw = stored.path.read_bytes()
+    values = table.column("chosen_logps").to_numpy()
+    # one value's bytes changed in place (same size, a valid Arrow file): the checksum tells
+    needle = values[1].tobytes()
+    assert raw.count(needle) == 1
+    changed = tmp_path / "changed.arrow"
+    changed.write_bytes(raw.replace(needle, (values[1] + 0.5).tobytes()))
+    with pytest.raises(ShardFormatError, match="not the ones precompute_reference wrote") as e:
+        StoredReference(changed, builds())
+    assert "\n" not in str(e.value)
+    # the metadata changed (another model's name): the checksum covers it too
+    renamed = _write_reference(tmp_path / "renamed.arrow", table, {**meta, b"model": b"another"})
+    with pytest.raises(ShardFormatError, match="not the ones precompute_reference wrote"):
+        StoredReference(renamed, builds())
+    # a NaN or an infinity, in a file written with a matching checksum (or of version 2): refused, naming the pair
+    from packer.training.preference import REFERENCE_COLUMNS, reference_checksum
+    for bad in (np.nan, -np.inf):
+        columns = [table.column(n).to_numpy().copy() for n in REFERENCE_COLUMNS]
+        columns[2][0] = bad
+        m = {k.decode(): v.decode() for k, v in meta.items()}
+        m["sha256"] = reference_checksum(m, columns)
+        t = pa.table(dict(zip(REFERENCE_COLUMNS, columns, strict=True)))
+        path = _write_reference(tmp_path / "nan.arrow", t, m)
+        with pytest.raises(ShardFormatError, match=rf"pair {columns[0][0]}'s stored reference log-probs are .* not "
+                                                   "finite") as e:
+            StoredReference(path, builds())
+        assert "\n" not in str(e.value)
+    # a reference model whose forward overflows: refused before any file is written
+    import copy
 
     from packer.training.preference import precompute_reference
-    empty = tmp_path / "empty"
-    shutil.copytree(builds(), empty)
-    manifest = json.loads((empty / schema.MANIFEST_NAME).read_text())
-    for entry in manifest.pop("shards"):
-        (empty / entry["file"]).unlink()
-    manifest["shards"] = []
-    manifest["stats"].update(rows=0, tokens=0, loss_tokens=0, pairs=0, segments=0)
-    manifest.pop(schema.CONTENT_HASH)
-    (empty / schema.MANIFEST_NAME).write_bytes(schema.dump_manifest({**manifest, schema.CONTENT_HASH:
-                                                                   schema.content_sha256(manifest)}))
-    with pytest.raises(ShardFormatError, match="lists no shards") as e:  # a packer error, not StopIteration
-        precompute_reference(None, empty, tmp_path / "ref.arrow")
-    assert "\n" not in str(e.value) and not (tmp_path / "ref.arrow").exists()
-
-
-# -- resume, ranks, epochs ------------------------------------------------------------------------
-
-
-def ids_of(batches):
-    return [tuple(b["pair_ids"].tolist()) + (real(b),) for b in batches]
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_mid_epoch_continues_the_stream(builds, world_size):
-    from packer.training.loader import PackedDataset
-    out = builds()
-    options = {"shuffle": True, "seed": 5, "world_size": world_size, "grad_accum": 2}
-    whole = {r: ids_of(stream(out, rank=r, **options)) for r in range(world_size)}
-    first = PackedDataset(out, rank=0, **options)
-    it = iter(first)
-    taken = [next(it) for _ in range(3)]  # mid optimizer step (grad_accum 2)
-    state = first.state_dict()
-    for r in range(world_size):
-        resumed = PackedDataset(out, rank=r, **options)
-        resumed.load_state_dict(state)
-        got = ids_of(resumed)
-        assert whole[r][3:] == got
-    assert ids_of(taken) == whole[0][:3]
-    pairs = [p for r in whole for row in whole[r] if row[-1] for p in row[:-1]]
-    assert len(set(pairs)) == len(pairs) == kept_pairs(out)  # over the ranks every pair once, none split
-
-
-def test_elastic_resume_two_ranks_to_one_deals_each_pair_once(builds):
-    from packer.training.loader import PackedDataset
-    out = builds()
-    two = [PackedDataset(out, rank=r, world_size=2, seed=2) for r in range(2)]
-    its = [iter(d) for d in two]
-    done = [p for it in its for _ in range(2) for b in [next(it)] if real(b) for p in b["pair_ids"].tolist()]
-    one = PackedDataset(out, world_size=1, seed=2)
-    one.load_state_dict(two[0].state_dict())
-    rest = [p for b in one if real(b) for p in b["pair_ids"].tolist()]
-    assert sorted(done + rest) == sorted(set(done + rest)) and len(done + rest) == kept_pairs(out)
-
-
-def test_two_epochs_hold_each_pair_twice_counted_as_pairs(builds):
-    from packer.training.loader import PackedDataset
-    out = builds(epochs=2)
-    m = schema.read_manifest(out)
-    assert m.stats.examples == PAIRS and m.stats.epoch_count == 2  # accounting counts pairs, once
-    every = [p for r in schema.open_shard(out / m.shards[0].file).to_pylist() for p in r["example_ids"][0::2]]
-    assert len(every) == 2 * kept_pairs(builds()) and all(every.count(p) == 2 for p in set(every))
-    loader = PackedDataset(out, seed=1)
-    epochs = []
-    for e in range(2):
-        loader.set_epoch(e)
-        epochs.append([p for b in loader for p in b["pair_ids"].tolist()])
-    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(set(every))  # each epoch every pair once
-    assert epochs[0] != epochs[1]  # each planned epoch its own grouping
-
-
-# -- context parallelism --------------------------------------------------------------------------
+    broken = copy.deepcopy(models[1])
+    with torch.no_grad():
+        broken.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(ShardFormatError, match="computed reference log-probs are nan"):
+        precompute_reference(broken, builds(), tmp_path / "never.arrow")
+    assert not list(tmp_path.glob("never.arrow*"))
 
 
 def test_cp_shares_carry_pairs_and_reassemble_the_loss(builds, models, stored):
@@ -536,9 +518,10 @@ def test_a_mix_of_two_preference_sources_packs_pairs(tmp_path, source):
 @pytest.mark.parametrize("overlong, says", [("truncate", "all 3 pairs have a prompt of --max-len 8 tokens or more"),
                                             ("drop", "all 3 pairs have a sequence longer than --max-len 8")])
 def test_a_pair_build_that_packs_nothing_says_why_in_pairs(tmp_path, overlong, says):
+    # the bundled tokenizer: the refusal does not depend on the tokenizer, and so runs on a fresh clone too
     src = tmp_path / "long.jsonl"
     src.write_text("".join(json.dumps({"prompt": "word " * 40, "chosen": " yes", "rejected": " no"}) + "\n"
                            for _ in range(3)))
     with pytest.raises(ConfigError, match=says) as e:
-        make_build(tmp_path / "o", str(src), tokenizer=str(TOKENIZER), max_len=8, overlong=overlong)
+        make_build(tmp_path / "o", str(src), tokenizer=str(BUNDLED_TOKENIZER), max_len=8, overlong=overlong)
     assert "\n" not in str(e.value)

@@ -118,3 +118,20 @@ def test_chat_row_says_which_eos_packer_appended():
     assert len(notes) == 1 and notes[0] < next(i for i, line in enumerate(lines) if "boundary" in line)
     assert "EOS packer" not in " ".join(render.row_lines(dataclasses.replace(view, eos_token_id=None),
                                                          show_ids=False, color=False, width=100))
+
+
+def test_own_data_on_the_bundled_tokenizer_small_sizes_and_one_row_read_right():
+    """A build of one's own data with no --tokenizer says it used the bundled toy tokenizer; a size under
+    a megabyte is shown in its unit (never 0.0 MB), and a count of one is singular."""
+    result = _result({"pack": "batch", "batch_size": 8}, padded_tokens=1_500, rows=1, segments=1, pairs=None)
+    manifest = dataclasses.replace(result.manifest, tokenizer={"name_or_path": "bundled", "vocab_size": 12_000},
+                                   shards=(dataclasses.replace(result.manifest.shards[0], rows=1, bytes=1_536),))
+    lines = render.build_lines(dataclasses.replace(result, manifest=manifest))
+    assert lines[0].startswith("note: tokenized by packer's bundled toy tokenizer (vocab 12,000") and "--tokenizer" in lines[0]
+    assert lines[-2] == "shards    1 in out (1.5 kB)"
+    assert [render.size_text(n) for n in (0, 1, 999, 1_536, 2_500_000)] == ["0 bytes", "1 byte", "999 bytes", "1.5 kB",
+                                                                            "2.5 MB"]
+    assert render.pairs_text(dataclasses.replace(manifest.stats, pairs=1, segments=2, rows=1)).startswith(
+        "1 pair → 2 sequences in 1 row ")
+    flan = render.build_lines(_result({"pack": "batch", "batch_size": 8}, padded_tokens=1_500))
+    assert not flan[0].startswith("note")  # a named tokenizer: nothing to say

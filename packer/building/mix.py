@@ -162,6 +162,20 @@ def draws(parts: list[dict[str, Any]], seed: int, limit: int | None) -> Iterator
         yield block
 
 
+def ran_out(parts: list[dict[str, Any]], seed: int, limit: int | None, records: int) -> int | None:
+    """The part whose running out ended a weighted mix after ``records`` records: the part of the draw at
+    that position (a mix ends at the first draw of a part with no record left). None for a mix by counts,
+    one of one part, or one that ended at its limit. O(records) numpy, no reading."""
+    if len(parts) < 2 or "records" in parts[0] or (limit is not None and records >= limit):
+        return None
+    seen = 0
+    for block in draws(parts, seed, limit):
+        if seen + block.size > records:
+            return int(block[records - seen])
+        seen += block.size
+    return None
+
+
 def _shuffled_counts(left: np.ndarray, rng: np.random.Generator, limit: int | None) -> Iterator[np.ndarray]:
     """The parts of a uniformly shuffled multiset (``left[k]`` copies of part k), a block at a time and never
     the whole order: each block is a random ordered sample, without replacement, of the records not drawn

@@ -44,7 +44,7 @@ class BuildResult:
     manifest: schema.Manifest
     reused: bool  # the folder already held this exact build; nothing was done
     seconds: float
-    resumed: int = 0  # records an interrupted earlier run had already tokenized (its spill reused)
+    resumed: int | None = None  # records an interrupted earlier run had tokenized (its spill reused); None: no such run
 
 
 def tokenizer_path(name: str | None) -> str:

@@ -13,7 +13,7 @@ CSV file has none, so every cell is the text it holds.
 A record is the n-th record of its file when it is the n-th object on a non-blank line (JSON Lines),
 or the n-th item of the top-level array (a JSON document). Every failure is a ``SourceError`` that
 names the file and, for JSON, the line. A record that cannot be made (over ``MAX_RECORD_BYTES``, text
-that is not UTF-8) is found on the stream, before it is held, and stays in it as a placeholder
+that is not UTF-8, a JSON line that does not parse) is found on the stream, before it is held, and stays in it as a placeholder
 (``unreadable``) that the formatter refuses as a ``RecordError``: one line, or under ``--on-error skip``
 skipped and counted.
 """
@@ -263,7 +263,8 @@ def _record(path: str, number: int, raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         if path.endswith((".json", ".json.gz")) and number == 1:
             _refuse_one_object(path)
-        raise SourceError(f"{path}:{number}: malformed JSON ({e.msg}); fix or remove that line") from None
+        # the line's alone (the next lines are read as they are): one line, or under --on-error skip counted
+        return unreadable(f"{path}:{number}: malformed JSON ({e.msg}); fix or remove that line", "malformed_json")
     except RecursionError:
         raise SourceError(f"{path}:{number}: JSON nested too deeply to read (over ~1,000 levels); flatten or remove "
                           "that record") from None

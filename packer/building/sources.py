@@ -356,8 +356,8 @@ def open_stream(source: Source, *, limit: int | None = None) -> Stream:
     if not _hub_reachable():
         raise SourceError(
             f"cannot reach the Hugging Face Hub for {source.hub_id!r} (no network); download it on a connected "
-            "machine (`huggingface-cli download --repo-type dataset ...`) and pass the local files, or use the "
-            "bundled `flan` recipe"
+            f"machine (`hf download {source.hub_id} --repo-type dataset --local-dir DIR`) and pass the local files, "
+            "or use the bundled `flan` recipe"
         )
     return Stream(source, (), limit, hub_revision(source.hub_id))
 

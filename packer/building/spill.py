@@ -13,10 +13,13 @@ on disk, formatted and tokenized by :class:`packer.building.mix.MixEncoder` (eac
         example_ids.bin   int64[examples]   index of the example's record in the source
         progress.json     the commit marker: records, examples and tokens done, skip counts per part
 
-Every ``GROUP`` chunks the files are flushed and fsynced, then ``progress.json`` is replaced
-atomically: it is the completion marker of every chunk before it. A rerun after a crash with the same
-identity truncates the files to the marker (dropping a torn tail) and starts at the first record not
-done, so a resumed build is byte-identical to an uninterrupted one; another identity wipes the folder.
+After every chunk whose records bring those since the last commit to ``COMMIT_RECORDS``, or whose end
+comes ``COMMIT_SECONDS`` after it (whichever is first; with chunks of ``CHUNK`` records, every chunk), the
+files are flushed and fsynced, then ``progress.json`` is replaced atomically: it is the completion
+marker of every chunk before it, so a Ctrl-C or a crash loses at most the chunk under way. A rerun
+after a crash with the same identity truncates the files to the marker (dropping a torn tail) and
+starts at the first record not done, saying how many that is (0 too: the interrupted run committed
+none), so a resumed build is byte-identical to an uninterrupted one; another identity wipes the folder.
 Only ``lengths`` and ``example_ids`` come back to memory (12 bytes per example); the writer reads
 the tokens back segment by segment.
 
@@ -33,6 +36,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,9 @@ from .mix import MixEncoder, MixStream
 from .tokenization import Skipped
 
 CHUNK = 1000  # records per tokenizer call (and per task sent to a worker)
-GROUP = 8  # chunks per commit marker (one fsync per GROUP * CHUNK records)
+# a commit (4 fsyncs and a rename: ~1 ms) at least every COMMIT_RECORDS records or COMMIT_SECONDS, whichever
+# comes first, at the end of a chunk: a Ctrl-C loses little, and the build is no slower (docs/benchmarks.md)
+COMMIT_RECORDS, COMMIT_SECONDS = 1000, 10.0
 STAGE_VERSION = 2  # bump when the spill layout, progress.json or the chunking changes: another version is tokenized again
 _FILES = {"ids": ("ids.bin", np.int32), "trained": ("trained.bin", np.uint8),
           "lengths": ("lengths.bin", np.int32), "example_ids": ("example_ids.bin", np.int64)}
@@ -72,7 +78,7 @@ class Spill:
     example_ids: np.ndarray  # int64[examples], memory-mapped
     skipped: Skipped = field(default_factory=Skipped)
     records: int = 0  # records read (kept + skipped)
-    reused_records: int = 0  # of those, how many a previous, interrupted run had already done
+    reused_records: int | None = None  # of those, how many an interrupted run had already done (None: no such run)
 
     @property
     def tokens(self) -> int:
@@ -108,12 +114,14 @@ def _memmap(path: Path, dtype, count: int) -> np.ndarray:
 # ---- resumable spill -------------------------------------------------------------------------------
 
 
-def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
-    """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start)."""
+def _open_spill(folder: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start) and
+    whether an interrupted run of this build left it (its progress may be zeros: it committed none)."""
     stamp = json.dumps({"stage_version": STAGE_VERSION, "chunk": CHUNK, **identity}, sort_keys=True, default=str)
     fresh = {"records": 0, "examples": 0, "tokens": 0, "skipped": []}
     progress = None
-    if (folder / IDENTITY).is_file() and (folder / IDENTITY).read_text() == stamp:
+    earlier = (folder / IDENTITY).is_file() and (folder / IDENTITY).read_text() == stamp
+    if earlier:
         try:
             progress = json.loads((folder / PROGRESS).read_text())
         except (OSError, json.JSONDecodeError):
@@ -132,12 +140,12 @@ def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         (folder / IDENTITY).write_text(stamp)
-        progress = fresh
+        progress = dict(fresh)
     for key, (name, dtype) in _FILES.items():  # drop whatever was written after the last marker
         count = progress["tokens"] if key in ("ids", "trained") else progress["examples"]
         with open(folder / name, "ab") as f:
             f.truncate(count * np.dtype(dtype).itemsize)
-    return progress
+    return progress, earlier
 
 
 def _commit(folder: Path, files: dict[str, Any], progress: dict[str, Any]) -> None:
@@ -164,7 +172,7 @@ def tokenize(
     A finished spill says so in its marker (``finished``), so a rerun after a crash in planning or
     writing does not read the source again."""
     folder = Path(folder)
-    done = _open_spill(folder, identity)
+    done, earlier = _open_spill(folder, identity)
     start = int(done["records"])
     skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
@@ -172,12 +180,13 @@ def tokenize(
     # estimated), --limit if it is given: counted only for a bar that shows, and not again for a finished spill
     total = None if not progress else start if done.get("finished") else stream.total()
     bar = tqdm(total=total, initial=start, desc="tokenize", unit="rec", disable=not progress, dynamic_ncols=True)
-    if start and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently
+    if earlier and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently (0 too)
         bar.write(f"resuming: {start:,} records already tokenized"
-                  + (" (all of them)" if done.get("finished") else ""), file=sys.stderr)
+                  + (" (all of them)" if done.get("finished") else "" if start else
+                     " (the interrupted run committed none)"), file=sys.stderr)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
     images = image_spill.Appender(folder, done)  # an image build's images, beside the tokens
-    pending = 0
+    pending, committed = 0, time.monotonic()  # records since the last commit, and when it was
     try:
         for chunk in chunks:
             files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
@@ -194,10 +203,10 @@ def tokenize(
             skipped += chunk.skipped
             done["skipped"] = list(skipped.by_part)
             bar.update(consumed)
-            pending += 1
-            if pending >= GROUP:
+            pending += consumed
+            if pending >= COMMIT_RECORDS or time.monotonic() - committed >= COMMIT_SECONDS:
                 _commit(folder, {**files, **images.files}, done)
-                pending = 0
+                pending, committed = 0, time.monotonic()
         done["finished"] = True
         _commit(folder, {**files, **images.files}, done)
         if bar.total is not None and bar.n != bar.total:  # the total was an estimate: end the bar at 100%
@@ -220,5 +229,5 @@ def tokenize(
         example_ids=_memmap(folder / "example_ids.bin", np.int64, examples),
         skipped=skipped,
         records=total,
-        reused_records=start,
+        reused_records=start if earlier else None,
     )

@@ -156,7 +156,8 @@ def _from_hub(repo_id: str) -> Path:
             if filename == "tokenizer.json":
                 raise TokenizerError(
                     f"--tokenizer {repo_id}: not a local folder, and not in the Hub cache while offline (or the "
-                    "Hub is unreachable); download it where there is network and pass the folder"
+                    f"Hub is unreachable); download it where there is network (`hf download {repo_id} --local-dir DIR`) "
+                    "and pass the folder"
                 ) from e
         except (HfHubHTTPError, OSError, ValueError) as e:
             if filename == "tokenizer.json":

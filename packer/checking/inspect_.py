@@ -21,6 +21,7 @@ from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ConfigError, ShardFormatError
 from ..fs import PathLike, join
+from ..planning.context_parallel import pad_up
 from ..planning.pairs import CHOSEN, REJECTED
 from ..planning.plan import plan
 from . import inspect_images
@@ -88,7 +89,8 @@ def summary(directory: PathLike, *, compare: bool = True) -> Summary:
     modes = None
     if compare and manifest.shards:
         seg = _segments(directory, manifest)
-        modes = tuple(compare_modes(seg.seq_lens, seg.row_splits, manifest.config, paired=manifest.stats.paired))
+        modes = tuple(compare_modes(seg.seq_lens, seg.row_splits, manifest.config, paired=manifest.stats.paired,
+                                    pad_lens=seg.pad_lens))
     row_pairs = None
     if manifest.stats.paired and manifest.shards:
         per_row = np.diff((seg if compare else _segments(directory, manifest)).row_splits) // 2
@@ -109,17 +111,21 @@ def mix_view(manifest: Manifest) -> tuple[MixPart, ...] | None:
                          token_share=c["tokens"] / tokens) for part, c in zip(parts, counts))
 
 
-def _row_stats(units: np.ndarray, widest: np.ndarray, row_splits: np.ndarray, per: int) -> tuple[int, int, int, int]:
-    """(rows, largest row's tokens, padded tokens, largest padded batch) of rows of ``units`` (examples, or
-    pairs): padding pads each of a row's ``per * units`` sequences to the longest of them (``widest``: a
-    unit's longest sequence)."""
+def _row_stats(units: np.ndarray, widest: np.ndarray, row_splits: np.ndarray, per: int, multiple: int = 1
+               ) -> tuple[int, int, int, int, int]:
+    """(rows, largest row's tokens, padded tokens, largest padded batch, the rows' own padding) of rows of
+    ``units`` (examples, or pairs): padding pads each of a row's ``per * units`` sequences to the longest of
+    them (``widest``: a unit's longest sequence). ``multiple``: every row's length (and a padded batch's
+    sequence length) rounded up to it, as a contiguous context-parallel group needs to split it."""
     counts = np.diff(row_splits)
     starts = row_splits[:-1][counts > 0]
     if units.size == 0:
-        return int(counts.size), 0, 0, 0
+        return int(counts.size), 0, 0, 0, 0
     row_tokens = np.add.reduceat(units, starts)
-    row_padded = per * counts[counts > 0] * np.maximum.reduceat(widest, starts)
-    return int(counts.size), int(row_tokens.max()), int(row_padded.sum()), int(row_padded.max())
+    row_padding = int((pad_up(row_tokens, multiple) - row_tokens).sum())
+    row_padded = per * counts[counts > 0] * pad_up(np.maximum.reduceat(widest, starts), multiple)
+    return (int(counts.size), int(pad_up(row_tokens.max(), multiple)), int(row_padded.sum()), int(row_padded.max()),
+            row_padding)
 
 
 def _units(lengths: np.ndarray, row_splits: np.ndarray, paired: bool):
@@ -133,7 +139,7 @@ def _units(lengths: np.ndarray, row_splits: np.ndarray, paired: bool):
 
 
 def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildConfig, *,
-                  paired: bool = False) -> list[Mode]:
+                  paired: bool = False, pad_lens: np.ndarray | None = None) -> list[Mode]:
     """Rows, fill and optimizer steps of padding, ``batch``, ``bfd`` and ``optimal`` for these segment lengths.
 
     The lengths are the build's segments (after its over-long policy), so every mode holds the same
@@ -145,30 +151,48 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
     ``ceil(rows / world_size)``. ``paired`` (a preference build): every mode places pairs (a segment and
     the next, chosen then rejected) whole; ``batch`` is B pairs a row and padding pads a batch's 2B
     sequences to the longest, as padded DPO does.
+
+    A padded build's segments are compared with their padding (``seq_lens``). Where its rows take padding of
+    their own (a contiguous CP layout: each row a multiple of the CP size, its last segment padded), that
+    padding is the row's, not the segment's: it is taken off the segments (``pad_lens``), and every mode's
+    rows are padded to the multiple again, so that each mode plans rows the CP group can split, and
+    ``bfd``/``optimal`` pack into the row budget, the multiple included.
     """
     lengths = np.asarray(seq_lens, np.int64)
     if lengths.size == 0:
         return []
+    layout = config.layout()
+    multiple = layout.row_multiple if layout is not None and layout.row_multiple > layout.segment_multiple else 1
+    if multiple > 1 and pad_lens is not None:  # the segments as the layout pads them, without the rows' share
+        real = lengths - np.asarray(pad_lens, np.int64)
+        lengths = pad_up(real, layout.segment_multiple)
     units, widest, splits, per = _units(lengths, np.asarray(row_splits, np.int64), paired)
     world, seed = config.world_size, config.seed
     longest = int(units.max())
     tokens = int(lengths.sum())
     if config.pack == "batch":
         b = config.batch_size
-        batch_rows, row_max, padded, padded_max = _row_stats(units, widest, splits, per)
+        batch_rows, row_max, padded, padded_max, batch_pad = _row_stats(units, widest, splits, per, multiple)
     else:
         b = DEFAULT_BATCH
         batch = plan(units, mode="batch", batch_size=b, max_len=longest, seed=seed)
-        batch_rows, row_max, padded, padded_max = _row_stats(batch.length, widest[batch.example], batch.row_splits,
-                                                             per)
-    if config.pack in ("bfd", "optimal"):  # the budget the build packed into: a padded build's is rounded down
+        batch_rows, row_max, padded, padded_max, batch_pad = _row_stats(
+            batch.length, widest[batch.example], batch.row_splits, per, multiple)
+    if config.pack in ("bfd", "optimal", "wrap"):  # the rows' budget: a padded build's is rounded down
         budget = config.row_budget()
     else:
-        budget = config.max_tokens if config.pack == "wrap" else row_max
+        budget = row_max
+    if config.pack not in ("bfd", "optimal"):
         budget = min(max(budget, longest), tokens)  # no row holds more than all tokens: plan no bigger
-    packed = {mode: int(splits.size - 1) if mode == config.pack else
-              plan(units, mode=mode, max_len=longest, max_tokens=budget, seed=seed).num_rows
-              for mode in ("bfd", "optimal")}
+    packed, row_pads = {}, {}
+    for mode in ("bfd", "optimal"):
+        if mode == config.pack:
+            rows_of = (units, splits)
+        else:
+            p = plan(units, mode=mode, max_len=longest, max_tokens=budget, seed=seed)
+            rows_of = (p.length, p.row_splits)
+        packed[mode] = int(rows_of[1].size - 1)
+        row_pads[mode] = _row_stats(rows_of[0], rows_of[0], rows_of[1], 1, multiple)[4]
     unit = "pairs" if paired else "examples"
 
     def entry(mode: str, rows: int, computed: int, peak: int, note: str) -> Mode:
@@ -181,10 +205,12 @@ def compare_modes(seq_lens: np.ndarray, row_splits: np.ndarray, config: BuildCon
     seqs = f" ({per * b} sequences)" if paired else ""
     return [
         entry("padded", batch_rows, padded, padded_max, f"{b} {unit} per batch{seqs}, padded to the longest in it"),
-        entry("batch", batch_rows, tokens, row_max, f"{b} {unit} per row{seqs}, concatenated: no padding"),
-        entry("bfd", packed["bfd"], tokens, budget, f"{'pairs packed whole into rows' if paired else 'rows filled'} "
-              f"up to {budget:,} tokens"),
-        entry("optimal", packed["optimal"], tokens, budget, f"bfd's rows refilled: {packed['bfd'] - packed['optimal']:,} fewer"),
+        entry("batch", batch_rows, tokens + batch_pad, row_max, f"{b} {unit} per row{seqs}, concatenated: no padding"
+              if not batch_pad else f"{b} {unit} per row{seqs}, concatenated, each row to a multiple of {multiple}"),
+        entry("bfd", packed["bfd"], tokens + row_pads["bfd"], budget,
+              f"{'pairs packed whole into rows' if paired else 'rows filled'} up to {budget:,} tokens"),
+        entry("optimal", packed["optimal"], tokens + row_pads["optimal"], budget,
+              f"bfd's rows refilled: {packed['bfd'] - packed['optimal']:,} fewer"),
     ]
 
 
@@ -370,4 +396,4 @@ def plot_data(directory: PathLike) -> PlotData:
                     row_budget=int(stats.row_budget or (row_tokens_all.max() if row_tokens_all.size else 0)),
                     example_tokens=example_tokens, row_tokens=row_tokens_all, row_examples=counts,
                     row_padded=counts * row_max,
-                    modes=tuple(compare_modes(lens, splits, config, paired=stats.paired)))
+                    modes=tuple(compare_modes(lens, splits, config, paired=stats.paired, pad_lens=seg.pad_lens)))

@@ -24,7 +24,7 @@ Checks, in order (each adds problems to one :class:`Report`; nothing stops at th
    trained mask with one recomputed apart from it (a token is trained when its character offsets
    overlap a trained span), so a fault in the encoder's span mapping shows. A preference build's
    segments are compared the same way, each pair's mask recomputed from its prompt's end, and its
-   ``pair_roles`` against the plan's (``verify_pairs`` checks the pairing invariants in step 3).
+   ``pair_roles`` against the plan's (the row invariants check the pairing in step 3, as the loader does).
 
 Cost: one sequential read of every shard byte for the hashes plus O(tokens) numpy for the rows;
 ``source`` costs a re-tokenize and holds the source's tokens in memory.
@@ -44,7 +44,7 @@ from pathlib import Path
 from .. import fs
 from ..building.pipeline import tokenizer_path
 from ..building.tokenization import load_tokenizer
-from ..errors import ShardFormatError
+from ..contract import schema
 from .report import Report
 from .verify_images import check_images
 from .verify_manifest import check_files, check_folder_contents, check_stats_arithmetic, load_manifest
@@ -64,7 +64,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
         return _verify_remote(str(directory), tokenizer=tokenizer, source=source, quick=quick, progress=progress)
     directory = fs.local_path(directory)
     if not directory.is_dir():
-        raise ShardFormatError(f"{directory}: no such folder; give the --out folder of a packer build")
+        raise schema.not_a_folder(directory)
     report = Report(str(directory), quick)
     manifest = load_manifest(directory, report)
     check_folder_contents(directory, manifest, report)
@@ -100,7 +100,7 @@ def _verify_remote(url: str, **options) -> Report:
     """A folder in object storage is copied to a temporary folder and checked there: every byte has to
     be read for the hashes anyway, and the checks then run on the same memory-mapped path as local."""
     if not fs.is_dir(url):
-        raise ShardFormatError(f"{url}: no such folder; give the --out folder of a packer build")
+        raise schema.not_a_folder(url)
     filesystem, root = fs.filesystem(url)
     with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
         for name in fs.list_names(url):

@@ -2,7 +2,8 @@
 
 Each shard is opened by the contract (:func:`packer.contract.schema.open_shard`: an Arrow IPC stream of the
 row schema), each record batch checked by the row invariants (:func:`packer.contract.rows.check_rows`, every
-problem reported) within the build's budget (:func:`limits`), and the counts the rows hold (rows,
+problem reported; a preference build's pairing among them) within the build's budget
+(:func:`packer.contract.rows.build_limits`), the loader's checks, and the counts the rows hold (rows,
 tokens, loss tokens, segments, the longest row, the distinct and split examples) compared with the
 shard entries and the stats. Cost: O(tokens) numpy, no Python per row.
 """
@@ -16,11 +17,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ..contract import rows, schema
-from ..contract.config import BuildConfig
 from ..contract.schema import Manifest
 from ..errors import ShardFormatError
 from .report import Report, rows_text
-from .verify_pairs import pair_problems
 
 
 @dataclass(slots=True)
@@ -60,14 +59,6 @@ class Totals:
                 self.roles.append(batch.pair_roles.values.astype(np.int64))
 
 
-def limits(config: BuildConfig, paired: bool = False) -> rows.Limits:
-    """The budget a build's rows keep to, by its mode."""
-    per_row = None if config.pack != "batch" else config.batch_size * (2 if paired else 1)  # a pair: two segments
-    return rows.Limits(max_segments=per_row,
-                       max_row_tokens=config.row_budget(),
-                       max_segment_tokens=config.max_len if config.pack != "wrap" else None)
-
-
 def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
                report: Report, keep_tokens: bool, progress: bool = False) -> Totals | None:
     """Every shard's rows against the row invariants and its manifest entry; the totals, or None when
@@ -79,7 +70,7 @@ def check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEn
 
 def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardEntry], vocab: int | None,
                 report: Report, keep_tokens: bool, on_rows) -> Totals | None:
-    budget = limits(manifest.config, manifest.stats.paired)
+    budget = rows.build_limits(manifest.config, manifest.stats.paired)  # the loader's, the same
     totals = Totals()
     complete = len(entries) == len(manifest.shards)
     for entry in entries:
@@ -97,9 +88,6 @@ def _check_rows(directory: Path, manifest: Manifest, entries: list[schema.ShardE
             problems = rows.check_arrow(batch, vocab, budget)
             for problem in problems:
                 report.add("rows", f"{entry.file} {rows_text(totals.rows + problem.rows)}", problem.message)
-            if manifest.stats.paired:
-                for row, message in pair_problems(batch, left=manifest.config.overlong == "truncate-left"):
-                    report.add("rows", f"{entry.file} row {totals.rows + row}", message)
             if problems and problems[0].message.startswith("null values"):  # no numbers to count
                 complete = False
                 totals.rows += batch.num_rows

@@ -83,7 +83,8 @@ class Summary:
         epochs = self.stats.epoch_count  # --epochs E holds E times one epoch's rows on disk
         out = {
             "directory": self.directory, "note": self.note, "pack": self.config.pack,
-            "batch_size": self.config.batch_size, "max_tokens": self.config.max_tokens, "max_len": self.config.max_len,
+            "batch_size": self.config.batch_size, "max_tokens": self.config.max_tokens,
+            "row_budget": self.config.row_budget(), "max_len": self.config.max_len,
             "tokenizer": self.tokenizer, "stats": self.stats.to_json(),
             "shards": [dataclasses.asdict(e) for e in self.shards],
             "mix": None if self.mix is None else [p.to_json() for p in self.mix],

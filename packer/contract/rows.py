@@ -4,14 +4,18 @@ A row holds segments (examples, or pieces of one) one after another. For every r
 
 - **layout** (``LAYOUT_RULES``; a row that breaks one is skipped by every rule after them):
   ``example_ids`` has one entry per ``seq_lens`` entry; the row has a segment, every ``seq_lens``
-  entry is > 0, and they sum to the row's length;
+  entry is > 0, and they sum to the row's length; a preference build's row holds whole pairs (an even
+  number of segments, one ``pair_roles`` entry each);
 - **row** (``ROW_RULES``, from the list offsets and the small columns only): ``max_seqlen`` is
-  ``max(seq_lens)``; example ids are ≥ 0; and, when :class:`Limits` are given, the row keeps to the
-  build's budget;
+  ``max(seq_lens)``; example ids are ≥ 0; a pair's roles are 1, 0 (chosen, then rejected) and its two
+  segments carry one example id; and, when :class:`Limits` are given, the row keeps to the build's
+  budget;
 - **tokens** (``TOKEN_RULES``): ``position_ids`` run ``0..len-1`` inside each segment (and a segment
   is no longer than their type can count); ``labels`` are -100 at every segment start (labels are
   unshifted: this is what keeps a label from crossing an example boundary) and elsewhere -100 or the
-  input id; ``num_loss_tokens`` counts the labels ≠ -100; token ids are in ``[0, vocab)``.
+  input id; ``num_loss_tokens`` counts the labels ≠ -100; token ids are in ``[0, vocab)``; a pair's
+  two segments share their prompt (the tokens before the first trained one), unless the build cut
+  their starts (``Limits.pair_prompts``).
 
 A trained token is one whose label is not -100: format version 1 stores ``labels``, version 2 a
 ``loss_mask`` bit per token (:class:`Bits`, read in place: the segment starts' bits alone, the counts
@@ -24,7 +28,10 @@ Before all of them, the three token columns (``input_ids``, ``position_ids`` and
 Each rule is one small function in one of the three tuples; a new rule, or a change to one (padding
 segments, say), is made there and every reader follows: the loader raises the first problem
 (:func:`packer.training.loader.check_rows`), ``verify`` reports them all, ``inspect`` checks the layout of
-what it reads. :func:`packer.building.writer.assemble` is what makes rows this way.
+what it reads. Nulls, in any column or inside a list, are a problem before all of them
+(:func:`null_columns`): the loader refuses a batch with one when it opens it, ``verify`` reports it.
+The budget the rules check a build's rows against is its config's (:func:`build_limits`), for the
+loader and ``verify`` alike. :func:`packer.building.writer.assemble` is what makes rows this way.
 
 Cost: a few numpy passes over the batch's columns, no Python per row, each rule's common case (no
 problem) in as few passes as it takes and the rows that break it found only when some do; the layout
@@ -41,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..planning.context_parallel import padding_positions
+from .config import BuildConfig
 from .schema import EXTRA_SEGMENT_COLUMNS, IGNORE_INDEX, LOSS_MASK
 
 _BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # the set bits of each byte value
@@ -208,11 +216,21 @@ class RowBatch:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """A build's budget, from its config: ``None`` where the mode sets no such limit."""
+    """A build's budget, from its config (:func:`build_limits`): ``None`` where the mode sets no such limit."""
 
     max_segments: int | None = None  # batch: batch_size
     max_row_tokens: int | None = None  # bfd, optimal, wrap: max_tokens
     max_segment_tokens: int | None = None  # not wrap: max_len
+    pair_prompts: bool = True  # a pair's two segments share their prompt tokens (not after --overlong truncate-left)
+
+
+def build_limits(config: BuildConfig, paired: bool = False) -> Limits:
+    """The budget a build's rows keep to, by its mode: what ``verify`` and the loader check them against."""
+    per_row = None if config.pack != "batch" else config.batch_size * (2 if paired else 1)  # a pair: two segments
+    return Limits(max_segments=per_row,
+                  max_row_tokens=config.row_budget(),
+                  max_segment_tokens=config.max_len if config.pack != "wrap" else None,
+                  pair_prompts=config.overlong != "truncate-left")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -264,6 +282,21 @@ class _Layout:
         if self._seg_row is None:
             self._seg_row = np.repeat(np.arange(self.n), self.nseg)
         return self._seg_row
+
+    @property
+    def seg_in_row(self) -> np.ndarray:
+        """Per segment, its index in its row (0 for a row's first)."""
+        return np.arange(self.seq.size) - self.batch.seq_lens.offsets[self.seg_row]
+
+    def good_segments(self) -> np.ndarray:
+        """The segments (indices) of the rows whose layout holds."""
+        return np.flatnonzero(~self.bad[self.seg_row]) if np.count_nonzero(self.bad) else np.arange(self.seq.size)
+
+    def roles(self, seg: np.ndarray) -> np.ndarray:
+        """A preference build's pair role of each segment ``seg`` (rows whose layout holds: one role a
+        segment), each through its own row's offsets."""
+        roles, row = self.batch.pair_roles, self.seg_row[seg]
+        return roles.values[roles.offsets[row] + seg - self.batch.seq_lens.offsets[row]]
 
     @property
     def trained(self) -> np.ndarray:
@@ -370,6 +403,61 @@ def _pad_lens(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
             "pad_lens is not one count per segment, each below the segment's length"
 
 
+# A preference build (packer.planning.pairs): a row holds whole pairs, two adjacent segments each, chosen (role
+# 1) then rejected (0), of one record; what a DPO step pairs (packer.training.preference), so never trusted.
+def _whole_pairs(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    roles = lay.batch.pair_roles
+    if roles is not None:
+        yield (roles.lengths != lay.nseg) | (lay.nseg % 2 == 1), \
+            "a row holds whole pairs: an even number of segments, one pair_roles entry each"
+
+
+def _pairs(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    if lay.batch.pair_roles is None or not lay.seq.size:
+        return
+    seg = lay.good_segments()
+    first = (lay.seg_in_row[seg] % 2) == 0  # a pair's chosen segment: even in its row (rows hold whole pairs)
+    yield lay.rows_of_segments(_at(seg, lay.roles(seg) != first, lay.seq.size)), \
+        "pair roles are not chosen, rejected in turn (1, 0, 1, 0, ...)"
+    ids = lay.batch.example_ids
+    if ids is not None and ids.values.size == lay.seq.size:
+        chosen = seg[first]  # its rejected segment is the next
+        yield lay.rows_of_segments(_at(chosen, ids.values[chosen] != ids.values[chosen + 1], lay.seq.size)), \
+            "a pair's two segments come from different records (example ids differ)"
+
+
+def _pair_prompts(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
+    if lay.batch.pair_roles is None or not lay.limits.pair_prompts or not lay.seq.size:
+        return
+    # the segments of the rows whose layout holds, pairs adjacent, in the order of lay.starts
+    seg = lay.good_segments()
+    start = lay.starts
+    end = start + lay.seq[seg]
+    # a segment's prompt: its tokens before the first trained one (its first token is never trained)
+    trained = np.flatnonzero(lay.trained)
+    at = np.searchsorted(trained, start + 1)
+    first = trained[np.minimum(at, trained.size - 1)] if trained.size else end
+    prompt = np.where(at < trained.size, np.minimum(first, end), end) - start
+    a, b = slice(0, None, 2), slice(1, None, 2)
+    wrong = prompt[a] != prompt[b]
+    same = np.flatnonzero(~wrong)
+    n = prompt[a][same]
+    if n.sum():  # the prompts' tokens side by side, pair by pair
+        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        ids = lay.batch.input_ids.values
+        differ = ids[np.repeat(start[a][same], n) + within] != ids[np.repeat(start[b][same], n) + within]
+        if np.count_nonzero(differ):
+            wrong[same[np.unique(np.repeat(np.arange(same.size), n)[differ])]] = True
+    yield lay.rows_of_segments(_at(seg[a], wrong, lay.seq.size)), "chosen and rejected do not share their prompt tokens"
+
+
+def _at(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """A bool array of ``size`` set at ``index`` where ``values``."""
+    out = np.zeros(size, bool)
+    out[index[values]] = True
+    return out
+
+
 def _padding(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
     if lay.batch.pad_lens is not None:
         yield lay.rows_of_tokens(_padding_mask(lay) & lay.trained), "a padding token is trained"
@@ -460,9 +548,9 @@ def _vocab(lay: _Layout) -> Iterator[tuple[np.ndarray, str]]:
             f"token ids outside [0, {lay.vocab:,}) (the tokenizer's vocab size)"
 
 
-LAYOUT_RULES: tuple[Rule, ...] = (_segment_lengths, _pad_lens)  # a row they break is skipped by every rule after
-ROW_RULES: tuple[Rule, ...] = (_max_seqlen, _example_ids, _budget)
-TOKEN_RULES: tuple[Rule, ...] = (_positions, _labels, _vocab, _padding)
+LAYOUT_RULES: tuple[Rule, ...] = (_segment_lengths, _pad_lens, _whole_pairs)  # a row they break: skipped by the rest
+ROW_RULES: tuple[Rule, ...] = (_max_seqlen, _example_ids, _pairs, _budget)
+TOKEN_RULES: tuple[Rule, ...] = (_positions, _labels, _vocab, _padding, _pair_prompts)
 
 
 def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None, *,
@@ -496,7 +584,20 @@ def check_rows(batch: RowBatch, vocab: int | None, limits: Limits | None = None,
 def check_arrow(batch: pa.RecordBatch, vocab: int | None, limits: Limits | None = None, *,
                 tokens: bool = True) -> list[Problem]:
     """:func:`check_rows` of an Arrow record batch of the row schema; nulls are a problem of their own."""
-    nulls = [name for name in batch.schema.names if batch.column(name).null_count]
-    if nulls:
-        return [Problem(np.arange(batch.num_rows), f"null values in {', '.join(nulls)}")]
+    nulls = null_problem(batch)
+    if nulls is not None:
+        return [nulls]
     return check_rows(RowBatch.from_arrow(batch), vocab, limits, tokens=tokens)
+
+
+def null_columns(batch: pa.RecordBatch) -> list[str]:
+    """The columns holding a null, as a row or inside one (a list's values): no rule can read them, numpy
+    has no null. Cost: Arrow's counts (an IPC stream records them), no pass over the values."""
+    return [name for name in batch.schema.names
+            if (col := batch.column(name)).null_count or (isinstance(col, pa.ListArray) and col.values.null_count)]
+
+
+def null_problem(batch: pa.RecordBatch) -> Problem | None:
+    """Nulls in ``batch``, as the one problem that stops every other check, or None."""
+    nulls = null_columns(batch)
+    return Problem(np.arange(batch.num_rows), f"null values in {', '.join(nulls)}") if nulls else None

@@ -8,8 +8,10 @@
  * mask is runs).
  *
  * Memory safety does not rest on the caller: every buffer's type and length is checked against the
- * offsets before anything is read or written, every write is bounded by its buffer's checked length
- * (also where buffers overlap), and a bad argument raises ValueError or TypeError.
+ * offsets before anything is read or written, an output that shares a byte with any other buffer (an
+ * input or another output) is refused (the copies below take their buffers as disjoint: restrict,
+ * memcpy), every write is bounded by its buffer's checked length, and a bad argument raises ValueError
+ * or TypeError. tests/fuzz_kernel.py fuzzes it under AddressSanitizer and UBSan (.ci/run runs it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -111,6 +113,20 @@ static int check(Py_buffer *b, int have_labels, Py_ssize_t bit_start, Py_ssize_t
     if (count(&b[SEQ_IDX]) != o1 - o0) return fail(PyExc_ValueError, "must hold the row's tokens", SEQ_IDX);
     if (kind(&b[CU]) != 'i') return fail(PyExc_TypeError, "must be int32", CU);
     if (count(&b[CU]) != s1 - s0 + 1) return fail(PyExc_ValueError, "must hold one more than the row's segments", CU);
+    /* every output's bytes its own: none shares a byte with any other buffer given (an absent labels
+     * buffer has none); compared as integers, as pointers into unrelated objects cannot be */
+    for (int w = OUT_IDS; w < NBUF; w++) {
+        const uintptr_t lo = (uintptr_t)b[w].buf, hi = lo + (uintptr_t)b[w].len;
+        for (int v = 0; v < NBUF; v++) {
+            if (v == w || b[v].len <= 0 || b[w].len <= 0) continue;
+            const uintptr_t vlo = (uintptr_t)b[v].buf, vhi = vlo + (uintptr_t)b[v].len;
+            if (lo < vhi && vlo < hi) {
+                PyErr_Format(PyExc_ValueError, "decode: %s overlaps %s; every output needs memory of its own",
+                             NAMES[w], NAMES[v]);
+                return -1;
+            }
+        }
+    }
     const int32_t *seg = (const int32_t *)b[SEGS].buf + s0;
     Py_ssize_t total = 0;
     for (Py_ssize_t s = 0; s < s1 - s0; s++) {
@@ -175,12 +191,12 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int32_t at = 0;  /* the row's tokens fit int32: the loader's cu_seq_lens are int32 */
     cu[0] = 0;
     for (Py_ssize_t s = 0; s < s1 - s0; s++) {
-        /* read once and bounded again: an output that overlaps seq_lens (or a file changed under its
-         * memory map) may have changed a length since check() summed them */
+        /* read once and bounded again: a file changed under its memory map may have changed a length
+         * since check() summed them (an output overlapping seq_lens is refused there) */
         const int32_t len = seg[s];
         if (len < 0 || len > (int32_t)n - at) {
             PyErr_SetString(PyExc_ValueError, "decode: seq_lens changed while the row was decoded "
-                            "(an output overlaps it); the outputs are incomplete");
+                            "(its file changed under it); the outputs are incomplete");
             goto done;
         }
         int32_t *p = seq_idx + at;

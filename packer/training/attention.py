@@ -18,15 +18,18 @@ from the ``cu_seq_lens_q/k`` and ``max_length_q/k`` kwargs the loader yields (or
 
 Sliding windows (Mistral/Qwen2 ``sliding_window``) are honoured by every backend. The function does
 not see 2-D padding masks (transformers builds none for custom implementations): it is for packed
-rows; for padded batches (e.g. generation) switch the model back with ``set_attn_implementation``.
+rows and unpadded sequences. Generation's cached decode (queries that are the last of longer keys) is
+causal attention aligned with the keys' end, one SDPA call, on an unpacked forward only (a packed row
+with a cache is refused); for padded batches switch the model back with ``set_attn_implementation``.
 
 ``packer.prepare(model)`` (``packer.training.guard``, which imports this module; this one imports nothing of
 packer's but its errors) switches a model to ``packer_varlen`` only if packed rows are exact on it,
 judged against the model's own eager attention, and keeps a guard on it.
 
 Refused inside the function (``ConfigError``), rather than computed wrongly: attention logit
-soft-capping and attention sinks (``s_aux``), non-causal modules, and keys that do not cover exactly the
-row's tokens (a cache or prefix, e.g. PEFT prefix tuning: ``cu_seq_lens_k`` indexes the row only). The
+soft-capping and attention sinks (``s_aux``), non-causal modules, keys that do not cover exactly a packed
+row's tokens (a cache or prefix, e.g. PEFT prefix tuning: ``cu_seq_lens_k`` indexes the row only), and a
+cached decode of several sequences (their padding mask is not seen). The
 kernel call paths (1, 2) are tested on CPU against reference implementations of the kernels' documented
 semantics (tests/test_varlen_kernels.py), and against the real kernels where CUDA is present.
 """
@@ -178,13 +181,9 @@ def packed_attention(
     _calls += 1
     _refuse_unsupported(module, softcap, kwargs)
     bsz, _, t_q, _ = query.shape
-    if key.shape[2] != t_q:  # shapes only: no host sync
-        raise ConfigError(
-            f"{type(module).__name__}: packer_varlen attends within the row only, but the keys cover {key.shape[2]} "
-            f"positions and the queries {t_q} (a past_key_values cache or prefix, e.g. PEFT prefix tuning); "
-            "pass no cache with packed rows (use_cache=False), and switch back with set_attn_implementation "
-            "to generate"
-        )
+    if key.shape[2] != t_q:  # shapes only: no host sync on a row
+        return _cached_attention(module, query, key, value, dropout, scaling, sliding_window,
+                                 cu_seq_lens_q, position_ids), None  # fmt: skip
     if cu_seq_lens_q is None and bsz == 1 and position_ids is None:
         cu_seq_lens_q, max_length_q = _from_row(module, t_q)
     if cu_seq_lens_q is None:
@@ -228,6 +227,44 @@ def packed_attention(
         out = _sdpa_segments(query[0], key[0], value[0], cu_q, cu_k, scaling, dropout, window)
     # contiguous: some models (JetMoe, AFMoE, Dory) `.view` the output, which a transposed tensor refuses
     return out.unsqueeze(0).contiguous(), None
+
+
+def _cached_attention(module, query, key, value, dropout, scaling, sliding_window, cu_seq_lens_q, position_ids):
+    """Queries that are the last of longer keys (a cache: generation's decode steps): causal attention of
+    each sequence of the batch, the queries aligned with the keys' end. Refused on a packed row, whose keys
+    would cover a prefix no example has (PEFT prefix tuning)."""
+    t_q, t_k = query.shape[2], key.shape[2]
+    # a decode step (one query) cannot be a packed row; longer queries are judged by their positions
+    packed = cu_seq_lens_q is not None or _row_is_packed()
+    if not packed and t_q > 1 and position_ids is not None and position_ids.shape[-1] == t_q:
+        packed = bool((position_ids.reshape(-1, t_q)[:, 1:] == 0).any())
+    if packed or t_k < t_q:
+        raise ConfigError(
+            f"{type(module).__name__}: packer_varlen attends within the row only, but the keys cover {t_k} "
+            f"positions and the queries {t_q} (a past_key_values cache or prefix, e.g. PEFT prefix tuning); "
+            "pass no cache with packed rows (use_cache=False)"
+        )
+    if query.shape[0] != 1:  # transformers builds no mask for a custom implementation: padding would be attended
+        raise ConfigError(
+            f"{type(module).__name__}: packer_varlen generates one sequence at a time; it does not see the "
+            f"attention_mask of a batch of {query.shape[0]} (a padded prompt would attend to its padding): for "
+            "batched generation call model.set_attn_implementation('sdpa'), and packer.prepare(model) again to train"
+        )
+    # query i sits at key position t_k - t_q + i: it sees the keys up to it (and, with a window, the W-1 before)
+    i = torch.arange(t_q, device=query.device)[:, None] + (t_k - t_q)
+    j = torch.arange(t_k, device=query.device)[None, :]
+    mask = j <= i
+    if sliding_window is not None and sliding_window > 0:
+        mask = mask & (j > i - sliding_window)
+    key, value = _gqa(query, key, value)
+    dropout = dropout if module.training else 0.0
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _row_is_packed() -> bool:
+    row = current_row()
+    return row is not None and row.numel() > 2
 
 
 def _refuse_unsupported(module: torch.nn.Module, softcap: float | None, kwargs: dict) -> None:

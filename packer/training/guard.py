@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import attention, mixers
+from . import attention, mixers, prepared
 
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.
@@ -172,6 +172,7 @@ def _probe_copy(model: Any) -> Any:
     """A float32 copy in train mode with dropout off, without packer's hooks and parameter gradients."""
     probe = copy.deepcopy(model).float()
     mixers.uninstall_hooks(probe)
+    prepared.unwatch(probe)  # a checkpoint's mark would refuse the probe's packed rows
     for m in probe.modules():
         for key in [k for k, h in m._forward_pre_hooks.items() if getattr(h, "packer_guard", False)]:
             del m._forward_pre_hooks[key]
@@ -490,4 +491,5 @@ def prepare(
         for m in model.modules()
         if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
     ]
+    prepared.mark(model, implementation, max_tokens, model.packer_path)  # save_pretrained keeps it: prepared.py
     return model

@@ -130,8 +130,8 @@ class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
-                 vocab_size: int, row_format: schema.RowFormat | None = None, images: vision.VisionRows | None = None
-                 ) -> None:
+                 vocab_size: int, row_format: schema.RowFormat | None = None,
+                 limits: rows.Limits | None = None, images: vision.VisionRows | None = None) -> None:
         self.vision = images
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
@@ -139,7 +139,7 @@ class _Shards:
         self.checked: list[bool] = []  # per batch, in this process: checked on its first row read
         self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
         self.reads: list[_Read | None] = []  # per batch, what reading its rows takes: made on its first read
-        self.vocab_size = vocab_size
+        self.vocab_size, self.limits = vocab_size, limits
         n = 0
         for entry in shard_entries:
             path = fs.join(directory, entry.file)
@@ -154,8 +154,12 @@ class _Shards:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                # views of the memory map; a preference build's example ids name its pairs (pair_ids)
-                row_batch = rows.RowBatch.from_arrow(batch, example_ids=schema.PAIR_COLUMN in batch.schema.names)
+                nulls = rows.null_problem(batch)  # numpy has no null: refused before any column is read
+                if nulls is not None:
+                    raise ShardFormatError(f"{path} row {n}: {nulls.message}; the shard is damaged, rebuild the "
+                                           "folder (`packer verify DIR` lists every problem)")
+                # views of the memory map; example ids too, which the row rules check (and name a pair: pair_ids)
+                row_batch = rows.RowBatch.from_arrow(batch)
                 tokens += int(row_batch.input_ids.offsets[-1])
                 self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles,
                                            batch if images is not None else None))
@@ -181,12 +185,13 @@ class _Shards:
                       if self.paired else self.num_loss_tokens)
 
     def check(self, b: int) -> None:
-        """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds: the row
-        invariants the attention kernel and the loss index with (Arrow's validation at open keeps the
-        offsets in bounds; this keeps every ``cu_seq_lens`` inside its row and every id inside the
-        embedding). ``benchmarks/bench_loader.py`` measures the cost."""
+        """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds, within the
+        build's budget: the row invariants the attention kernel and the loss index with (Arrow's
+        validation at open keeps the offsets in bounds; this keeps every ``cu_seq_lens`` inside its row
+        and every id inside the embedding) and a preference build's pairing, which a DPO step trusts:
+        every check ``verify`` runs on a row. ``benchmarks/bench_loader.py`` measures the cost."""
         batch = self.batches[b]
-        problems = rows.check_rows(batch.rows, self.vocab_size)
+        problems = rows.check_rows(batch.rows, self.vocab_size, self.limits)
         if problems:
             raise ShardFormatError(
                 f"{batch.file} row {batch.first + int(problems[0].rows[0])}: {problems[0].message}; the shard is "
@@ -385,7 +390,7 @@ class PackedDataset(IterableDataset):
         if self._shards is None:
             images = vision.VisionRows(self.manifest) if self.manifest.row_format.images else None
             self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
-                                   images)
+                                   rows.build_limits(self.manifest.config, self.manifest.stats.paired), images)
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables

@@ -20,7 +20,9 @@ runs it over every row of a build (one epoch, in order, one rank) and stores eac
 rejected log-probs in an Arrow file the user names, keyed by the pair's example id (the loader's
 ``pair_ids``), so any shuffle, world size, context-parallel share or resume finds them; the file records
 the build's manifest sha256, which :class:`StoredReference` checks when opened, and each pair's two
-sequence lengths, which it checks on every lookup (another build of the same source shares the pair ids).
+sequence lengths, which it checks on every lookup (another build of the same source shares the pair ids),
+and a sha256 of its values and metadata, checked when opened (a changed or non-finite value is refused).
+Log-probs are float64 throughout (``_TokenLogps``), the DPO outputs in the policy's dtype.
 ``dpo_step(policy, stored, batch)`` then reads the reference's values instead of running a second model,
 on a batch on any device.
 
@@ -31,6 +33,9 @@ the row's :func:`segment_logps`.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,22 +53,78 @@ from ..errors import ConfigError, ShardFormatError
 from .loader import PackedDataset, manifest_fingerprint
 
 REFERENCE_FORMAT = "packer-reference-logps"  # the stored reference's schema metadata "format"
-# 2: each pair's chosen and rejected lengths beside its log-probs, checked on every lookup (1 had none: refused)
-REFERENCE_VERSION = "2"
+# 3: the log-probs in float64 (as dpo_step sums them) and a sha256 of the values and metadata ("sha256"),
+#    checked when the file is opened;
+# 2: each pair's chosen and rejected lengths beside its log-probs, checked on every lookup; float32 log-probs,
+#    no checksum: still read (its values checked finite; a changed value cannot be told), with a warning;
+# 1 had no lengths: refused.
+REFERENCE_VERSION = "3"
+READABLE_REFERENCE_VERSIONS = ("2", "3")
 REFERENCE_COLUMNS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
+
+log = logging.getLogger("packer")
 
 MODEL_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+# Elements of a float64 chunk of logits (128 MB): the float64 log-probs never hold a float64 copy of the row.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """float64, where the device has it (Apple's MPS has none: float32 there, as before)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+class _TokenLogps(torch.autograd.Function):
+    """Each row's log-softmax at its label, in float64, from logits ``[N, V]`` of any float dtype.
+
+    A DPO loss is a difference of sums of hundreds of log-probs: in float32 (log_softmax, then a sum) a
+    930-token sequence's sum is ~1e-3 off and the loss and gradient 1e-5 to 1e-3 relative off. Here the
+    logsumexp and the backward's softmax are computed in float64 a chunk of rows at a time, so only the
+    logits (which the graph holds anyway) and one float64 value a row are kept for the backward; the
+    gradient returns in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        wide = _wide(logits.device)
+        lse = torch.empty(logits.shape[0], dtype=wide, device=logits.device)
+        for a in range(0, logits.shape[0], step):
+            lse[a : a + step] = torch.logsumexp(logits[a : a + step].to(wide), dim=-1)
+        ctx.save_for_backward(logits, labels, lse)
+        return logits.gather(-1, labels[:, None])[:, 0].to(wide) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, labels, lse = ctx.saved_tensors
+        grad = grad.to(lse.dtype)
+        out = torch.empty_like(logits)
+        step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        for a in range(0, logits.shape[0], step):  # d/dx (x[label] - lse) = onehot(label) - softmax(x)
+            g = grad[a : a + step, None]
+            chunk = torch.exp(logits[a : a + step].to(lse.dtype) - lse[a : a + step, None]).mul_(-g)
+            out[a : a + step] = chunk.scatter_add_(-1, labels[a : a + step, None], g).to(out.dtype)
+        return out, None
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """float64 ``[N]``: log p(labels[i]) under logits ``[N, V]``; 0 where the label is −100 (no gradient there)."""
+    mask = labels != IGNORE_INDEX
+    return _TokenLogps.apply(logits, labels.clamp(min=0)) * mask
+
+
 def segment_logps(logits: torch.Tensor, labels: torch.Tensor, cu_seq_lens: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed, mean) completion log-probability of each segment of one packed row: float32 ``[segments]``.
+    """(summed, mean) completion log-probability of each segment of one packed row: float64 ``[segments]``,
+    each token's log-prob and their sum in float64 (``_TokenLogps``; ``dpo_step`` returns its outputs in the
+    policy's dtype).
 
     ``logits`` ``[1, T, V]``, ``labels`` ``[1, T]`` (unshifted, −100 where not trained), ``cu_seq_lens``
     ``[segments + 1]``."""
-    logits, labels = logits[0, :-1].float(), labels[0, 1:]
+    logits, labels = logits[0, :-1], labels[0, 1:].to(logits.device)
     mask = labels != IGNORE_INDEX
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * mask
+    logp = token_logps(logits, labels)
     cu = cu_seq_lens.to(device=logits.device, dtype=torch.int64)
     # token t+1's log-prob sits at t: segment k's targets are positions cu[k] .. cu[k+1]-2 of the shifted row
     segment = torch.searchsorted(cu[1:], torch.arange(labels.numel(), device=logits.device) + 1, right=True)
@@ -120,15 +181,14 @@ def packed_logps(model, batch: dict[str, Any]) -> torch.Tensor:
 
 def share_logps(logits: torch.Tensor, shift_labels: torch.Tensor, seq_idx: torch.Tensor, segments: int
                 ) -> torch.Tensor:
-    """A context-parallel rank's part of each segment's summed completion log-prob, float32 ``[segments]``.
+    """A context-parallel rank's part of each segment's summed completion log-prob, float64 ``[segments]``.
 
     ``logits`` ``[1, t, V]`` of the rank's share, ``shift_labels`` and ``seq_idx`` ``[1, t]`` as the loader's CP
     share gives them (labels shifted over the whole row before the split, so no target is lost at a share's
     edge). Summed over the CP group's ranks (``all_reduce``) it is :func:`segment_logps`'s sum; a padding
     segment past ``segments`` (static shapes) is trained nowhere and left out."""
     labels, seg = shift_labels[0].to(logits.device), seq_idx[0].to(device=logits.device, dtype=torch.int64)
-    mask = (labels != IGNORE_INDEX) & (seg < segments)
-    logp = torch.log_softmax(logits[0].float(), dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * mask
+    logp = token_logps(logits[0], torch.where(seg < segments, labels, IGNORE_INDEX))
     return torch.zeros(segments, device=logits.device, dtype=logp.dtype).index_add(0, seg.clamp(max=segments - 1), logp)
 
 
@@ -147,6 +207,26 @@ def row_lengths(batch: dict[str, Any]) -> np.ndarray:
     return np.diff(_host(cu).astype(np.int64))[: len(batch["pair_roles"])]
 
 
+def reference_checksum(meta: dict[str, str], columns: list[np.ndarray]) -> str:
+    """sha256 of a reference file's metadata (but its own entry) and its columns' values, types and shapes."""
+    digest = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
+    for column in columns:
+        digest.update(f"{column.dtype.str}{column.shape}".encode())
+        digest.update(np.ascontiguousarray(column).tobytes())
+    return digest.hexdigest()
+
+
+def _refuse_non_finite(path: Any, ids: np.ndarray, values: np.ndarray, what: str) -> None:
+    """values ``[pairs, 2]`` (chosen, rejected): a NaN or an infinity would make every step's loss NaN."""
+    bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+    if bad.size:
+        k = bad[0]
+        raise ShardFormatError(
+            f"{path}: pair {int(ids[k])}'s {what} reference log-probs are {values[k, 0]} (chosen) and "
+            f"{values[k, 1]} (rejected), not finite ({bad.size} pairs so): the reference model's forward "
+            "overflowed or the file is damaged; run precompute_reference again (on float32 logits)")
+
+
 class StoredReference:
     """A reference's summed log-probs stored by :func:`precompute_reference`, for the build in ``directory``
     only: another build's file is refused (ShardFormatError, one line) when it is opened, and on every
@@ -163,14 +243,29 @@ class StoredReference:
         if meta.get("format") != REFERENCE_FORMAT:
             raise ConfigError(f"{path}: not a reference file precompute_reference() wrote (format "
                               f"{meta.get('format')!r})")
-        if meta.get("version") != REFERENCE_VERSION:
-            raise ShardFormatError(f"{path}: reference file version {meta.get('version')!r}, this packer reads "
-                                   f"version {REFERENCE_VERSION!r}; run precompute_reference again")
+        version = meta.get("version")
+        if version not in READABLE_REFERENCE_VERSIONS:
+            raise ShardFormatError(f"{path}: reference file version {version!r}, this packer reads versions "
+                                   f"{', '.join(READABLE_REFERENCE_VERSIONS)}; run precompute_reference again")
         try:
-            columns = [table.column(name).to_numpy() for name in REFERENCE_COLUMNS]
+            columns = [table.column(name) for name in REFERENCE_COLUMNS]
         except KeyError as e:
-            raise ShardFormatError(f"{path}: a reference file of version {REFERENCE_VERSION} without its "
+            raise ShardFormatError(f"{path}: a reference file of version {version} without its "
                                    f"column {e}; it is damaged, run precompute_reference again") from None
+        nulls = [c for c, name in zip(columns, REFERENCE_COLUMNS, strict=True) if c.null_count]
+        if nulls:
+            raise ShardFormatError(f"{path}: nulls in a reference file's columns; it is damaged, run "
+                                   "precompute_reference again")
+        columns = [c.to_numpy() for c in columns]
+        if version == REFERENCE_VERSION and meta.get("sha256") != reference_checksum(meta, columns):
+            raise ShardFormatError(f"{path}: its values or metadata are not the ones precompute_reference wrote "
+                                   f"(sha256 {meta.get('sha256', 'missing')[:12]}… does not match): the file was "
+                                   "changed or damaged; run precompute_reference again")
+        if version != REFERENCE_VERSION:
+            log.warning("%s: a reference file of version %s, without a checksum: a changed value cannot be told "
+                        "(its values are checked finite); precompute_reference writes version %s, with one",
+                        path, version, REFERENCE_VERSION)
+        _refuse_non_finite(path, columns[0], np.stack(columns[1:3], 1), "stored")
         mine = manifest_fingerprint(directory)
         if meta.get("manifest_sha256") != mine:
             raise ShardFormatError(
@@ -185,7 +280,7 @@ class StoredReference:
 
     def segment_logps(self, batch: dict[str, Any]) -> torch.Tensor:
         """The stored reference's summed log-prob of each segment of ``batch`` (in the row's order, by its
-        ``pair_roles``), float32 ``[segments]`` on ``pair_roles``'s device, looked up by the row's
+        ``pair_roles``), float64 ``[segments]`` on ``pair_roles``'s device, looked up by the row's
         ``pair_ids``. The batch may be on any device (read in host memory, a few ints a row); each pair's
         sequence lengths (:func:`row_lengths`) must be the stored ones, else ShardFormatError."""
         ids, roles = _host(batch["pair_ids"]).astype(np.int64), _host(batch["pair_roles"])
@@ -205,10 +300,10 @@ class StoredReference:
                 f"batch, {self.lengths[at[k], 0]} + {self.lengths[at[k], 1]} in the build the reference was computed "
                 f"on ({self.meta.get('build', '?')}): the reference file is of another build; run "
                 "precompute_reference on the build these batches come from")
-        out = np.empty(roles.size, np.float32)
+        out = np.empty(roles.size, np.float64)
         out[chosen], out[rejected] = self.values[at, 0], self.values[at, 1]
-        device = batch["pair_roles"].device if torch.is_tensor(batch["pair_roles"]) else None
-        return torch.from_numpy(out).to(device)
+        device = batch["pair_roles"].device if torch.is_tensor(batch["pair_roles"]) else torch.device("cpu")
+        return torch.from_numpy(out).to(device=device, dtype=_wide(device))
 
 
 def precompute_reference(reference, directory: str | os.PathLike, out_path: str | os.PathLike, *,
@@ -245,12 +340,15 @@ def precompute_reference(reference, directory: str | os.PathLike, out_path: str 
     order = np.argsort(ids, kind="stable")
     if np.any(np.diff(ids[order]) == 0):
         raise ShardFormatError(f"{directory}: a pair id appears twice in one epoch; the build is damaged, verify it")
+    values = np.stack([np.concatenate(chosen), np.concatenate(rejected)], 1).astype(np.float64)[order]
+    _refuse_non_finite(out_path, ids[order], values, "computed")  # before the file exists
     meta = {"format": REFERENCE_FORMAT, "version": REFERENCE_VERSION, "manifest_sha256": dataset.fingerprint,
             "build": str(directory), "model": model_name or getattr(getattr(reference, "config", None),
                                                                      "_name_or_path", "") or ""}
-    table = pa.table({"pair_id": ids[order], "chosen_logps": np.concatenate(chosen)[order],
-                      "rejected_logps": np.concatenate(rejected)[order], "chosen_tokens": lengths[order, 0],
-                      "rejected_tokens": lengths[order, 1]}).replace_schema_metadata(meta)
+    columns = [ids[order].astype(np.int64), values[:, 0].copy(), values[:, 1].copy(), lengths[order, 0].copy(),
+               lengths[order, 1].copy()]
+    meta["sha256"] = reference_checksum(meta, columns)
+    table = pa.table(dict(zip(REFERENCE_COLUMNS, columns, strict=True))).replace_schema_metadata(meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -269,6 +367,9 @@ def dpo_step(model, reference, batch: dict[str, Any], *, beta: float = 0.1) -> D
             ref = packed_logps(reference, batch)
     policy = packed_logps(model, batch)
     # the filler rule is dpo_loss's (the CP route calls it directly): a row with no trained token adds nothing
-    return dpo_loss(policy, ref.to(policy.device), batch["pair_roles"].to(policy.device), beta=beta,
-                    num_items=batch.get("num_items_in_batch"),
-                    loss_tokens=(batch["labels"] != IGNORE_INDEX).sum())
+    out = dpo_loss(policy, ref.to(policy.device), batch["pair_roles"].to(policy.device), beta=beta,
+                   num_items=batch.get("num_items_in_batch"),
+                   loss_tokens=(batch["labels"] != IGNORE_INDEX).sum())
+    # computed in float64, returned in the policy's dtype, at least float32: a bf16 sum of -13,000 is ±32
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    return DPOOutput(*(getattr(out, f).to(dtype) for f in DPOOutput.__slots__))
