@@ -73,7 +73,7 @@ import bisect
 import hashlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -84,6 +84,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import fs
 from ..contract import rows, schema
+from ..contract.remote import remote_build
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
 from . import decode
@@ -129,7 +130,8 @@ class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
-                 vocab_size: int, row_format: schema.RowFormat | None = None) -> None:
+                 vocab_size: int, row_format: schema.RowFormat | None = None,
+                 locate: Callable[[schema.ShardEntry], str] | None = None) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
@@ -139,8 +141,8 @@ class _Shards:
         self.vocab_size = vocab_size
         n = 0
         for entry in shard_entries:
-            path = fs.join(directory, entry.file)
-            table = schema.open_shard(path, row_format)
+            path = fs.join(directory, entry.file)  # what messages name; a remote build's is read from its cached copy
+            table = schema.open_shard(path if locate is None else locate(entry), row_format)
             if table.num_rows != entry.rows:
                 raise ShardFormatError(
                     f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
@@ -272,6 +274,8 @@ class PackedDataset(IterableDataset):
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
         remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
         verify: also check every shard's sha256 against the manifest (reads every byte once).
+        cache_dir, cache_limit: where a remote build's shards are cached and how large that cache may grow
+            (``packer.cache``: else ``$PACKER_CACHE`` ... ``~/.cache/packer``, and ``$PACKER_CACHE_LIMIT``).
         cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
             ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
         static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
@@ -296,11 +300,19 @@ class PackedDataset(IterableDataset):
         cp_rank: int = 0,
         cp_size: int = 1,
         static_shapes: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         super().__init__()
         self.directory = directory if fs.is_url(directory) else Path(directory)
-        self.manifest = schema.read_manifest(self.directory)
-        self.fingerprint = manifest_fingerprint(self.directory)
+        # a remote build is read through the local cache (docs/loader.md, "Remote builds"): None for a local one
+        self._remote = remote_build(directory, cache_dir, cache_limit)
+        self._held: list = []  # the cache entries this process maps (kept from eviction while it reads them)
+        if self._remote is None:
+            self.manifest = schema.read_manifest(self.directory)
+            self.fingerprint = manifest_fingerprint(self.directory)
+        else:
+            self.manifest, self.fingerprint = self._remote.manifest, self._remote.fingerprint
         dist = _dist_rank_world()
         if world_size is None:
             world_size = dist[1] if dist else 1
@@ -321,7 +333,9 @@ class PackedDataset(IterableDataset):
         self.grad_accum, self.remainder = grad_accum, remainder
         self._position = Position(0, order=(world_size, grad_accum))
         self._resuming = False  # load_state_dict set _position: the next pass starts there, not at the epoch's start
-        self._check_files(verify)
+        self._verify = verify
+        if self._remote is None:  # a remote build's shards are checked (size, sha256) as they arrive
+            self._check_files(verify)
         self._shards: _Shards | None = None
         shards = self._open()
         self.num_rows = shards.num_rows
@@ -376,12 +390,21 @@ class PackedDataset(IterableDataset):
 
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format)
+            locate = None if self._remote is None else self._fetched
+            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
+                                   locate)
         return self._shards
+
+    def _fetched(self, entry: schema.ShardEntry) -> str:
+        """A remote shard's cached copy, fetched unless the cache holds it; held open while this dataset maps it."""
+        held = self._remote.shard(entry, full=self._verify)
+        self._held.append(held)
+        return str(held.path)
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
         state = self.__dict__.copy()
         state["_shards"] = None
+        state["_held"] = []  # a spawned worker opens its own cache entries
         return state
 
     # -- order --------------------------------------------------------------------------------
