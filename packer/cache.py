@@ -9,7 +9,7 @@ An entry is a file or a folder at ``ROOT/KIND/KEY``, keyed by what it depends on
 token store's identity). The rules every entry follows, so that any number of processes (ranks,
 DataLoader workers, machines sharing a folder) can share one root:
 
-- **Made once.** :meth:`Cache.open` takes the entry's lock exclusively to make it, so of the processes
+- **Made once.** :meth:`Cache.open` makes a missing entry under its making lock, so of the processes
   that ask for a missing entry together one makes it and the others wait, then use it.
 - **Never torn.** An entry is made under a temporary name in its kind's folder, checked, flushed to
   disk and renamed into place: a reader sees a whole entry or none. A crash leaves a temporary file,
@@ -23,10 +23,13 @@ DataLoader workers, machines sharing a folder) can share one root:
   is never removed, so a limit smaller than what is open at once is exceeded rather than breaking a
   reader.
 
-Locks are ``flock`` on a file per entry in ``KIND/.locks``: held by an open file description, so they
-work between threads (each ``open`` opens its own), processes and forked children alike, and vanish
-with the process that held them (no stale lock after a crash). Lock files are never deleted (deleting
-one that another process has open would split the lock in two); they are empty.
+Locks are ``flock`` on two files per entry, ``KIND/.locks/KEY`` (shared by its readers, taken
+exclusively by eviction, without waiting) and ``KIND/.making/KEY`` (its maker's): held by an open file
+description, so they work between threads (each ``open`` opens its own), processes and forked children
+alike, and vanish with the process that held them (no stale lock after a crash). A reader may hold an
+entry while another process replaces a damaged copy of it: the copy is renamed away, and the reader's
+open file or memory map keeps its bytes. Lock files are never deleted (deleting one that another process
+has open would split the lock in two); they are empty.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,21 @@ ENV_ROOT = "PACKER_CACHE"
 ENV_LIMIT = "PACKER_CACHE_LIMIT"
 TMP_PREFIX = ".tmp-"
 LOCKS = ".locks"
+MAKING = ".making"
+
+# The making locks this process holds now. A process forked while one of its threads makes an entry would
+# inherit that lock's open file, and with it the lock, past the maker's own release: closed in the child.
+_MAKING: set[int] = set()
+
+
+def _close_inherited_making() -> None:
+    for fd in list(_MAKING):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _MAKING.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_making)
 
 __all__ = ["Cache", "CacheError", "Entry", "file_problem", "parse_limit", "root", "limit"]
 
@@ -222,29 +240,34 @@ class Cache:
         fd = self._lock_file(key)
         try:
             for _ in range(8):  # another process may evict between our checks; each round re-checks
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # ours from here on: no eviction takes it while we read it
                 if path.exists() and (check is None or check(path, full) is None):
                     return self._opened(path, key, fd)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                fcntl.flock(fd, fcntl.LOCK_EX)  # one maker at a time; the others wait here, then find it made
-                problem = None
-                if path.exists():
-                    problem = None if check is None else check(path, full)
-                    if problem is None:
-                        fcntl.flock(fd, fcntl.LOCK_SH)  # a downgrade (not atomic: re-checked on the next round)
-                        if path.exists():
-                            return self._opened(path, key, fd)
-                        continue
-                    _remove(path)  # damaged or partial: never used, made again below
-                self._make(key, path, make, check, size_hint)
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                with self._making(key):  # one maker at a time; the others wait here, then find it made
+                    if not path.exists() or (check is not None and check(path, full) is not None):
+                        self._make(key, path, make, check, size_hint)  # a damaged entry is replaced, never used
                 if path.exists():
                     return self._opened(path, key, fd)
+                fcntl.flock(fd, fcntl.LOCK_UN)
             raise CacheError(f"cache entry {path}: removed by other processes as soon as it was made, 8 times; the "
                              "cache limit is too small for what is open at once, raise it")
         except BaseException:
             os.close(fd)
             raise
+
+    @contextlib.contextmanager
+    def _making(self, key: str) -> Iterator[None]:
+        """The lock of making entry ``key``: apart from the lock readers share (a reader may hold an entry
+        open while another process replaces a damaged copy of it: its memory map keeps the old file)."""
+        (self.folder / MAKING).mkdir(exist_ok=True)
+        fd = os.open(self.folder / MAKING / key, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _MAKING.add(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            _MAKING.discard(fd)
+            os.close(fd)
 
     def _opened(self, path: Path, key: str, fd: int) -> Entry:
         with contextlib.suppress(OSError):  # a read-only cache still reads
@@ -269,6 +292,10 @@ class Cache:
                 raise CacheError(f"cache entry {path}: what was made is {problem}")
             _fsync_tree(tmp)
             self.make_room(_size(tmp), keep=key)
+            if path.exists():  # a damaged copy: renamed away (its readers keep their open files), then removed
+                gone = self.folder / f"{TMP_PREFIX}{key}.damaged.{uuid.uuid4().hex[:8]}"
+                os.replace(path, gone)
+                _remove(gone)
             os.replace(tmp, path)  # atomic on one filesystem: whole or absent
         finally:
             if tmp.exists():

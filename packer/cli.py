@@ -256,6 +256,7 @@ def _readable(directory: str):
     if not is_remote(directory):
         yield directory
         return
+    schema.read_manifest(directory)  # no folder or no build there: the same one line as for a local path
     with local_view(directory) as (folder, failed):
         if failed:
             raise RemoteError(next(iter(failed.values())))

@@ -85,7 +85,7 @@ def test_an_entry_is_made_once_checked_and_remade_when_damaged(tmp_path):
     with c.open("k1", _writer(data, calls), _check(data), full=True) as e:
         assert e.path.read_bytes() == data
     assert len(calls) == 3
-    assert [p.name for p in (tmp_path / "shards").iterdir() if not p.name.startswith(".locks")] == ["k1"]
+    assert [p.name for p in (tmp_path / "shards").iterdir() if not p.name.startswith(".")] == ["k1"]
 
 
 def test_a_failed_or_wrong_make_leaves_nothing(tmp_path):
@@ -99,7 +99,7 @@ def test_a_failed_or_wrong_make_leaves_nothing(tmp_path):
         c.open("k", dies, _check(b"whole"))
     with pytest.raises(cache.CacheError, match=r"what was made is 5 bytes, expected 3"):
         c.open("k", _writer(b"wrong"), _check(b"abc"))
-    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [".locks"]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [".locks", ".making"]
 
 
 def test_a_crashed_makers_temporary_file_is_cleared_and_never_used(tmp_path):
@@ -215,3 +215,15 @@ def test_bad_keys_and_unwritable_roots(tmp_path):
     blocker.write_text("")
     with pytest.raises(cache.CacheError, match=r"cannot be made .*set \$PACKER_CACHE"):
         cache.Cache("shards", blocker)
+
+
+def test_a_damaged_entry_is_replaced_while_a_reader_holds_it(tmp_path):
+    c = cache.Cache("shards", tmp_path)
+    data = b"d" * 4096
+    reader = c.open("k", _writer(data), _check(data))
+    with open(reader.path, "rb") as held_file:
+        reader.path.write_bytes(data[:100])  # damaged on disk while the reader holds the entry
+        with c.open("k", _writer(data), _check(data)) as fresh:  # replaced, not blocked behind the reader
+            assert fresh.path.read_bytes() == data
+        held_file.seek(0)
+    reader.close()

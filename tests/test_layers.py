@@ -20,7 +20,7 @@ ALLOWED = {
     "checking": {"building", "contract", "planning"},
     "training": {"contract", "planning"},
 }
-SHARED = {"cache", "errors", "fs", "remote/cached", "remote/fetch", "remote/publish"}
+SHARED = {"cache", "errors", "fs", "remote/cached", "remote/fetch", "remote/prefetch", "remote/publish"}
 
 
 def modules() -> list[str]:

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import multiprocessing
 import os
 import shutil
+import time
 
 import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import one_line
 from loopback import FileServer, s3_server
+
 from packer.checking.verify import verify
 from packer.cli import main
 from packer.contract import schema
@@ -56,18 +58,19 @@ def _shard_bytes(build) -> dict[str, int]:
 
 
 def _entries(cache_dir) -> list[str]:
-    return sorted(p.name for p in (cache_dir / "shards").iterdir() if not p.name.startswith(".locks"))
+    return sorted(p.name for p in (cache_dir / "shards").iterdir() if not p.name.startswith("."))
 
 
 def test_a_remote_build_is_fetched_once_and_read_as_the_local_one(served, tmp_path):
     server, url, local = served
     cache_dir = tmp_path / "cache"
-    before = pa.total_allocated_bytes()
     dataset = PackedDataset(url, world_size=2, rank=1, cache_dir=cache_dir)
-    assert pa.total_allocated_bytes() - before < 256 << 10  # memory-mapped from the cache, not read into the heap
+    assert not server.served.get("shard-00000.arrow")  # opening fetches the manifest only; shards as they are needed
     expected = _ids(make_dataloader(local, world_size=2, rank=0), 80)
     assert _same(_ids(make_dataloader(url, world_size=2, rank=0, cache_dir=cache_dir, num_workers=2), 80), expected)
+    before = pa.total_allocated_bytes()
     assert _same(_ids(dataset), _ids(make_dataloader(local, world_size=2, rank=1)))  # a whole epoch: every shard
+    assert pa.total_allocated_bytes() - before < 256 << 10  # memory-mapped from the cache, not read into the heap
     sizes = _shard_bytes(local)
     assert {k: v for k, v in server.served.items() if k != "manifest.json"} == sizes  # each shard once, whole
     assert _entries(cache_dir) == sorted(e.sha256 for e in schema.read_manifest(local).shards)
@@ -113,13 +116,23 @@ def test_faults_are_retried_and_never_leave_a_torn_file(served, tmp_path):
     assert not [p for p in (tmp_path / "c" / "shards").iterdir() if p.name.startswith(".tmp")]
 
 
+def test_the_first_batch_waits_for_its_own_shard_not_the_build(served, tmp_path):
+    server, url, local = served
+    later = sorted(_shard_bytes(local))[1:]
+    server.faults = {name: ["stall"] * 3 for name in later}  # each costs >= 3 x 0.4 s before it arrives
+    start = time.monotonic()
+    first = next(iter(make_dataloader(url, cache_dir=tmp_path / "c", shuffle=False)))
+    assert time.monotonic() - start < 1.0  # one shard's fetch, while the next ones stall in the background
+    assert torch.equal(first["input_ids"], next(iter(make_dataloader(local, shuffle=False)))["input_ids"])
+
+
 def test_a_shard_that_keeps_failing_is_one_line_without_credentials(served, tmp_path):
     server, url, local = served
     name = sorted(_shard_bytes(local))[1]
     server.faults = {name: ["changed"] * 10}
     secret = url.replace("http://", "http://alice:hunter2@")
     with pytest.raises(RemoteError) as e:
-        PackedDataset(secret, cache_dir=tmp_path / "c")
+        list(PackedDataset(secret, cache_dir=tmp_path / "c", shuffle=False))
     message = str(e.value)
     assert name in message and "sha256" in message and "4 tries" in message and "\n" not in message
     assert "hunter2" not in message and "alice" not in message and f"{url}/{name}" in message
@@ -127,7 +140,7 @@ def test_a_shard_that_keeps_failing_is_one_line_without_credentials(served, tmp_
                                                      if p.name.startswith(".tmp")]
     server.faults = {name: ["503"] * 10}
     with pytest.raises(RemoteError, match=rf"{name} at .*503.*4 tries"):
-        PackedDataset(url, cache_dir=tmp_path / "c2")
+        list(PackedDataset(url, cache_dir=tmp_path / "c2", shuffle=False))
     with pytest.raises(ShardFormatError, match=r"no manifest.json, so this is not a finished packer build"):
         PackedDataset(f"{server.url}/nothing", cache_dir=tmp_path / "c3")
     assert redact("s3://key:secret@bucket/x?X-Amz-Signature=abc") == "s3://bucket/x"
@@ -156,11 +169,12 @@ def test_a_cache_limit_evicts_what_no_reader_holds(served, tmp_path, flan_batch)
     sizes = sorted(_shard_bytes(local).values())
     cache_dir = tmp_path / "c"
     dataset = PackedDataset(url, cache_dir=cache_dir, cache_limit=sizes[-1] + sizes[0])
+    _ids(dataset)
     assert len(_entries(cache_dir)) == 3  # all three held open by the dataset: exceeded, never pulled from a reader
     del dataset
     gc.collect()
     shutil.copytree(flan_batch, server.root / "small")
-    PackedDataset(f"{server.url}/small", cache_dir=cache_dir, cache_limit=sizes[-1] + sizes[0])
+    _ids(PackedDataset(f"{server.url}/small", cache_dir=cache_dir, cache_limit=sizes[-1] + sizes[0]))
     total = sum(p.stat().st_size for p in (cache_dir / "shards").iterdir() if p.is_file())
     assert total <= sizes[-1] + sizes[0]
 
@@ -190,15 +204,15 @@ def test_push_to_s3_then_read_verify_and_republish(parallel_reference, flan_batc
         s3.mkdir("bucket")
         result = runner.invoke(main, ["push", str(parallel_reference), "s3://bucket/b", "--json"])
         assert result.exit_code == 0, result.output
-        assert "manifest.json" == __import__("json").loads(result.output)["uploaded"][-1]  # the manifest last
+        assert json.loads(result.output)["uploaded"][-1] == "manifest.json"  # the manifest last
         result = runner.invoke(main, ["push", str(parallel_reference), "s3://bucket/b", "--json"])
-        assert __import__("json").loads(result.output)["uploaded"] == []  # a rerun uploads nothing
+        assert json.loads(result.output)["uploaded"] == []  # a rerun uploads nothing
         assert verify("s3://bucket/b").ok
         assert _same(_ids(make_dataloader("s3://bucket/b", cache_dir=tmp_path / "c"), 40),
                      _ids(make_dataloader(parallel_reference), 40))
         # another build pushed over it: the old manifest goes first, its extra shards after the new manifest
         result = runner.invoke(main, ["push", str(flan_batch), "s3://bucket/b", "--json"])
-        pushed = __import__("json").loads(result.output)
+        pushed = json.loads(result.output)
         assert pushed["removed"] == ["shard-00001.arrow", "shard-00002.arrow"]
         assert verify("s3://bucket/b").ok
         assert _same(_ids(make_dataloader("s3://bucket/b", cache_dir=tmp_path / "c")), _ids(make_dataloader(flan_batch)))

@@ -87,6 +87,7 @@ from ..contract import rows, schema
 from ..contract.remote import remote_build
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
+from ..remote.prefetch import PREFETCH_SHARDS, Prefetcher
 from . import decode
 
 STATE_VERSION = 2
@@ -127,11 +128,15 @@ class _Read:
 
 
 class _Shards:
-    """The memory-mapped row batches of a shard directory, addressed by global row index."""
+    """The memory-mapped row batches of a shard directory, addressed by global row index.
+
+    ``lazy`` (a remote build): a shard is opened (its cached copy fetched, then mapped) the first time a
+    row of it is read, or its rows' loss tokens are counted (``need``), so the first batch waits for the
+    shards of its optimizer step, not the whole build (docs/loader.md, "Remote builds")."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
                  vocab_size: int, row_format: schema.RowFormat | None = None,
-                 locate: Callable[[schema.ShardEntry], str] | None = None) -> None:
+                 locate: Callable[[schema.ShardEntry], str] | None = None, lazy: bool = False) -> None:
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
@@ -139,44 +144,78 @@ class _Shards:
         self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
         self.reads: list[_Read | None] = []  # per batch, what reading its rows takes: made on its first read
         self.vocab_size = vocab_size
-        n = 0
-        for entry in shard_entries:
-            path = fs.join(directory, entry.file)  # what messages name; a remote build's is read from its cached copy
-            table = schema.open_shard(path if locate is None else locate(entry), row_format)
-            if table.num_rows != entry.rows:
-                raise ShardFormatError(
-                    f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
-                    "the folder mixes builds, rebuild it"
-                )
-            self.tables.append(table)
-            tokens = 0
-            for batch in table.to_batches():
-                if batch.num_rows == 0:
-                    continue
-                # views of the memory map; a preference build's example ids name its pairs (pair_ids)
-                row_batch = rows.RowBatch.from_arrow(batch, example_ids=schema.PAIR_COLUMN in batch.schema.names)
-                tokens += int(row_batch.input_ids.offsets[-1])
-                self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
-                self.starts.append(n)
-                self.checked.append(False)
-                self.bounds.append(None)
-                self.reads.append(None)
-                n += batch.num_rows
-            if tokens != entry.tokens:
-                raise ShardFormatError(
-                    f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
-                    "build or damaged, rebuild the folder"
-                )
-        self.num_rows = n
-        self.paired = bool(self.batches) and self.batches[0].roles is not None
-        self.num_loss_tokens = (
-            np.concatenate([b.rows.num_loss_tokens for b in self.batches]).astype(np.int64)
-            if self.batches
-            else np.zeros(0, np.int64)
-        )
-        # per row, what num_items_in_batch counts: loss tokens, or a preference build's pairs
-        self.items = (np.concatenate([b.rows.seq_lens.lengths // 2 for b in self.batches]).astype(np.int64)
-                      if self.paired else self.num_loss_tokens)
+        self.directory, self.entries, self.row_format, self.locate = directory, shard_entries, row_format, locate
+        self.first = np.concatenate([[0], np.cumsum([e.rows for e in shard_entries], dtype=np.int64)])
+        self.first_list = self.first.tolist()
+        self.opened = [False] * len(shard_entries)
+        self.pending = len(shard_entries)  # shards not opened yet (0 once all are: a local build's at once)
+        self.num_rows = int(self.first[-1])
+        self.num_loss_tokens = np.zeros(self.num_rows, np.int64)
+        self.items = self.num_loss_tokens  # per row, what num_items_in_batch counts (pairs: set below)
+        self.paired = False
+        if not lazy:
+            for s in range(len(shard_entries)):
+                self.open(s)
+
+    def open(self, s: int) -> None:
+        """Map shard ``s`` and index its row batches (once)."""
+        if self.opened[s]:
+            return
+        entry = self.entries[s]
+        path = fs.join(self.directory, entry.file)  # what messages name; a remote build's is read from its cached copy
+        table = schema.open_shard(path if self.locate is None else self.locate(entry), self.row_format)
+        if table.num_rows != entry.rows:
+            raise ShardFormatError(
+                f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
+                "the folder mixes builds, rebuild it"
+            )
+        n = self.first_list[s]
+        tokens = 0
+        found: list[_Batch] = []
+        for batch in table.to_batches():
+            if batch.num_rows == 0:
+                continue
+            # views of the memory map; a preference build's example ids name its pairs (pair_ids)
+            row_batch = rows.RowBatch.from_arrow(batch, example_ids=schema.PAIR_COLUMN in batch.schema.names)
+            tokens += int(row_batch.input_ids.offsets[-1])
+            found.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
+            n += batch.num_rows
+        if tokens != entry.tokens:
+            raise ShardFormatError(
+                f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
+                "build or damaged, rebuild the folder"
+            )
+        self.tables.append(table)
+        at = bisect.bisect_left(self.starts, self.first_list[s])  # shards may open in any order: keep starts sorted
+        self.batches[at:at] = found
+        self.starts[at:at] = [b.first for b in found]
+        self.checked[at:at] = [False] * len(found)
+        self.bounds[at:at] = [None] * len(found)
+        self.reads[at:at] = [None] * len(found)
+        lo, hi = self.first_list[s], self.first_list[s + 1]
+        if found:
+            self.paired = found[0].roles is not None
+            self.num_loss_tokens[lo:hi] = np.concatenate([b.rows.num_loss_tokens for b in found])
+            if self.paired:  # per row, what num_items_in_batch counts: a preference build's pairs
+                if self.items is self.num_loss_tokens:
+                    self.items = np.zeros(self.num_rows, np.int64)
+                self.items[lo:hi] = np.concatenate([b.rows.seq_lens.lengths // 2 for b in found])
+        self.opened[s] = True
+        self.pending -= 1
+
+    def shard_of(self, rows_: np.ndarray) -> np.ndarray:
+        """The shard index of each global row."""
+        return np.searchsorted(self.first, rows_, side="right") - 1
+
+    def need(self, rows_: np.ndarray) -> None:
+        """Open the shards that hold ``rows_`` (a lazy build's; a no-op once every shard is open)."""
+        if self.pending:
+            for s in np.unique(self.shard_of(rows_)).tolist():
+                self.open(s)
+
+    def open_all(self) -> None:
+        for s in range(len(self.entries)):
+            self.open(s)
 
     def check(self, b: int) -> None:
         """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds: the row
@@ -194,16 +233,21 @@ class _Shards:
 
     def segment_pads(self, index: int) -> np.ndarray | None:
         """The padding at the end of each segment of row ``index`` (None: the build has none)."""
+        if self.pending:
+            self.open(bisect.bisect_right(self.first_list, index) - 1)
         b = bisect.bisect_right(self.starts, index) - 1
         r, j = self.batches[b].rows, index - self.starts[b]
         return None if r.pad_lens is None else r.pad_lens.values[r.pad_lens.offsets[j] : r.pad_lens.offsets[j + 1]]
 
     def max_segments(self) -> int:
+        self.open_all()
         return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         # the per-row cost is what bench_loader.py measures against the collator: no Python per token or
         # segment, one kernel call a row where it was built (training/decode.py)
+        if self.pending:  # a lazy build's shard is opened on its first row read
+            self.open(bisect.bisect_right(self.first_list, index) - 1)
         b = bisect.bisect_right(self.starts, index) - 1
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
@@ -238,6 +282,33 @@ class _Shards:
             out = {"pair_roles": torch.from_numpy(roles.values[roles.offsets[j] : roles.offsets[j + 1]].astype(np.int64)),
                    "pair_ids": torch.from_numpy(r.example_ids.values[s0:s1:2].astype(np.int64)), **out}
         return out
+
+
+class _StepItems:
+    """``num_items_in_batch`` per step of a lazy (remote) build's pass, counted an optimizer step at a time
+    when the pass reaches it: only the shards of that step's rows (every rank's) are opened for it."""
+
+    def __init__(self, shards: _Shards, index: np.ndarray, filler: np.ndarray, grad_accum: int) -> None:
+        self.shards, self.index, self.filler, self.g = shards, index, filler, grad_accum
+        self.done: dict[int, int] = {}
+
+    def __getitem__(self, k: int) -> int:
+        step = k // self.g
+        value = self.done.get(step)
+        if value is None:
+            rows_ = self.index[step * self.g : (step + 1) * self.g]
+            real = rows_[~self.filler[step * self.g : (step + 1) * self.g]]
+            self.shards.need(real)
+            value = self.done[step] = max(int(self.shards.items[real].sum()), 1)  # as _steps: never 0
+        return value
+
+
+def _need_order(shards: _Shards, index: np.ndarray, filler: np.ndarray) -> list[int]:
+    """The shards a pass needs, in the order it first needs them (every rank's rows of each step, which
+    its ``num_items_in_batch`` counts)."""
+    found = shards.shard_of(index[~filler])
+    first = np.unique(found, return_index=True)[1]
+    return found[np.sort(first)].tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +432,7 @@ class PackedDataset(IterableDataset):
             )
         self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         loss_tokens = int(shards.num_loss_tokens.sum())
-        if loss_tokens != self.manifest.stats.loss_tokens:
+        if not shards.pending and loss_tokens != self.manifest.stats.loss_tokens:  # a lazy build: sha256 on arrival
             raise ShardFormatError(
                 f"{self.directory}: the rows' num_loss_tokens sum to {loss_tokens}, the manifest's stats say "
                 f"{self.manifest.stats.loss_tokens}; rebuild the folder"
@@ -392,8 +463,12 @@ class PackedDataset(IterableDataset):
         if self._shards is None:
             locate = None if self._remote is None else self._fetched
             self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
-                                   locate)
+                                   locate, lazy=self._remote is not None)
         return self._shards
+
+    def _fetch_shard(self, s: int) -> None:
+        """Shard ``s`` into the cache (the prefetcher's thread): fetched unless it is there, then let go."""
+        self._remote.shard(self.manifest.shards[s], full=self._verify).close()
 
     def _fetched(self, entry: schema.ShardEntry) -> str:
         """A remote shard's cached copy, fetched unless the cache holds it; held open while this dataset maps it."""
@@ -461,7 +536,10 @@ class PackedDataset(IterableDataset):
         slots = slots.reshape(steps, w)
         filler = slots >= n
         index = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
-        loss = np.where(filler, 0, self._open().items[index])
+        shards = self._open()
+        if shards.pending:  # a lazy (remote) build: counted per optimizer step as the pass reaches it
+            return index[:, self.rank], filler[:, self.rank], _StepItems(shards, index, filler, g)
+        loss = np.where(filler, 0, shards.items[index])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
         return index[:, self.rank], filler[:, self.rank], items
@@ -480,8 +558,22 @@ class PackedDataset(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         shards = self._open()
-        index, filler, items = index.tolist(), filler.tolist(), items.tolist()  # Python ints: cheaper per row
+        ahead = None
+        if shards.pending:  # a remote build's next shards are fetched in the background while this one trains
+            ahead = Prefetcher(self._fetch_shard, _need_order(shards, index, filler), PREFETCH_SHARDS)
+        index, filler = index.tolist(), filler.tolist()  # Python ints: cheaper per row
+        items = items.tolist() if isinstance(items, np.ndarray) else items
+        try:
+            yield from self._rows(shards, position, index, filler, items, info, wid, nw, ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _rows(self, shards: _Shards, position: Position, index: list[int], filler: list[bool], items: Any, info: Any,
+              wid: int, nw: int, ahead: Prefetcher | None) -> Iterator[dict[str, Any]]:
         for k in range(position.micro + wid, len(index), nw):
+            if ahead is not None:
+                ahead.reached(shards.shard_of(index[k]).item())
             batch = shards.row(index[k], filler[k], items[k])
             if self._view is not None:  # a context-parallel rank's share, or a fixed shape
                 pairs = {key: batch[key] for key in PAIR_KEYS if key in batch}  # the row's, on every share of it
