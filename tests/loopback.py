@@ -30,6 +30,7 @@ class FileServer(ThreadingHTTPServer):
         self.root, self.stall_s = Path(root), stall_s
         self.faults: dict[str, list[str]] = {}
         self.served: Counter[str] = Counter()
+        self.served_under: Counter[str] = Counter()  # body bytes by the request path's first folder
         self.requests: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -45,6 +46,9 @@ class FileServer(ThreadingHTTPServer):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
         self.server_close()
+
+    def handle_error(self, request, client_address) -> None:  # a client that hung up mid-body: not news here
+        pass
 
     def take_fault(self, name: str) -> str | None:
         with self.lock:
@@ -109,6 +113,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             with self.server.lock:
                 self.server.served[name] += len(chunk)
+                self.server.served_under[rel.split("/", 1)[0]] += len(chunk)
         if fault == "drop":
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)

@@ -43,6 +43,10 @@ class Remote:
         self.manifest = schema.Manifest.from_json(schema.load_json(data, where), where)
         self.fingerprint = hashlib.sha256(data).hexdigest()
 
+    def cached(self, entry: schema.ShardEntry) -> bool:
+        """Whether the cache holds ``entry``'s shard (of its size): opening it then fetches nothing."""
+        return cache.file_problem(self.build.shards.path(entry.sha256), entry.bytes) is None
+
     def shard(self, entry: schema.ShardEntry, *, full: bool = False) -> cache.Entry:
         """``entry``'s shard, open in the cache (fetched now unless cached); close it when done reading."""
         return self.build.shard(entry.file, entry.bytes, entry.sha256, full=full)

@@ -466,6 +466,16 @@ class PackedDataset(IterableDataset):
                                    locate, lazy=self._remote is not None)
         return self._shards
 
+    def _open_cached(self) -> None:
+        """Open the shards of a remote build that the cache holds already (no fetch): done in the DataLoader's
+        process before its workers start, so they inherit the maps instead of opening them each pass."""
+        shards = self._open()
+        if self._remote is None or not shards.pending:
+            return
+        for s, entry in enumerate(self.manifest.shards):
+            if not shards.opened[s] and self._remote.cached(entry):
+                shards.open(s)
+
     def _fetch_shard(self, s: int) -> None:
         """Shard ``s`` into the cache (the prefetcher's thread): fetched unless it is there, then let go."""
         self._remote.shard(self.manifest.shards[s], full=self._verify).close()
@@ -750,6 +760,7 @@ class PackedDataLoader(DataLoader):
             # without pinning there is nothing for DataLoader's machinery to do: read directly
             yield from super().__iter__() if self.pin_memory else iter(self.dataset)
             return
+        self.dataset._open_cached()  # a remote build's cached shards, mapped once here for every worker
         batches = super().__iter__()  # starts the workers, each with a copy of the dataset as it is now...
         self.dataset._begin_pass()  # ...so this process's copy starts the same pass after them
         for batch in batches:
