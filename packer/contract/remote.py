@@ -34,6 +34,7 @@ class Remote:
                  cache_limit: int | str | None = None) -> None:
         self.build = RemoteBuild(url, cache_dir, cache_limit)
         self.url = self.build.url
+        self.shown = redact(self.url)  # the URL as messages name it: no credentials
         where = f"{redact(self.url)}/{schema.MANIFEST_NAME}"
         try:
             data = self.build.manifest_bytes()

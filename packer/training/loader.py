@@ -384,6 +384,9 @@ class PackedDataset(IterableDataset):
             self.fingerprint = manifest_fingerprint(self.directory)
         else:
             self.manifest, self.fingerprint = self._remote.manifest, self._remote.fingerprint
+            if self._remote.build.changed:
+                warnings.warn(f"{self._remote.shown}: the build there is not the one this cache read last time (its "
+                              "manifest changed); its shards are fetched anew", stacklevel=2)
         dist = _dist_rank_world()
         if world_size is None:
             world_size = dist[1] if dist else 1
