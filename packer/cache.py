@@ -6,7 +6,9 @@ Where it is: ``cache_dir=`` where an API takes one, else ``$PACKER_CACHE``, else
 :func:`parse_limit`); no limit when neither is set.
 
 An entry is a file or a folder at ``ROOT/KIND/KEY``, keyed by what it depends on (a shard's sha256, a
-token store's identity). The rules every entry follows, so that any number of processes (ranks,
+token store's identity); a folder of the root whose name starts with ``.`` is no kind, and eviction
+never looks in it (a place for what must stay, such as ``packer build --out URL``'s local build). The
+rules every entry follows, so that any number of processes (ranks,
 DataLoader workers, machines sharing a folder) can share one root:
 
 - **Made once.** :meth:`Cache.open` makes a missing entry under its making lock, so of the processes

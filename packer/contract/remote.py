@@ -134,5 +134,6 @@ def publish(directory: fs.PathLike, url: str, cache_dir: str | os.PathLike | Non
 
 def staging_folder(url: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where ``packer build --out URL`` builds before it uploads: a folder of the cache root named for the
-    URL, so a rerun resumes and reuses there as a local build does."""
-    return cache.root(cache_dir) / "builds" / hashlib.sha256(redact(str(url).rstrip("/")).encode()).hexdigest()[:24]
+    URL, so a rerun resumes and reuses there as a local build does. Under ``.builds``: a hidden folder of
+    the root is no cache kind, so eviction never takes a build (mid-build or after)."""
+    return cache.root(cache_dir) / ".builds" / hashlib.sha256(redact(str(url).rstrip("/")).encode()).hexdigest()[:24]

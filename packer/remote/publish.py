@@ -9,7 +9,7 @@ the new manifest is in place; nothing else at the URL is touched (it is not pack
 
 A rerun uploads only what is missing or differs: a shard is skipped when the URL holds a file of its
 size that the manifest there, or this machine's record of what it pushed to that URL (in the cache,
-kind ``pushed``), says has its sha256. Each file is written whole or not at all: object stores make an
+``.pushed/``), says has its sha256. Each file is written whole or not at all: object stores make an
 object visible when its upload completes; a local or ``file://`` target is written under a temporary
 name and renamed.
 """
@@ -44,7 +44,7 @@ class Pushed:
 
 
 def _record_path(url: str, cache_dir: str | os.PathLike | None) -> Path:
-    folder = cache.root(cache_dir) / "pushed"
+    folder = cache.root(cache_dir) / ".pushed"  # hidden: a record, not a cache entry eviction may take
     folder.mkdir(parents=True, exist_ok=True)
     return folder / (hashlib.sha256(redact(url).encode()).hexdigest()[:40] + ".json")
 
