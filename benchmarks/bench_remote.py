@@ -13,7 +13,8 @@ Three variants, in one run: ``local`` (the same build read from local disk: the 
 (the code at ``--before``, default the merge base with main: a URL's shards read whole into each rank's
 heap) and ``after`` (this tree: shards fetched once a machine into the cache, memory-mapped). Printed per
 variant: bytes fetched per machine for epoch 0, epoch 1 and the rerun (x the build's bytes), the peak RSS
-of a rank process and of its workers (the most of any), the time to the first batch (cold), and tokens/s
+of a rank process and of its workers (the most of any; RSS counts the page-cache pages a memory map
+brings in, which depend on how the file was written), a rank's heap (RssAnon at the epochs' ends), the time to the first batch (cold), and tokens/s
 per rank over each epoch against local's.
 
 The build: the bundled sample's records eight times over (one epoch of ~70 MB in 5 shards of 16 MB), made
@@ -38,9 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def _vm_hwm_mb() -> float:
+def _status_mb(key: str) -> float:
+    """A /proc/self/status figure in MB: VmHWM (peak resident), RssAnon (resident heap and stacks, not the
+    file pages a memory map brings in: those are the page cache's, shared, and dropped under pressure)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -61,10 +64,11 @@ def rank_main(url: str, rank: int, world: int, workers: int, epochs: int, limit:
             tokens += batch["input_ids"].numel()
             if limit is not None and k + 1 >= limit:
                 break
-        out["epochs"].append({"tokens": tokens, "seconds": time.perf_counter() - t0, "first": first})
+        out["epochs"].append({"tokens": tokens, "seconds": time.perf_counter() - t0, "first": first,
+                              "anon_mb": _status_mb("RssAnon")})
         print(json.dumps({"done": epoch}), flush=True)
         sys.stdin.readline()  # every rank has finished this epoch: the server's counts are read in between
-    out["rss_mb"] = _vm_hwm_mb()
+    out["rss_mb"] = _status_mb("VmHWM")
     out["worker_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps(out), flush=True)
 
@@ -161,7 +165,8 @@ def main() -> None:
                 ranks = main_run["ranks"]
                 table[variant] = {
                     "epoch0_x": max(e0) / build_bytes, "epoch1_x": max(e1) / build_bytes, "rerun_x": max(again) / build_bytes,
-                    "rank_rss": max(x["rss_mb"] for x in ranks), "worker_rss": max(x["worker_rss_mb"] for x in ranks),
+                    "rank_rss": max(x["rss_mb"] for x in ranks),
+                    "rank_anon": max(e["anon_mb"] for x in ranks for e in x["epochs"]), "worker_rss": max(x["worker_rss_mb"] for x in ranks),
                     "first_s": max(x["epochs"][0]["first"] for x in ranks),
                     "tok_s_e0": sum(x["epochs"][0]["tokens"] / x["epochs"][0]["seconds"] for x in ranks) / len(ranks),
                     "tok_s_e1": sum(x["epochs"][1]["tokens"] / x["epochs"][1]["seconds"] for x in ranks) / len(ranks),
@@ -169,13 +174,13 @@ def main() -> None:
                 }
             print(f"  {variant}: done in {wall:.0f}s", flush=True)
         local = table.get("local")
-        print("\n| variant | fetched/machine epoch 0 | epoch 1 | rerun | peak RSS rank | peak RSS worker | first batch "
-              "| tokens/s/rank epoch 0 | epoch 1 |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| variant | fetched/machine epoch 0 | epoch 1 | rerun | peak RSS rank | heap (RssAnon) rank "
+              "| peak RSS worker | first batch | tokens/s/rank epoch 0 | epoch 1 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for variant, t in table.items():
             rel = (lambda a, b: f" ({a / b:.2f}x local)") if local else (lambda a, b: "")
             print(f"| {variant} | {t['epoch0_x']:.2f}x | {t['epoch1_x']:.2f}x | {t['rerun_x']:.2f}x | {t['rank_rss']:.0f} MB "
-                  f"| {t['worker_rss']:.0f} MB | {t['first_s']:.2f} s | {t['tok_s_e0']:,.0f}"
+                  f"| {t['rank_anon']:.0f} MB | {t['worker_rss']:.0f} MB | {t['first_s']:.2f} s | {t['tok_s_e0']:,.0f}"
                   f"{rel(t['tok_s_e0'], local['tok_s_e0']) if local else ''} | {t['tok_s_e1']:,.0f}"
                   f"{rel(t['tok_s_e1'], local['tok_s_e1']) if local else ''} |")
     finally:

@@ -80,16 +80,14 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.server.take_fault(name) if body else None
         if fault == "503":
             return self._status(503)
-        data = path.read_bytes()
-        if fault == "changed":
-            data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
-        start, end = 0, len(data)
+        size = path.stat().st_size
+        start, end = 0, size
         rng = self.headers.get("Range")
         if rng and (m := re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())):
-            start = int(m.group(1)) if m.group(1) else max(0, len(data) - int(m.group(2)))
-            end = min(len(data), int(m.group(2)) + 1) if m.group(1) and m.group(2) else len(data)
+            start = int(m.group(1)) if m.group(1) else max(0, size - int(m.group(2)))
+            end = min(size, int(m.group(2)) + 1) if m.group(1) and m.group(2) else size
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         else:
             self.send_response(200)
         self.send_header("Content-Length", str(end - start))
@@ -98,7 +96,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not body:
             return
-        chunk = data[start:end]
+        with open(path, "rb") as f:  # only the range asked for: the server's memory stays small
+            f.seek(start)
+            chunk = f.read(end - start)
+        if fault == "changed":  # other bytes of the same size
+            chunk = bytes(b ^ 0xFF for b in chunk[:64]) + chunk[64:]
         with self.server.lock:
             self.server.requests[name] += 1
         if fault == "stall":

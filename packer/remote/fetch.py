@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, RemoteError
 
-CHUNK = 4 << 20  # bytes per ranged read: small beside a shard, large beside a request's latency
+CHUNK = 1 << 20  # bytes per ranged read: small beside a shard (and in the heap), large beside a request's latency
 
 __all__ = ["Policy", "fetch_bytes", "fetch_file", "filesystem", "redact"]
 
