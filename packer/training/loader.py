@@ -433,6 +433,7 @@ class PackedDataset(IterableDataset):
                 f"optimizer step, but an epoch has {self.epoch_rows} rows: every epoch would be empty; use "
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
+        self._open_cached()  # a remote build: what this machine's cache holds is mapped now, as a local build is
         self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if not shards.pending and loss_tokens != self.manifest.stats.loss_tokens:  # a lazy build: sha256 on arrival
