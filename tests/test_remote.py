@@ -174,6 +174,12 @@ def test_a_cache_limit_evicts_what_no_reader_holds(served, tmp_path, flan_batch)
     assert len(_entries(cache_dir)) == 3  # all three held open by the dataset: exceeded, never pulled from a reader
     del dataset
     gc.collect()
+    shard_bytes = {k: v for k, v in server.served.items() if k != "manifest.json"}
+    restarted = PackedDataset(url, cache_dir=cache_dir, cache_limit=sizes[-1] + sizes[0])
+    _ids(restarted, 50)
+    assert {k: v for k, v in server.served.items() if k != "manifest.json"} == shard_bytes  # a restart fetches none
+    del restarted
+    gc.collect()
     shutil.copytree(flan_batch, server.root / "small")
     _ids(PackedDataset(f"{server.url}/small", cache_dir=cache_dir, cache_limit=sizes[-1] + sizes[0]))
     total = sum(p.stat().st_size for p in (cache_dir / "shards").iterdir() if p.is_file())

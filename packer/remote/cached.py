@@ -7,7 +7,8 @@ the server is another key (never a stale hit). Ranks and DataLoader workers that
 fetch a shard once between them (the entry's lock); the others wait for it and map the same file.
 
 The manifest is fetched whole once per ``RemoteBuild`` (a process makes one per dataset) and kept beside
-the shards (kind ``manifests``, keyed by the URL): ``changed`` says when the build at the URL is no
+the shards (in the root's ``.manifests/``, keyed by the URL: a note's record, never an entry whose
+placement could evict shards): ``changed`` says when the build at the URL is no
 longer the one this cache saw last, which is worth a note; its shards are then other keys anyway.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import uuid
 from pathlib import Path
 
 from .. import cache
@@ -34,7 +36,7 @@ class RemoteBuild:
                  policy: Policy | None = None) -> None:
         self.url = str(url).rstrip("/")
         self.shards = cache.Cache("shards", cache_dir, cache_limit)
-        self.manifests = cache.Cache("manifests", cache_dir, cache_limit)
+        self.manifests = self.shards.root / ".manifests"
         self.policy = policy or Policy.from_env()
         self._manifest: bytes | None = None
         self.changed = False  # the manifest differs from the copy this cache kept of the same URL
@@ -54,15 +56,14 @@ class RemoteBuild:
 
     def _remember(self, data: bytes) -> None:
         """Keep the manifest beside the shards, and note when it is not the copy kept last time."""
-        key = hashlib.sha256(redact(self.url).encode()).hexdigest()[:40]
-        previous = self.manifests.path(key)
-        try:
+        previous = self.manifests / hashlib.sha256(redact(self.url).encode()).hexdigest()[:40]
+        with contextlib.suppress(OSError):  # only a note depends on this copy
             self.changed = previous.is_file() and previous.read_bytes() != data
-        except OSError:
-            self.changed = False
-        same = lambda p, full: None if p.read_bytes() == data else "another build's manifest"  # noqa: E731
-        with contextlib.suppress(OSError, cache.CacheError):  # only a note depends on this copy
-            self.manifests.open(key, lambda tmp: tmp.write_bytes(data), same).close()
+            if not previous.is_file() or self.changed:
+                self.manifests.mkdir(exist_ok=True)
+                tmp = previous.with_name(f"{previous.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, previous)  # whole or absent
 
     def shard(self, name: str, size: int, sha256: str, *, full: bool = False) -> cache.Entry:
         """Shard ``name`` of ``size`` bytes and ``sha256`` (the manifest's), open in the cache: fetched now
