@@ -145,6 +145,10 @@ class _Shards:
         self.reads: list[_Read | None] = []  # per batch, what reading its rows takes: made on its first read
         self.vocab_size = vocab_size
         self.directory, self.entries, self.row_format, self.locate = directory, shard_entries, row_format, locate
+        for entry in shard_entries:  # the counts below are sized from the manifest: bounded before they are made
+            if not 0 <= entry.rows <= entry.bytes:
+                raise ShardFormatError(f"{fs.join(directory, entry.file)}: the manifest records {entry.rows} rows for "
+                                       f"{entry.bytes} bytes; the manifest is damaged, rebuild the folder")
         self.first = np.concatenate([[0], np.cumsum([e.rows for e in shard_entries], dtype=np.int64)])
         self.first_list = self.first.tolist()
         self.opened = [False] * len(shard_entries)
