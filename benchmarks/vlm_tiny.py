@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import warnings
 from typing import Any
 
@@ -32,8 +33,10 @@ QWEN_TEMPLATE = (
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def tokenizer(specials: list[str], **extra: str):
-    """A byte-level tokenizer (each byte a token) with ``specials`` as whole tokens; pad is ``<pad>``."""
+def tokenizer(specials: list[str], named: dict | None = None):
+    """A byte-level tokenizer (each byte a token) with ``specials`` as whole tokens; pad is ``<pad>``;
+    ``named``: attributes a family's processor reads from its tokenizer (``boi_token``: the token), each
+    with its ``_id``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -45,8 +48,10 @@ def tokenizer(specials: list[str], **extra: str):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
     fast.add_special_tokens({"pad_token": "<pad>", "eos_token": "<|im_end|>",
                              "additional_special_tokens": list(dict.fromkeys(specials))})  # fmt: skip
-    for name, value in extra.items():
+    for name, value in (named or {}).items():
+        fast.add_special_tokens({"additional_special_tokens": [value]})
         setattr(fast, name, value)
+        setattr(fast, name + "_id", fast.convert_tokens_to_ids(value))
     return fast
 
 
@@ -70,45 +75,157 @@ def _quiet():
     return stack
 
 
-def _qwen(model_type: str, config_cls: str, model_cls: str, processor_cls: str, vision: dict, text: dict | None = None):
+COMMON_SPECIALS = ["<image>", "<|image_pad|>", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+                   "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", "<IMG_CONTEXT>", "<img>", "</img>",
+                   "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>", "<video>", "<|video_pad|>"]  # fmt: skip
+# Tokens a family's processor reads from its tokenizer by name, as its checkpoints spell them
+NAMED = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+         "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+         "video_token": "<video>"}  # fmt: skip
+# The vision tower's widths and depth for every family (what the config class has of these names)
+VISION = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, depth=2, num_heads=2,
+              embed_dim=32, out_hidden_size=64, projection_dim=32)  # fmt: skip
+
+
+def _only_known(cls, values: dict) -> dict:
+    default = cls()
+    return {k: v for k, v in values.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+
+
+def _processor(model_type: str, image: dict, extra: dict, template: str | None):
+    """The family's processor class over its image processor (PIL variant where there is one) and a
+    byte-level tokenizer holding the special tokens its code reads (discovered: built twice)."""
+    import inspect
+
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES[model_type]
+    names = names if isinstance(names, dict) else {"torchvision": names}
+    image_processor = getattr(transformers, names.get("pil") or names["torchvision"])(**image)
+    cls = _without_video(getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type]))
+    params = inspect.signature(cls.__init__).parameters
+    specials, named = list(COMMON_SPECIALS), {}
+    for _ in range(12):
+        tok = tokenizer(specials, named)
+        kwargs = dict(image_processor=image_processor, tokenizer=tok, **extra)
+        if "video_processor" in params:
+            kwargs["video_processor"] = None
+        if "chat_template" in params:
+            kwargs["chat_template"] = template
+        try:
+            processor = cls(**kwargs)
+        except AttributeError as e:  # a token its processor reads from the tokenizer: give it one
+            match = re.search(r"has no attribute '?(\w+?)(_id)?'?$", str(e))
+            if not match or match.group(1) in named:
+                raise
+            named[match.group(1)] = NAMED.get(match.group(1), f"<{match.group(1)}>")
+            continue
+        found = [v for k, v in vars(processor).items() if k.endswith("_token") and isinstance(v, str)]
+        if set(found) <= set(specials):
+            return processor
+        specials += found
+    raise ValueError(f"{cls.__name__}: its special tokens could not be settled")
+
+
+def _token_ids(config, processor) -> None:
+    """The config's special token ids set to the tokenizer's (image_token_id <- processor.image_token, ...)."""
+    tok = processor.tokenizer
+    for c in [config, getattr(config, "text_config", None)]:
+        if c is None:
+            continue
+        for name in list(vars(c)):
+            if not (name.endswith("_token_id") or name.endswith("_token_index")) or name.startswith(("pad", "bos", "eos")):
+                continue
+            own_name = name.replace("_token_index", "_token_id")
+            own = getattr(tok, own_name, None)  # the tokenizer's own first (Gemma 3's processor renames)
+            own = own if isinstance(own, int) else getattr(processor, own_name, None)
+            text = getattr(processor, name.rsplit("_token", 1)[0] + "_token", None)
+            if isinstance(own, int):
+                setattr(c, name, own)
+            elif isinstance(text, str):
+                setattr(c, name, tok.convert_tokens_to_ids(text))
+
+
+def recipe(model_type: str, vision: dict | None = None, text: dict | None = None, image: dict | None = None,
+           processor: dict | None = None, top: dict | None = None, template: str | None = None):
+    """How to build a tiny ``model_type``: its config class with small text (the text sweep's SMALL) and
+    vision parts, its processor with ``image`` settings (sized to the tiny tower) and ``processor`` kwargs."""
 
     def make():
-        tok = tokenizer(QWEN_SPECIALS)
-        image_processor = Qwen2VLImageProcessorPil(
-            patch_size=vision.get("patch_size", 14), merge_size=vision.get("spatial_merge_size", 2),
-            min_pixels=56 * 56, max_pixels=28 * 28 * 64,
-        )  # fmt: skip
-        processor = _without_video(getattr(transformers, processor_cls))(
-            image_processor=image_processor, tokenizer=tok, video_processor=None, chat_template=QWEN_TEMPLATE)
-        ids = tok.convert_tokens_to_ids
-        rope = dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])
-        config = getattr(transformers, config_cls)(
-            text_config=dict(TEXT, vocab_size=len(tok), rope_parameters=rope, **(text or {})), vision_config=vision,
-            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        )  # fmt: skip
-        return getattr(transformers, model_cls), config, processor
+        from transformers import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        import transformers
+        from benchmarks.sweep_architectures import _small_for
+
+        proc = _processor(model_type, image or {}, processor or {}, template)
+        cls = CONFIG_MAPPING[model_type]
+        default = cls()
+        text_cls = type(default.get_text_config())
+        vision_cls = type(default.vision_config)
+        text_cfg = {**_small_for(text_cls), "vocab_size": len(proc.tokenizer), "pad_token_id": proc.tokenizer.pad_token_id,
+                    "bos_token_id": None, "eos_token_id": proc.tokenizer.eos_token_id, **(text or {})}  # fmt: skip
+        vision_cfg = {**_only_known(vision_cls, VISION), **(vision or {})}
+        if "model_type" in vision_cls().to_dict():
+            vision_cfg["model_type"] = vision_cls().model_type
+        config = cls(text_config=text_cfg, vision_config=vision_cfg, **(top or {}))
+        _token_ids(config, proc)
+        return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]), config, proc
 
     return make
 
 
+QWEN_IMAGE = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
 QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, window_size=56,
                      fullatt_block_indexes=[1])  # fmt: skip
+QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=16,
+                    num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
+MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3]))
+MROPE_INTERLEAVED = dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3],
+                                              mrope_interleaved=True))  # fmt: skip
+QWEN35_TEXT = dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 1, 1],
+                                        mrope_interleaved=True, partial_rotary_factor=0.5))  # fmt: skip
 RECIPES = {
-    "qwen2_5_vl": _qwen("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
-                        QWEN25_VISION),
+    "qwen2_vl": recipe("qwen2_vl", dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=1), MROPE,
+                       dict(QWEN_IMAGE, patch_size=14, merge_size=2), template=QWEN_TEMPLATE),
+    "qwen2_5_vl": recipe("qwen2_5_vl", QWEN25_VISION, MROPE, dict(QWEN_IMAGE, patch_size=14, merge_size=2),
+                         template=QWEN_TEMPLATE),
+    "qwen3_vl": recipe("qwen3_vl", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
+                       template=QWEN_TEMPLATE),
+    "qwen3_vl_moe": recipe("qwen3_vl_moe", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
+                           template=QWEN_TEMPLATE),
+    "qwen3_5": recipe("qwen3_5", {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
+                      QWEN35_TEXT, dict(QWEN_IMAGE, patch_size=16, merge_size=2), template=QWEN_TEMPLATE),
+    "qwen3_5_moe": recipe("qwen3_5_moe", {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
+                          QWEN35_TEXT, dict(QWEN_IMAGE, patch_size=16, merge_size=2), template=QWEN_TEMPLATE),
+    "llava": recipe("llava", dict(image_size=56, patch_size=14), None,
+                    dict(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+                    dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1),
+                    dict(vision_feature_layer=-1)),
+    "gemma3": recipe("gemma3", dict(image_size=64, patch_size=16), dict(sliding_window=6),
+                     dict(size={"height": 64, "width": 64}), dict(image_seq_length=4), dict(mm_tokens_per_image=4)),
+    "idefics3": recipe("idefics3", dict(image_size=64, patch_size=16), None,
+                       dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 64}), dict(image_seq_len=4)),
+    "smolvlm": recipe("smolvlm", dict(image_size=64, patch_size=16), None,
+                      dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 64}), dict(image_seq_len=4)),
+    "llava_onevision": recipe(
+        "llava_onevision", dict(image_size=28, patch_size=14), None,
+        dict(size={"height": 28, "width": 28}, image_grid_pinpoints=[[28, 28], [28, 56], [56, 28], [56, 56]]),
+        dict(num_image_tokens=4, vision_feature_select_strategy="full"),
+        dict(image_grid_pinpoints=[[28, 28], [28, 56], [56, 28], [56, 56]], vision_feature_select_strategy="full")),
+    "internvl": recipe("internvl", dict(image_size=[28, 28], patch_size=[14, 14]), None,
+                       dict(size={"height": 28, "width": 28}, max_patches=4), dict(image_seq_length=1)),
+    "lfm2_vl": recipe("lfm2_vl"),
 }
 
 
 def build(model_type: str, seed: int = 0) -> tuple[Any, Any]:
     """(model, processor): a tiny random float32 model in train mode, dropout off, eager attention."""
-    recipe = RECIPES.get(model_type)
-    if recipe is None:
-        raise ValueError(f"no tiny recipe for {model_type!r}")
+    make = RECIPES.get(model_type) or recipe(model_type)  # a type without one: built generically
     with _quiet():
-        model_cls, config, processor = recipe()
+        model_cls, config, processor = make()
         for c in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}))]:
             if c is None:
                 continue

@@ -293,6 +293,7 @@ def _probe(model: Any, implementation: str, max_tokens: int | None, processor: A
     if probe.config._attn_implementation != implementation:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
     mixers.install(probe)  # the per-segment path is what is probed (one segment alone runs the mixer as it is)
+    vision.install(probe)  # a vision-language model's hooks, as prepare will install them
     exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens, mixers.thresholds(probe)))
     heads = [e[: PROBE_MIN_LEN + 1] for e in exs]
     # random draws show on any tokens: the short row, not the long one (quadratic in the eager reference)

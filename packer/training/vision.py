@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import mixers
+from . import mixers, vision_masks
 
 __all__ = ["is_vision_language", "implementation_for", "install", "row_refusal", "outer_mask", "image_token_id"]
 
@@ -88,14 +88,15 @@ def _sub_models(model: Any) -> list[torch.nn.Module]:
 
 def install(model: Any) -> list:
     """On a vision-language model: the vision towers' row-stripping pre-hooks (run first), the inner
-    models marked (their mask may come from the outer model). Returns the hook handles."""
+    models marked (their mask may come from the outer model), Gemma 3's mask (``vision_masks``).
+    Returns the hook handles."""
     if not is_vision_language(model):
         return []
     handles = [m.register_forward_pre_hook(_strip_row, with_kwargs=True, prepend=True) for m in _sub_models(model)]
     for m in model.modules():
         if m is not model and hasattr(m, "set_attn_implementation"):
             m._packer_inner = True
-    return handles
+    return handles + vision_masks.install(model)
 
 
 def outer_mask(module: Any, mask: Any) -> bool:

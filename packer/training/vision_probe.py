@@ -31,6 +31,8 @@ __all__ = ["examples", "row", "compare"]
 
 # Sizes relative to the processor's nominal one (height, width): one below it, two above in other shapes
 SCALES = ((0.6, 0.4), (1.5, 0.9), (1.2, 2.3))
+# The examples: text with an image's placeholder where {image} is, and which of the three images
+SPECS = (("look {image} here", [0]), ("a {image} then {image} and", [1, 2]), ("only some text", []))
 SEQUENCE_KEYS = ("input_ids", "token_type_ids", "mm_token_type_ids", "image_token_type_ids")
 
 
@@ -63,9 +65,9 @@ def examples(processor: Any) -> list[dict]:
         raise ConfigError(f"{type(processor).__name__} has no image_token, so the probe cannot place images")
     s = nominal_size(processor.image_processor)
     images = [_image(max(8, int(s * h)), max(8, int(s * w)), i) for i, (h, w) in enumerate(SCALES)]
-    specs = [(f"look {token} here", images[:1]), (f"a {token} then {token} and", images[1:]), ("only some text", [])]
     out = []
-    for text, imgs in specs:
+    for text, which in SPECS:
+        text, imgs = text.format(image=token), [images[i] for i in which]
         kwargs = dict(text=[text], return_tensors="pt")
         if imgs:
             kwargs["images"] = [imgs]
@@ -94,9 +96,10 @@ def _positions(model: Any, ex: dict) -> torch.Tensor | None:
     return seen[0] if seen else None
 
 
-def row(model: Any, exs: list[dict]) -> dict:
+def row(model: Any, exs: list[dict], images: list[int]) -> dict:
     """The packed row of ``exs`` as the loader yields it: tokens and each example's own positions
-    concatenated, ``cu_seq_lens``, and the vision inputs along the image axis."""
+    concatenated, ``cu_seq_lens``, and the vision inputs along the image axis (``images``: how many
+    images each example has; one of them two, which tells each key's image axis)."""
     lens = [e["input_ids"].shape[1] for e in exs]
     pos = [_positions(model, e) for e in exs]
     shape = next((p.shape[:-2] for p in pos if p is not None and p.dim() == 3), ())
@@ -104,15 +107,32 @@ def row(model: Any, exs: list[dict]) -> dict:
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     out = dict(position_ids=torch.cat(pos, dim=-1), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                max_length_q=max(lens), max_length_k=max(lens))  # fmt: skip
+    # a key's image axis: dim 0 (LLaVA's images, Qwen's patches and grids), but dim 1 where the two-image
+    # example's value has a per-text batch axis of 1 in front (Idefics3's [1, images, C, H, W])
+    two = next((e for e, n in zip(exs, images, strict=True) if n == 2), exs[0])
     for key in dict.fromkeys(k for e in exs for k in e):
         parts = [e[key] for e in exs if key in e]
         if key in SEQUENCE_KEYS:
             out[key] = torch.cat(parts, dim=1)
             continue
-        pixels = next((e["pixel_values"] for e in exs if "pixel_values" in e), None)
-        per_example = pixels is not None and pixels.dim() == 5 and parts[0].shape[:1] == pixels.shape[:1]
-        out[key] = torch.cat(parts, dim=1 if per_example else 0)
+        axis = 1 if key in two and two[key].dim() >= 2 and two[key].shape[0] == 1 else 0
+        out[key] = _cat_padded(parts, axis)
     return out
+
+
+def _cat_padded(parts: list[torch.Tensor], axis: int) -> torch.Tensor:
+    """``parts`` joined along ``axis``, each zero-padded past its end in the other dims to the largest (LLaVA's
+    tiles per image: the model reads each image's own count from ``image_sizes``)."""
+    if parts[0].dim() == 0:
+        return torch.stack(parts)
+    shape = [max(p.shape[d] for p in parts) for d in range(parts[0].dim())]
+    padded = []
+    for p in parts:
+        pad = []
+        for d in reversed(range(p.dim())):
+            pad += [0, 0 if d == axis else shape[d] - p.shape[d]]
+        padded.append(torch.nn.functional.pad(p, pad) if any(pad) else p)
+    return torch.cat(padded, dim=axis)
 
 
 def _run(model: Any, batch: dict, seeds: list[int], bounds: list[int]) -> tuple[torch.Tensor, dict]:
@@ -137,7 +157,7 @@ def compare(probe: Any, implementation: str, processor: Any, tolerance: float, r
     reference = copy.deepcopy(probe)
     reference.set_attn_implementation("eager")
     exs = examples(processor)
-    packed = row(reference, exs)
+    packed = row(reference, exs, [len(which) for _, which in SPECS])
     lens = [e["input_ids"].shape[1] for e in exs]
     bounds = [0, *itertools.accumulate(lens)]
     reference.requires_grad_(True)
