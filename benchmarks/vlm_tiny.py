@@ -154,10 +154,10 @@ def recipe(model_type: str, vision: dict | None = None, text: dict | None = None
     vision parts, its processor with ``image`` settings (sized to the tiny tower) and ``processor`` kwargs."""
 
     def make():
+        import transformers
         from transformers import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-        import transformers
         from benchmarks.sweep_architectures import _small_for
 
         proc = _processor(model_type, image or {}, processor or {}, template)
