@@ -364,7 +364,10 @@ def judge_vlm(model_type: str) -> Verdict:
     example alone through an untouched eager copy (logits, every parameter's gradient) and guarded."""
     import copy
 
-    from benchmarks.vlm_tiny import build
+    try:
+        from vlm_tiny import build
+    except ImportError:  # imported as benchmarks.sweep_architectures
+        from benchmarks.vlm_tiny import build
     from packer import prepare
     from packer.errors import ConfigError
 

@@ -158,7 +158,10 @@ def recipe(model_type: str, vision: dict | None = None, text: dict | None = None
         from transformers import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-        from benchmarks.sweep_architectures import _small_for
+        try:
+            from sweep_architectures import _small_for
+        except ImportError:  # imported as benchmarks.vlm_tiny
+            from benchmarks.sweep_architectures import _small_for
 
         proc = _processor(model_type, image or {}, processor or {}, template)
         cls = CONFIG_MAPPING[model_type]
