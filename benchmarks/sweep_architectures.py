@@ -78,6 +78,7 @@ LENGTHS = [5, 21, 10]
 # defaults at or past it (Llama 3's original_max_position_embeddings=8192) are out of a row's reach.
 MAX_TOKENS = 128
 MAX_PARAMS = 2_000_000
+VLM_MEMORY = 10 << 30  # the --vlm sweep's address space (bytes)
 TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
 
 
@@ -373,14 +374,11 @@ def judge_vlm(model_type: str) -> Verdict:
 
     try:
         model, processor = build(model_type)
-        n = sum(p.numel() for p in model.parameters())
-        if n > 20 * MAX_PARAMS:
-            raise ValueError(f"the tiny config still has {n:,} parameters")
         reference = copy.deepcopy(model)
         exs, row = _vlm_rows(model, processor, seed=7)
         lens = [e["input_ids"].shape[1] for e in exs]
         ref_logits, ref_grads = _vlm_loss_and_grads(reference, exs, [[0, n] for n in lens])
-    except Exception as e:
+    except Exception as e:  # MemoryError included: its default image sizes are beyond the sweep's memory
         return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:200].replace("\n", " "))
     before = (model.config.to_json_string(), [(c, c._attn_implementation) for c in _sub_configs(model)])
     implementation = "packer_varlen"
@@ -456,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vlm", action="store_true", help="the image-text-to-text types, on packed rows with images")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.vlm:  # a family's default image sizes can ask for tens of GB: a MemoryError here, not the OOM killer
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (VLM_MEMORY, VLM_MEMORY))
     verdicts = []
     t0 = time.perf_counter()
     default = image_text_to_text_types() if args.vlm else [*causal_lm_types(), *VARIANTS]

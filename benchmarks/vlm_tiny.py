@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-TEXT = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=512, use_cache=False)  # fmt: skip
+MAX_PARAMS = 8_000_000
 # A Qwen-VL style chat template (the families' own is in their checkpoints, not in transformers)
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -236,6 +235,44 @@ def build(model_type: str, seed: int = 0) -> tuple[Any, Any]:
             for name, value in list(vars(c).items()):
                 if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
                     setattr(c, name, 0.0)
+        with torch.device("meta"):  # sized first: a family's default tower can hold hundreds of millions
+            n = sum(p.numel() for p in model_cls._from_config(config).parameters())
+        if n > MAX_PARAMS:
+            raise ValueError(f"the tiny config still has {n:,} parameters (its vision tower's defaults)")
         torch.manual_seed(seed)
         model = model_cls._from_config(config, dtype=torch.float32, attn_implementation="eager")
     return model.train(), processor
+
+
+def chat_example(model, processor, images: list, messages: list[dict]) -> dict:
+    """One example alone, made by hand as the images build makes it: the processor's chat template with its
+    images (``apply_chat_template(tokenize=True, return_dict=True)``), labels (-100 on the image
+    placeholders), and its positions from the model's own ``get_rope_index`` (the Qwen mRoPE families;
+    ``arange`` on every axis for a text-only example)."""
+    out = processor.apply_chat_template(messages, images=images or None, tokenize=True, return_dict=True,
+                                        return_tensors="pt")  # fmt: skip
+    ex = {k: v for k, v in out.items() if k != "attention_mask"}
+    ids = ex["input_ids"]
+    n = ids.shape[1]
+    if images:
+        pos, _ = model.model.get_rope_index(ids, ex["mm_token_type_ids"], image_grid_thw=ex["image_grid_thw"])
+    else:
+        pos = torch.arange(n).view(1, 1, n).expand(3, 1, n)
+    labels = ids.masked_fill(ids == model.config.image_token_id, -100)
+    labels[0, 0] = -100
+    return ex | {"position_ids": pos, "labels": labels}
+
+
+def packed_row(exs: list[dict]) -> dict:
+    """The loader's batch for a row of ``exs`` (Qwen-VL keys): tokens, labels, positions and token types
+    concatenated along the row, the vision inputs along the image axis, the boundaries as kwargs."""
+    import itertools
+
+    lens = [e["input_ids"].shape[1] for e in exs]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    row = {k: torch.cat([e[k] for e in exs], -1) for k in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
+    for key in ("pixel_values", "image_grid_thw"):
+        parts = [e[key] for e in exs if key in e]
+        if parts:
+            row[key] = torch.cat(parts)
+    return row | {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens), "max_length_k": max(lens)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.vlm_tiny import build
+from benchmarks.vlm_tiny import build, chat_example, packed_row
 from packer import prepare
 from packer.errors import ConfigError
 
@@ -30,30 +30,9 @@ CHATS = [  # (images, messages): two images of other grids, one below min_pixels
 
 
 def _example(model, processor, images, question, answer) -> dict:
-    """One example alone: the processor's chat template with its images, its positions from get_rope_index."""
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
-    out = processor.apply_chat_template(messages, images=images or None, tokenize=True, return_dict=True,
-                                        return_tensors="pt")  # fmt: skip
-    ex = {k: v for k, v in out.items() if k != "attention_mask"}
-    n = ex["input_ids"].shape[1]
-    if images:
-        pos, _ = model.model.get_rope_index(ex["input_ids"], ex["mm_token_type_ids"], image_grid_thw=ex["image_grid_thw"])
-    else:  # text only: the model's own positions, arange on the three axes
-        pos = torch.arange(n).view(1, 1, n).expand(3, 1, n)
-    return ex | {"position_ids": pos}
-
-
-def _row(exs: list[dict]) -> dict:
-    lens = [e["input_ids"].shape[1] for e in exs]
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-    row = {"input_ids": torch.cat([e["input_ids"] for e in exs], 1),
-           "mm_token_type_ids": torch.cat([e["mm_token_type_ids"] for e in exs], 1),
-           "position_ids": torch.cat([e["position_ids"] for e in exs], -1),
-           "pixel_values": torch.cat([e["pixel_values"] for e in exs if "pixel_values" in e]),
-           "image_grid_thw": torch.cat([e["image_grid_thw"] for e in exs if "image_grid_thw" in e]),
-           "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens), "max_length_k": max(lens)}  # fmt: skip
-    return row
+    return chat_example(model, processor, images, messages)
 
 
 def _loss(logits, ids):
@@ -73,7 +52,7 @@ def test_qwen25_vl_packed_rows_with_images_equal_each_example_alone(qwen):
     model, reference, _, exs = qwen
     assert model.config.text_config._attn_implementation == "packer_varlen"
     assert model.config.vision_config._attn_implementation == "eager"  # the tower keeps its own, per image
-    row = _row(exs)
+    row = packed_row(exs)
     logits = model(**row).logits[0]
     bounds = row["cu_seq_lens_q"].tolist()
     sum(_loss(logits[a:b], row["input_ids"][0, a:b]) for a, b in itertools.pairwise(bounds)).backward()
@@ -91,7 +70,7 @@ def test_qwen25_vl_packed_rows_with_images_equal_each_example_alone(qwen):
 
 def test_the_guard_refuses_what_prepare_did_not_vet(qwen):
     model, _, _, exs = qwen
-    row = _row(exs)
+    row = packed_row(exs)
     cases = {
         "no pixel_values": ({k: v for k, v in row.items() if k != "pixel_values"}, "no pixel_values"),
         "3-D positions, no cu_seq_lens": ({k: v for k, v in row.items() if not k.startswith("cu_seq")}, "mRoPE"),
