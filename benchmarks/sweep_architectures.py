@@ -382,21 +382,25 @@ def judge_vlm(model_type: str) -> Verdict:
         return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:200].replace("\n", " "))
     before = (model.config.to_json_string(), [(c, c._attn_implementation) for c in _sub_configs(model)])
     implementation = "packer_varlen"
+    budget = max(MAX_TOKENS * 4, row["input_ids"].shape[1])  # the rows' budget: the judge's row fits
     try:
         try:
-            prepare(model, processor=processor, max_tokens=MAX_TOKENS * 4)
+            prepare(model, processor=processor, max_tokens=budget)
         except ConfigError as e:
             if "implementation='sdpa'" not in str(e):
                 raise
             implementation = "sdpa"  # the model's own mask, per example (Gemma 3): what the message says to try
-            prepare(model, processor=processor, implementation="sdpa", max_tokens=MAX_TOKENS * 4)
+            prepare(model, processor=processor, implementation="sdpa", max_tokens=budget)
     except ConfigError as e:
         after = (model.config.to_json_string(), [(c, c._attn_implementation) for c in _sub_configs(model)])
         if after != before:
             return Verdict(model_type, "LEAK", f"refused but left changed: {e}")
         return Verdict(model_type, "refused", str(e))
     bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    logits, grads = _vlm_loss_and_grads(model, [row], [bounds])
+    try:
+        logits, grads = _vlm_loss_and_grads(model, [row], [bounds])
+    except Exception as e:  # accepted, then refused or failing on a row made as the contract says: a broken promise
+        return Verdict(model_type, "LEAK", f"accepted, but its packed row fails: {type(e).__name__}: {e}"[:200])
     got = logits[0].split(lens)
     d_logits = max(((g - r).abs().max() / (r.abs().max() + 1e-30)).item() for g, r in zip(got, ref_logits, strict=True))
     d_grads = max(((grads[n] - g).abs().max() / (g.abs().max() + 1)).item() for n, g in ref_grads.items())
