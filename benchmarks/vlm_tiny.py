@@ -194,6 +194,12 @@ RECIPES = {
                        dict(QWEN_IMAGE, patch_size=14, merge_size=2), template=QWEN_TEMPLATE),
     "qwen2_5_vl": recipe("qwen2_5_vl", QWEN25_VISION, MROPE, dict(QWEN_IMAGE, patch_size=14, merge_size=2),
                          template=QWEN_TEMPLATE),
+    # the benchmark's: the text decoder ~10x the vision tower, as in the released Qwen2.5-VL models
+    "qwen2_5_vl+bench": recipe("qwen2_5_vl", dict(QWEN25_VISION, out_hidden_size=256), dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, layer_types=["full_attention"] * 4,
+        num_attention_heads=8, num_key_value_heads=4,
+        head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[4, 6, 6])),
+        dict(QWEN_IMAGE, patch_size=14, merge_size=2), template=QWEN_TEMPLATE),
     "qwen3_vl": recipe("qwen3_vl", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
                        template=QWEN_TEMPLATE),
     "qwen3_vl_moe": recipe("qwen3_vl_moe", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
