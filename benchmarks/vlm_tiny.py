@@ -45,7 +45,7 @@ def tokenizer(specials: list[str], named: dict | None = None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"pad_token": "<pad>", "eos_token": "<|im_end|>",
+    fast.add_special_tokens({"pad_token": "<pad>", "eos_token": "<|im_end|>", "bos_token": "<bos>",
                              "additional_special_tokens": list(dict.fromkeys(specials))})  # fmt: skip
     for name, value in (named or {}).items():
         fast.add_special_tokens({"additional_special_tokens": [value]})
@@ -55,10 +55,11 @@ def tokenizer(specials: list[str], named: dict | None = None):
 
 
 def _without_video(cls):
-    """The family's processor class, accepting no video processor (its torchvision is absent here)."""
+    """The family's processor class, accepting no video processor (its torchvision is absent here) and no
+    audio feature extractor (the images are what is judged)."""
 
     def check_argument_for_proper_class(self, name, argument):
-        if argument is None and name == "video_processor":
+        if argument is None and name not in ("image_processor", "tokenizer"):  # video, audio: not built here
             return None
         return cls.check_argument_for_proper_class(self, name, argument)
 
@@ -91,7 +92,7 @@ def _only_known(cls, values: dict) -> dict:
     return {k: v for k, v in values.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
 
 
-def _processor(model_type: str, image: dict, extra: dict, template: str | None):
+def _processor(model_type: str, image: dict, extra: dict, template: str | None, like: str | None = None):
     """The family's processor class over its image processor (PIL variant where there is one) and a
     byte-level tokenizer holding the special tokens its code reads (discovered: built twice)."""
     import inspect
@@ -100,7 +101,7 @@ def _processor(model_type: str, image: dict, extra: dict, template: str | None):
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES[model_type]
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[like or model_type]
     names = names if isinstance(names, dict) else {"torchvision": names}
     image_processor = getattr(transformers, names.get("pil") or names["torchvision"])(**image)
     cls = _without_video(getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type]))
@@ -109,8 +110,9 @@ def _processor(model_type: str, image: dict, extra: dict, template: str | None):
     for _ in range(12):
         tok = tokenizer(specials, named)
         kwargs = dict(image_processor=image_processor, tokenizer=tok, **extra)
-        if "video_processor" in params:
-            kwargs["video_processor"] = None
+        for name in ("video_processor", "feature_extractor", "qformer_tokenizer", "audio_tokenizer"):
+            if name in params and name not in kwargs:
+                kwargs[name] = None
         if "chat_template" in params:
             kwargs["chat_template"] = template
         try:
@@ -148,9 +150,11 @@ def _token_ids(config, processor) -> None:
 
 
 def recipe(model_type: str, vision: dict | None = None, text: dict | None = None, image: dict | None = None,
-           processor: dict | None = None, top: dict | None = None, template: str | None = None):
+           processor: dict | None = None, top: dict | None = None, template: str | None = None,
+           like: str | None = None):
     """How to build a tiny ``model_type``: its config class with small text (the text sweep's SMALL) and
-    vision parts, its processor with ``image`` settings (sized to the tiny tower) and ``processor`` kwargs."""
+    vision parts, its processor with ``image`` settings (sized to the tiny tower) and ``processor`` kwargs;
+    ``like``: the type whose image processor it uses where transformers maps none for it."""
 
     def make():
         import transformers
@@ -162,13 +166,14 @@ def recipe(model_type: str, vision: dict | None = None, text: dict | None = None
         except ImportError:  # imported as benchmarks.vlm_tiny
             from benchmarks.sweep_architectures import _small_for
 
-        proc = _processor(model_type, image or {}, processor or {}, template)
+        proc = _processor(model_type, image or {}, processor or {}, template, like)
         cls = CONFIG_MAPPING[model_type]
         default = cls()
         text_cls = type(default.get_text_config())
         vision_cls = type(default.vision_config)
         text_cfg = {**_small_for(text_cls), "vocab_size": len(proc.tokenizer), "pad_token_id": proc.tokenizer.pad_token_id,
-                    "bos_token_id": None, "eos_token_id": proc.tokenizer.eos_token_id, **(text or {})}  # fmt: skip
+                    "bos_token_id": proc.tokenizer.bos_token_id, "eos_token_id": proc.tokenizer.eos_token_id,
+                    **(text or {})}  # fmt: skip
         vision_cfg = {**_only_known(vision_cls, VISION), **(vision or {})}
         if "model_type" in vision_cls().to_dict():
             vision_cfg["model_type"] = vision_cls().model_type
@@ -179,6 +184,7 @@ def recipe(model_type: str, vision: dict | None = None, text: dict | None = None
     return make
 
 
+PINS = [[28, 28], [28, 56], [56, 28], [56, 56]]
 QWEN_IMAGE = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
 QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, window_size=56,
                      fullatt_block_indexes=[1])  # fmt: skip
@@ -202,8 +208,6 @@ RECIPES = {
         dict(QWEN_IMAGE, patch_size=14, merge_size=2), template=QWEN_TEMPLATE),
     "qwen3_vl": recipe("qwen3_vl", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
                        template=QWEN_TEMPLATE),
-    "qwen3_vl_moe": recipe("qwen3_vl_moe", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
-                           template=QWEN_TEMPLATE),
     "qwen3_5": recipe("qwen3_5", {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
                       QWEN35_TEXT, dict(QWEN_IMAGE, patch_size=16, merge_size=2), template=QWEN_TEMPLATE),
     "qwen3_5_moe": recipe("qwen3_5_moe", {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
@@ -226,6 +230,25 @@ RECIPES = {
     "internvl": recipe("internvl", dict(image_size=[28, 28], patch_size=[14, 14]), None,
                        dict(size={"height": 28, "width": 28}, max_patches=4), dict(image_seq_length=1)),
     "lfm2_vl": recipe("lfm2_vl"),
+    "qwen3_vl_moe": recipe("qwen3_vl_moe", QWEN3_VISION, MROPE_INTERLEAVED, dict(QWEN_IMAGE, patch_size=16, merge_size=2),
+                           template=QWEN_TEMPLATE, like="qwen3_vl"),
+    "llava_next": recipe("llava_next", dict(image_size=28, patch_size=14), None,
+                         dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=PINS),
+                         dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1),
+                         dict(image_grid_pinpoints=PINS, vision_feature_layer=-1)),
+    "llava_next_video": recipe(
+        "llava_next_video", dict(image_size=28, patch_size=14), None,
+        dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=PINS),
+        dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1),
+        dict(image_grid_pinpoints=PINS, vision_feature_layer=-1)),
+    "vipllava": recipe("vipllava", dict(image_size=56, patch_size=14), None,
+                       dict(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+                       dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1),
+                       dict(vision_feature_layers=[-1, -2])),
+    "paligemma": recipe("paligemma", dict(image_size=28, patch_size=14, projection_dim=64), None,
+                        dict(size={"height": 28, "width": 28}, image_seq_length=4), None, dict(projection_dim=64)),
+    "glm4v": recipe("glm4v", None, MROPE),
+    "paddleocr_vl": recipe("paddleocr_vl", None, MROPE),
 }
 
 
