@@ -55,12 +55,15 @@ def measure(layout: str, chats_n: int, batch: int, max_tokens: int, steps: int) 
     chats = demo_chats(chats_n)
     if layout == "packed":
         batches = make_rows(model, processor, chats, max_tokens)
+        t0 = time.perf_counter()
         prepare(model, processor=processor, max_tokens=max_tokens)
+        probe_s = time.perf_counter() - t0
         real = sum(b["input_ids"].numel() for b in batches)
     else:
         batches = padded_batches(processor, chats, batch)
         model.set_attn_implementation({"": "sdpa", "text_config": "sdpa"})  # transformers' padded path
         real = sum(int(b["attention_mask"].sum()) for b in batches)
+        probe_s = 0.0
     total = sum(b["input_ids"].numel() for b in batches)
     images = sum(len(b["image_grid_thw"]) for b in batches if "image_grid_thw" in b)
     model.train()
@@ -74,7 +77,7 @@ def measure(layout: str, chats_n: int, batch: int, max_tokens: int, steps: int) 
         model.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start
     return dict(layout=layout, batches=len(batches), tokens=total, real_tokens=real, images=images,
-                tokens_per_s=real * steps / seconds, peak_mb=_maxrss_mb() - base)  # fmt: skip
+                tokens_per_s=real * steps / seconds, peak_mb=_maxrss_mb() - base, probe_s=probe_s)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     pad, pack = results["padded"], results["packed"]
     print(f"packed/padded: tokens run {pack['tokens'] / pad['tokens']:.2f}x, batches {pack['batches'] / pad['batches']:.2f}x, "
           f"real tokens/s {pack['tokens_per_s'] / pad['tokens_per_s']:.2f}x, "
-          f"peak memory {pack['peak_mb'] / max(pad['peak_mb'], 1e-9):.2f}x")  # fmt: skip
+          f"peak memory {pack['peak_mb'] / max(pad['peak_mb'], 1e-9):.2f}x; prepare's probe {pack['probe_s']:.2f} s")  # fmt: skip
     return 0
 
 

@@ -149,6 +149,15 @@ def _token_ids(config, processor) -> None:
                 setattr(c, name, tok.convert_tokens_to_ids(text))
 
 
+def _side(image_processor) -> int | None:
+    """The side of the square pictures an image processor makes (its crop or its resize), if it says one."""
+    for name in ("crop_size", "size"):
+        size = getattr(image_processor, name, None)
+        if isinstance(size, dict) and isinstance(size.get("height"), int) and size.get("height") == size.get("width"):
+            return size["height"]
+    return None
+
+
 def recipe(model_type: str, vision: dict | None = None, text: dict | None = None, image: dict | None = None,
            processor: dict | None = None, top: dict | None = None, template: str | None = None,
            like: str | None = None):
@@ -175,6 +184,9 @@ def recipe(model_type: str, vision: dict | None = None, text: dict | None = None
                     "bos_token_id": proc.tokenizer.bos_token_id, "eos_token_id": proc.tokenizer.eos_token_id,
                     **(text or {})}  # fmt: skip
         vision_cfg = {**_only_known(vision_cls, VISION), **(vision or {})}
+        side = _side(proc.image_processor)  # the tower sized to the pictures its processor makes
+        if side and "image_size" not in (vision or {}) and isinstance(getattr(vision_cls(), "image_size", None), int):
+            vision_cfg["image_size"] = side
         if "model_type" in vision_cls().to_dict():
             vision_cfg["model_type"] = vision_cls().model_type
         config = cls(text_config=text_cfg, vision_config=vision_cfg, **(top or {}))
@@ -249,6 +261,10 @@ RECIPES = {
                         dict(size={"height": 28, "width": 28}, image_seq_length=4), None, dict(projection_dim=64)),
     "glm4v": recipe("glm4v", None, MROPE),
     "paddleocr_vl": recipe("paddleocr_vl", None, MROPE),
+    "glm46v": recipe("glm46v", None, MROPE),
+    "glm4v_moe": recipe("glm4v_moe", None, dict(rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                                     mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
+                        like="glm4v"),
 }
 
 
