@@ -66,6 +66,11 @@ def test_qwen25_vl_packed_rows_with_images_equal_each_example_alone(qwen):
     for name, p in reference.named_parameters():  # the vision tower's and projector's too
         assert (packed[name] - p.grad).abs().max() <= 1e-5 * (p.grad.abs().max() + 1e-6), name
     assert any(n.startswith("model.visual") for n in packed)
+    # the form with a text-position row first ([4, 1, T]: each example's arange, then its 3-D positions)
+    text_row = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)]).view(1, 1, -1)
+    with torch.no_grad():
+        four = model(**row | {"position_ids": torch.cat([text_row, row["position_ids"]])}).logits[0]
+    assert torch.equal(four, logits.detach())
 
 
 def test_the_guard_refuses_what_prepare_did_not_vet(qwen):
