@@ -138,3 +138,6 @@ def test_gemma3_refused_under_causal_kernels_exact_with_its_mask_per_example():
         alone = reference(**exs[2]).logits[0]
     n = exs[2]["input_ids"].shape[1]
     assert (got[n:] - alone).abs().max() <= 1e-5 * alone.abs().max()
+    with_images = vision_probe.row(model, exs, [1, 2, 0])
+    with pytest.raises(ConfigError, match="without token_type_ids"), torch.no_grad():  # its blocks unmarked
+        model(**{k: v for k, v in with_images.items() if k != "token_type_ids"})

@@ -12,8 +12,9 @@ read the *text* row's boundaries, and Qwen's would receive them twice.
 At every packed forward of the prepared model (``row_refusal``), in one line: image placeholders without
 the row's vision inputs (the model would read the placeholders as text), vision inputs without
 placeholders, one example's placeholders not a whole number of the images given in order (the Qwen
-families, where each image's count is known from ``image_grid_thw``), and 3-D (mRoPE) positions without
-the row's ``cu_seq_lens`` (they carry no boundary the attention can read).
+families, where each image's count is known from ``image_grid_thw``), Gemma 3's images without the
+``token_type_ids`` that mark their blocks, and 3-D (mRoPE) positions without the row's ``cu_seq_lens``
+(they carry no boundary the attention can read).
 
 Where the text model's mask comes from its outer model (Gemma 3 builds it there: image blocks
 bidirectional), the inner language model receives it as a dict; ``outer_mask`` tells the guard that this
@@ -153,6 +154,10 @@ def row_refusal(model: Any, kwargs: dict) -> str | None:
                 "text): pass the row's vision inputs with it (the loader's batch as it is)")
     if given and not placed and kwargs.get("pixel_values") is not None:
         return "pixel_values come with it but it holds no image placeholder token: pass each row's own vision inputs"
+    family = getattr(model.config, "model_type", None)
+    if placed and family in vision_masks.FAMILIES and kwargs.get("token_type_ids") is None:
+        return ("its images come without token_type_ids, which mark the image blocks that attend both ways "
+                f"({family}): pass the row's token_type_ids (the loader's batch as it is)")
     counts = _per_image(model, kwargs)
     if counts is None or bounds is None or not placed:
         return None
