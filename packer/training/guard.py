@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import attention, mixers, vision, vision_probe
+from . import attention, mixers, vision_guard, vision_probe
 
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.
@@ -287,13 +287,13 @@ def _probe(model: Any, implementation: str, max_tokens: int | None, processor: A
             "prepare(model, probe=False) skips the probe"
         ) from e
     try:
-        probe.set_attn_implementation(vision.implementation_for(probe, implementation))
+        probe.set_attn_implementation(vision_guard.implementation_for(probe, implementation))
     except (ValueError, KeyError, ImportError) as e:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
     if probe.config._attn_implementation != implementation:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
     mixers.install(probe)  # the per-segment path is what is probed (one segment alone runs the mixer as it is)
-    vision.install(probe)  # a vision-language model's hooks, as prepare will install them
+    vision_guard.install(probe)  # a vision-language model's hooks, as prepare will install them
     exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens, mixers.thresholds(probe)))
     heads = [e[: PROBE_MIN_LEN + 1] for e in exs]
     # random draws show on any tokens: the short row, not the long one (quadratic in the eager reference)
@@ -360,7 +360,7 @@ def _boundaries_lost(module: Any, kwargs: dict, found: list, row_length: int) ->
     Shapes and attributes only, no host sync (cu_seq_lens on the CPU are read: free)."""
     cu = kwargs.get("cu_seq_lens_q")
     mask = kwargs.get("attention_mask")
-    if mask is not None and not vision.outer_mask(module, mask):
+    if mask is not None and not vision_guard.outer_mask(module, mask):
         return ("an attention_mask is passed with it (sdpa and eager then build their mask from it, across the "
                 "examples): drop the attention_mask column, the row's position_ids and cu_seq_lens carry its boundaries")
     if cu is not None and kwargs.get("position_ids") is None:
@@ -393,7 +393,7 @@ def _guard(model: Any, implementation: str, max_tokens: int | None, found: list 
     expected = [(c, c._attn_implementation) for c in _configs(model)]
     text = _text_config(model)
     found = found or []
-    vision_model = vision.is_vision_language(model)
+    vision_model = vision_guard.is_vision_language(model)
 
     def hook(module, args, kwargs):
         changed = [(c, was) for c, was in expected if c._attn_implementation != was]
@@ -402,8 +402,8 @@ def _guard(model: Any, implementation: str, max_tokens: int | None, found: list 
         cached = implementation in MASK_FROM_POSITIONS and _uses_cache(text, kwargs)
         longer = max_tokens is not None and _row_length(args, kwargs) > max_tokens
         lost = _boundaries_lost(module, kwargs, found, _row_length(args, kwargs))
-        packed = _is_packed(kwargs) or vision.packed_3d(kwargs)
-        lost = lost or (vision_model and packed and vision.row_refusal(module, kwargs))
+        packed = _is_packed(kwargs) or vision_guard.packed_3d(kwargs)
+        lost = lost or (vision_model and packed and vision_guard.row_refusal(module, kwargs))
         if not (changed or prefix or cached or longer or lost) or not packed:
             return None
         if lost:
@@ -458,7 +458,7 @@ def prepare(
     # without setting it, and Falcon/GPT-Neo are exact with transformers' sdpa. transformers refuses a
     # custom implementation it cannot set, and the probes judge what the forward actually does.
     why = config_refusals(text, implementation) + mixers.refusals(model, text, implementation)
-    if probe and processor is None and vision.is_vision_language(model):
+    if probe and processor is None and vision_guard.is_vision_language(model):
         why.append("a vision-language model is probed with images made by its processor: "
                    "prepare(model, processor=processor)")
     if why:
@@ -469,7 +469,7 @@ def prepare(
             device = next(model.parameters()).device
             # the probe's random draws (routing in training) leave the caller's generators as they were
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                _probe(model, implementation, max_tokens, processor if vision.is_vision_language(model) else None)
+                _probe(model, implementation, max_tokens, processor if vision_guard.is_vision_language(model) else None)
         except ConfigError:
             raise
         except Exception as e:  # a forward that fails on a packed row cannot be vouched for
@@ -481,7 +481,7 @@ def prepare(
             ) from e
     snapshot = [(c, c._attn_implementation_internal) for c in _configs(model)]
     try:
-        model.set_attn_implementation(vision.implementation_for(model, implementation))
+        model.set_attn_implementation(vision_guard.implementation_for(model, implementation))
         if config._attn_implementation != implementation:
             raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
     except (ValueError, KeyError, ImportError, ConfigError) as e:
@@ -503,5 +503,5 @@ def prepare(
         m.register_forward_pre_hook(hook, with_kwargs=True)
         for m in model.modules()
         if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
-    ] + vision.install(model)
+    ] + vision_guard.install(model)
     return model

@@ -86,7 +86,7 @@ from .. import fs
 from ..contract import rows, schema
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
-from . import decode
+from . import decode, vision
 
 STATE_VERSION = 2
 PAIR_KEYS = ("pair_roles", "pair_ids")  # a preference build's per-row keys (training/preference.py)
@@ -113,6 +113,7 @@ class _Batch:
     first: int  # the global index of its first row
     rows: rows.RowBatch
     roles: rows.Column | None = None  # a preference build's pair_roles (1 chosen, 0 rejected per segment)
+    arrow: Any = None  # an image build's record batch: its image columns (training/vision.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,9 @@ class _Shards:
     """The memory-mapped row batches of a shard directory, addressed by global row index."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
-                 vocab_size: int, row_format: schema.RowFormat | None = None) -> None:
+                 vocab_size: int, row_format: schema.RowFormat | None = None, images: vision.VisionRows | None = None
+                 ) -> None:
+        self.vision = images
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
@@ -154,7 +157,8 @@ class _Shards:
                 # views of the memory map; a preference build's example ids name its pairs (pair_ids)
                 row_batch = rows.RowBatch.from_arrow(batch, example_ids=schema.PAIR_COLUMN in batch.schema.names)
                 tokens += int(row_batch.input_ids.offsets[-1])
-                self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
+                self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles,
+                                           batch if images is not None else None))
                 self.starts.append(n)
                 self.checked.append(False)
                 self.bounds.append(None)
@@ -229,6 +233,8 @@ class _Shards:
             "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
+        if self.vision is not None:  # an image build: the row's vision inputs and positions (training/vision.py)
+            out = self.vision.row(self.batches[b].arrow, j, out, f"{self.batches[b].file} row {index}")
         roles = self.batches[b].roles
         if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
             # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
@@ -346,6 +352,7 @@ class PackedDataset(IterableDataset):
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
         self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
+        vision.check_view(self.manifest, self._view)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if loss_tokens != self.manifest.stats.loss_tokens:
             raise ShardFormatError(
@@ -376,7 +383,9 @@ class PackedDataset(IterableDataset):
 
     def _open(self) -> _Shards:
         if self._shards is None:
-            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format)
+            images = vision.VisionRows(self.manifest) if self.manifest.row_format.images else None
+            self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
+                                   images)
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables

@@ -1,175 +1,174 @@
-"""The vision-language side of ``prepare``: only the text model is switched, the vision tower keeps its
-own attention and never sees the row's boundaries, and a packed row's images are checked at the forward.
+"""An image build's rows as the model takes them: the vision inputs of a row's images and the positions
+the model computes, added to the text row's batch (the loader calls :class:`VisionRows` per row, in
+whichever process reads the row, so DataLoader workers decode and preprocess images in parallel).
 
-A vision-language model (a config with a ``vision_config``) is a text decoder fed image features in place
-of its placeholder tokens. Packing concerns the text decoder only: a vision tower attends within each image
-(Qwen's own ``cu_seqlens`` per image, a SigLIP/CLIP per image of the batch), so ``prepare`` leaves its
-attention implementation as it is (``implementation_for``), and ``install`` strips the row's keys
-(``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) from every call into a sub-model that is not the text
-model: LLaVA and Qwen pass their forward's kwargs on to the tower, where a flash implementation would
-read the *text* row's boundaries, and Qwen's would receive them twice.
+- The vision inputs: each segment's images decoded (:func:`packer.contract.vision.decode`) and put through
+  the processor's image processor alone, one call per example with the processor's image arguments, as
+  ``processor.apply_chat_template`` does for that example; each output the model takes concatenated over
+  the row's examples, in token order, under the processor's own names (``pixel_values``,
+  ``image_grid_thw``, ...): along axis 0, or for a family whose outputs have a per-example batch axis
+  (Idefics3/SmolVLM) along axis 1, the row one batch of one. A row without an image gets no vision key.
+- The processor's 0/1 image-token mask, under its name, for the families whose processor returns one.
+- ``position_ids``: for the mRoPE families, each example's positions as the model's own
+  ``get_rope_index`` computes them for that example alone (``[3, 1, len]``), concatenated along T, with the
+  text row's 1-D positions first where the model's forward takes a text-position row (``[4, 1, T]``).
+  Positions are recomputed here rather than stored: the function is the model's, its inputs (ids and
+  the image grids) are what the row holds, and a build then stores a third of the bytes and imports no
+  modeling code (docs/images.md).
 
-At every packed forward of the prepared model (``row_refusal``), in one line: image placeholders without
-the row's vision inputs (the model would read the placeholders as text), vision inputs without
-placeholders, one example's placeholders not a whole number of the images given in order (the Qwen
-families, where each image's count is known from ``image_grid_thw``), Gemma 3's images without the
-``token_type_ids`` that mark their blocks, and 3-D (mRoPE) positions without the row's ``cu_seq_lens``
-(they carry no boundary the attention can read).
-
-Where the text model's mask comes from its outer model (Gemma 3 builds it there: image blocks
-bidirectional), the inner language model receives it as a dict; ``outer_mask`` tells the guard that this
-mask was built for the row by the prepared model itself, not passed by the caller.
-
-The probe with images is ``vision_probe``.
-"""
+A segment's image tokens must be its images' counts, and (Qwen) each count the tokens its grid gives; a
+row where they are not is refused (``ShardFormatError``), never trained on."""
 
 from __future__ import annotations
 
+import types
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
-from . import mixers, vision_masks
-
-__all__ = ["is_vision_language", "implementation_for", "install", "row_refusal", "outer_mask", "image_token_id"]
-
-# The placeholder id's name in the configs of the families (image_token_id; LLaVA's image_token_index)
-IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
-# Inputs that carry a row's images (one of them present: the row has its vision inputs)
-PIXEL_KEYS = ("pixel_values", "mm_encoder_outputs", "image_embeds", "pixel_values_images")
-
-
-def is_vision_language(model: Any) -> bool:
-    """A composite model with a vision sub-config (image placeholders in the text, a vision tower)."""
-    config = getattr(model, "config", None)
-    return config is not None and "vision_config" in (getattr(config, "sub_configs", None) or {}) and getattr(
-        config, "vision_config", None) is not None  # fmt: skip
+from ..contract.vision import (
+    IMAGE_TOKENS,
+    IMAGES,
+    PROCESSOR_KEY,
+    decode,
+    family_of,
+    image_token_id,
+    images_kwargs,
+    load_processor,
+)
+from ..errors import ConfigError, ShardFormatError
 
 
-def _text_key(config: Any) -> str | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return next((k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is text), None)
+class VisionRows:
+    """What a row of an image build adds to the text batch (see the module's docstring)."""
+
+    def __init__(self, manifest) -> None:
+        record = manifest.tokenizer.get(PROCESSOR_KEY) or {}
+        self.name = record.get("name_or_path")
+        if not isinstance(self.name, str):
+            raise ShardFormatError("the manifest's tokenizer.processor names no processor folder; rebuild the folder")
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker loads the processor itself
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.name = state["name"]
+
+    @cached_property
+    def processor(self):
+        return load_processor(self.name)
+
+    @cached_property
+    def family(self):
+        return family_of(self.processor)
+
+    @cached_property
+    def _rope(self):
+        """The model class's own ``get_rope_index``, bound to an object holding what it reads: the family's
+        config (its class defaults) with the processor's merge size."""
+        import transformers
+
+        if self.family.rope_model is None:
+            return None
+        model = getattr(transformers, self.family.rope_model)
+        config = model.config_class()
+        config.vision_config.spatial_merge_size = self.processor.image_processor.merge_size
+        holder = types.SimpleNamespace(config=config)
+        holder.get_vision_position_ids = types.MethodType(model.get_vision_position_ids, holder)
+        return types.MethodType(model.get_rope_index, holder)
+
+    @cached_property
+    def _token(self) -> int:
+        return image_token_id(self.processor)
+
+    @cached_property
+    def _kwargs(self) -> dict[str, Any]:
+        return images_kwargs(self.processor)
+
+    @cached_property
+    def _keys(self) -> set[str]:
+        """The image processor's outputs the model takes (the processor's own drops, e.g. Gemma 3's num_crops)."""
+        return set(self.processor.image_processor.model_input_names) - set(self.processor.unused_input_names)
+
+    def row(self, arrow, j: int, out: dict[str, Any], where: str) -> dict[str, Any]:
+        """``out`` (the text batch of row ``j`` of record batch ``arrow``) with the row's vision inputs."""
+        blobs = arrow.column(IMAGES)[j].as_py()
+        counts = arrow.column(IMAGE_TOKENS)[j].values.to_numpy().astype(np.int64)
+        ids = out["input_ids"][0].numpy()
+        cu = out["cu_seq_lens_q"].numpy()
+        is_image = ids == self._token
+        # a segment's images are those whose image tokens its tokens hold, in order
+        per_segment = np.add.reduceat(is_image, cu[:-1]) if len(ids) else np.zeros(len(cu) - 1, np.int64)
+        bounds = np.searchsorted(np.concatenate([[0], np.cumsum(counts)]), np.concatenate([[0], np.cumsum(per_segment)]))
+        if len(counts) != len(blobs) or is_image.sum() != counts.sum() or not np.array_equal(
+                np.concatenate([[0], np.cumsum(counts)])[bounds], np.concatenate([[0], np.cumsum(per_segment)])):
+            raise ShardFormatError(f"{where}: its image tokens per segment ({per_segment.tolist()}) are not its "
+                                   f"{len(blobs)} images' ({counts.tolist()}); the shard is damaged, rebuild the folder")
+        outputs: list[dict] = []
+        grids: list[Any] = []
+        for s in range(len(cu) - 1):
+            mine = blobs[bounds[s]:bounds[s + 1]]
+            if not mine:
+                grids.append(None)
+                continue
+            # one call per example, its images nested as processor.__call__ gets them; numpy, one copy at the end
+            done = self.processor.image_processor([[decode(b) for b in mine]], **self._kwargs)
+            outputs.append({k: np.asarray(v) for k, v in done.items() if k in self._keys})
+            grid = outputs[-1].get("image_grid_thw")
+            grids.append(None if grid is None else torch.from_numpy(grid))
+        if outputs:
+            axis = 1 if self.family.batched else 0  # Idefics3: a batch of one holding the row's images
+            for key in outputs[0]:
+                values = [o[key] for o in outputs]
+                out[key] = torch.from_numpy(values[0] if len(values) == 1 else _concatenate(values, axis))
+            self._check_grids(out, counts, where)
+        if self.family.type_ids is not None:
+            out[self.family.type_ids] = torch.from_numpy(is_image.astype(np.int64))[None]
+        if self._rope is not None:
+            out["position_ids"] = self._positions(out, cu, grids)
+        return out
+
+    def _check_grids(self, out: dict[str, Any], counts: np.ndarray, where: str) -> None:
+        grid = out.get("image_grid_thw")
+        if grid is None:
+            return
+        tokens = (grid.prod(-1) // self.processor.image_processor.merge_size ** 2).numpy()
+        if not np.array_equal(tokens, counts):
+            raise ShardFormatError(f"{where}: the processor gives its images {tokens.tolist()} tokens, the row holds "
+                                   f"{counts.tolist()}; the build's processor is not this one, rebuild the folder")
+
+    def _positions(self, out: dict[str, Any], cu: np.ndarray, grids: list) -> torch.Tensor:
+        ids = out["input_ids"]
+        types_ = (ids == self._token).long()
+        parts = []
+        for s in range(len(cu) - 1):
+            lo, hi = int(cu[s]), int(cu[s + 1])
+            pos, _ = self._rope(ids[:, lo:hi], mm_token_type_ids=types_[:, lo:hi], image_grid_thw=grids[s])
+            parts.append(pos)
+        positions = torch.cat(parts, dim=2)
+        if self.family.text_row:
+            positions = torch.cat([out["position_ids"][None], positions], dim=0)
+        return positions
 
 
-def implementation_for(model: Any, implementation: str) -> str | dict:
-    """What to hand ``set_attn_implementation``: on a vision-language model the top and text configs only
-    (the other sub-configs, the vision tower's, keep theirs); otherwise ``implementation`` itself."""
-    if not is_vision_language(model):
-        return implementation
-    key = _text_key(model.config)
-    return {"": implementation, key: implementation} if key else {"": implementation}
+def _concatenate(values: list[np.ndarray], axis: int) -> np.ndarray:
+    """Along ``axis``; a batched family's per-example arrays padded to the largest on the axes after it
+    (Idefics3 pads its images to the batch's largest, its pixel_attention_mask marking what is real)."""
+    if axis == 0 or all(v.shape[2:] == values[0].shape[2:] for v in values):
+        return np.concatenate(values, axis=axis)
+    shape = [max(v.shape[d] for v in values) for d in range(values[0].ndim)]
+    padded = []
+    for v in values:
+        p = np.zeros((v.shape[0], v.shape[1], *shape[2:]), v.dtype)
+        p[(slice(None), slice(None), *(slice(0, n) for n in v.shape[2:]))] = v
+        padded.append(p)
+    return np.concatenate(padded, axis=axis)
 
 
-def image_token_id(config: Any) -> int | None:
-    for name in IMAGE_TOKEN_KEYS:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _strip_row(module, args, kwargs):
-    """A vision tower's pre-hook: the text row's boundaries are not its own."""
-    if any(k in kwargs for k in mixers.ROW_KEYS):
-        return args, {k: v for k, v in kwargs.items() if k not in mixers.ROW_KEYS}
-    return None
-
-
-_strip_row.packer_guard = True  # removed from the probe's copy with the guard's hooks
-
-
-def _sub_models(model: Any) -> list[torch.nn.Module]:
-    """The PreTrainedModels inside ``model`` whose config is neither the model's nor its text config's."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return [m for m in model.modules()
-            if m is not model and hasattr(m, "set_attn_implementation") and m.config is not config
-            and m.config is not text]  # fmt: skip
-
-
-def install(model: Any) -> list:
-    """On a vision-language model: the vision towers' row-stripping pre-hooks (run first), the inner
-    models marked (their mask may come from the outer model), Gemma 3's mask (``vision_masks``).
-    Returns the hook handles."""
-    if not is_vision_language(model):
-        return []
-    handles = [m.register_forward_pre_hook(_strip_row, with_kwargs=True, prepend=True) for m in _sub_models(model)]
-    for m in model.modules():
-        if m is not model and hasattr(m, "set_attn_implementation"):
-            m._packer_inner = True
-    return handles + vision_masks.install(model)
-
-
-def outer_mask(module: Any, mask: Any) -> bool:
-    """A mask dict handed to an inner model of a prepared vision-language model: built by its outer model
-    for this row (from the row's positions and image blocks), not passed by the caller."""
-    return isinstance(mask, dict) and getattr(module, "_packer_inner", False)
-
-
-def _spans(ids: torch.Tensor, token: int, bounds: list[int]) -> list[int]:
-    """How many placeholders each segment of the row holds."""
-    hits = (ids.reshape(-1) == token).to(torch.int64).cumsum(0)
-    at = [0] + [int(hits[b - 1]) if b > 0 else 0 for b in bounds[1:]]
-    return [b - a for a, b in zip(at[:-1], at[1:], strict=True)]
-
-
-def _per_image(model: Any, kwargs: dict) -> list[int] | None:
-    """Each image's placeholder count where the row's inputs say it (``image_grid_thw`` of the Qwen
-    families, over the tower's spatial merge); None elsewhere."""
-    grid = kwargs.get("image_grid_thw")
-    if grid is None:
-        return None
-    vision = getattr(model.config, "vision_config", None)
-    merge = getattr(vision, "spatial_merge_size", None)
-    if not isinstance(merge, int):
-        return None
-    return [int(x) for x in (grid.prod(-1) // merge**2).tolist()]
-
-
-def packed_3d(kwargs: dict) -> bool:
-    """3-D (mRoPE) position_ids of one row that restart at 0 inside it, without cu_seq_lens (a host sync)."""
-    pos = kwargs.get("position_ids")
-    if pos is None or pos.dim() != 3 or kwargs.get("cu_seq_lens_q") is not None or pos.shape[-1] < 2:
-        return False
-    return pos.shape[1] == 1 and bool((pos[0, 0, 1:] == 0).any())
-
-
-def row_refusal(model: Any, kwargs: dict) -> str | None:
-    """Why a packed row's vision inputs do not match its placeholders (None: they do, or not a VLM's row).
-
-    A host sync or two (the placeholders' count, the boundaries): paid on a vision-language model only."""
-    if packed_3d(kwargs):
-        return ("its 3-D (mRoPE) position_ids restart inside the row but no cu_seq_lens come with them (the "
-                "attention reads no boundary from 3-D positions): pass the loader's batch as it is")
-    ids = kwargs.get("input_ids")
-    cu = kwargs.get("cu_seq_lens_q")
-    bounds = None if cu is None else [int(x) for x in cu.tolist()]
-    token = image_token_id(model.config)
-    if ids is None or token is None:
-        return None
-    placed = int((ids == token).sum())
-    given = any(kwargs.get(k) is not None for k in PIXEL_KEYS)
-    if placed and not given:
-        return (f"it holds {placed} image placeholder tokens but no pixel_values (the model would read them as "
-                "text): pass the row's vision inputs with it (the loader's batch as it is)")
-    if given and not placed and kwargs.get("pixel_values") is not None:
-        return "pixel_values come with it but it holds no image placeholder token: pass each row's own vision inputs"
-    family = getattr(model.config, "model_type", None)
-    if placed and family in vision_masks.FAMILIES and kwargs.get("token_type_ids") is None:
-        return ("its images come without token_type_ids, which mark the image blocks that attend both ways "
-                f"({family}): pass the row's token_type_ids (the loader's batch as it is)")
-    counts = _per_image(model, kwargs)
-    if counts is None or bounds is None or not placed:
-        return None
-    if sum(counts) != placed:
-        return (f"its image_grid_thw gives {sum(counts)} placeholder tokens for {len(counts)} images but the row "
-                f"holds {placed}: pass each row's own vision inputs")
-    images = iter(enumerate(counts))
-    for seg, n in enumerate(_spans(ids, token, bounds)):
-        while n > 0:
-            i, c = next(images)
-            if c > n:
-                return (f"example {seg}'s placeholders end inside image {i} ({c} tokens): its images are not whole; "
-                        "pass each row's vision inputs in token order")
-            n -= c
-    return None
+def check_view(manifest, view) -> None:
+    """An image build's rows are whole rows: a context-parallel share or a fixed shape is refused."""
+    if PROCESSOR_KEY in manifest.tokenizer and view is not None:
+        raise ConfigError("an image build's rows cannot be split for context parallelism or padded to a fixed "
+                          "shape yet (their images are per example); use cp_size=1 and static_shapes=False")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import vision
+from . import vision_guard
 
 __all__ = ["examples", "row", "compare"]
 
@@ -182,7 +182,7 @@ def compare(probe: Any, implementation: str, processor: Any, tolerance: float, r
         d = (logits[bounds[i] : bounds[i + 1]] - a_logits).abs().max().item()
         scale = a_logits.abs().max().item()
         if d > tolerance * scale:
-            what = "text only" if vision.PIXEL_KEYS[0] not in exs[i] else f"{lens[i]} tokens with images"
+            what = "text only" if vision_guard.PIXEL_KEYS[0] not in exs[i] else f"{lens[i]} tokens with images"
             raise refuse(f"image probe: example {i} ({what}) gets logits {d:.3g} packed away from the ones it gets "
                          f"alone through eager attention (tolerance {tolerance * scale:.2g}), with "
                          f"attn_implementation={implementation!r}{hint}")
