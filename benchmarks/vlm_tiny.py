@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 MAX_PARAMS = 8_000_000
-# A Qwen-VL style chat template (the families' own is in their checkpoints, not in transformers)
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif item['type'] == 'text' %}"
-    "{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
+
+def _trl_template(name: str) -> str:
+    """A chat template TRL ships (``trl/chat_templates``): the families' own, as their checkpoints hold them."""
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+QWEN_TEMPLATE = _trl_template("qwen2_5_vl")
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -321,3 +325,15 @@ def packed_row(exs: list[dict]) -> dict:
         if parts:
             row[key] = torch.cat(parts)
     return row | {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens), "max_length_k": max(lens)}
+
+
+def save_processor(processor, folder) -> Path:
+    """``processor`` as a processor folder the images build loads (``--processor``): its image processor,
+    tokenizer, chat template and class name."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    processor.image_processor.save_pretrained(folder)
+    processor.tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(processor.chat_template)
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__}))
+    return folder
