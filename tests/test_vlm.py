@@ -76,13 +76,13 @@ def test_qwen25_vl_packed_rows_with_images_equal_each_example_alone(qwen):
 def test_the_guard_refuses_what_prepare_did_not_vet(qwen):
     model, _, _, exs = qwen
     row = packed_row(exs)
+    first_image = int((row["input_ids"][0] == model.config.image_token_id).nonzero()[0])
+    cut = torch.tensor([0, first_image + 2, row["input_ids"].shape[1]], dtype=torch.int32)
     cases = {
         "no pixel_values": ({k: v for k, v in row.items() if k != "pixel_values"}, "no pixel_values"),
         "3-D positions, no cu_seq_lens": ({k: v for k, v in row.items() if not k.startswith("cu_seq")}, "mRoPE"),
-        # a boundary inside example 0's second image: its placeholders are not whole images
-        "image cut": (row | {"cu_seq_lens_q": torch.tensor([0, 40, row["input_ids"].shape[1]], dtype=torch.int32),
-                             "cu_seq_lens_k": torch.tensor([0, 40, row["input_ids"].shape[1]], dtype=torch.int32)},
-                      "not whole"),  # fmt: skip
+        # a boundary inside the row's first image: its example's placeholders are not whole images
+        "image cut": (row | {"cu_seq_lens_q": cut, "cu_seq_lens_k": cut}, "not whole"),
     }
     for name, (batch, words) in cases.items():
         with pytest.raises(ConfigError, match=words) as e, torch.no_grad():

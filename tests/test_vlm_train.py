@@ -26,7 +26,7 @@ def _per_example_losses(model, row) -> list[torch.Tensor]:
 def setup():
     model, processor = build("qwen2_5_vl")
     chats = demo_chats(8)
-    rows = make_rows(model, processor, chats, max_tokens=400)
+    rows = make_rows(model, processor, chats, max_tokens=700)
     return model, processor, chats, rows
 
 
