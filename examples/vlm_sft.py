@@ -1,22 +1,24 @@
 """Fine-tune a vision-language model (Qwen2.5-VL style) on packed rows with images, on the CPU.
 
-    python examples/vlm_sft.py [--data chats.jsonl] [--steps 20] [--max-tokens 512] [--trainer loop|sft]
+    python examples/vlm_sft.py [--data chats.jsonl] [--steps 20] [--max-len 512] [--trainer loop|sft]
 
 Each line of ``--data`` is a chat ``{"messages": [...], "images": ["a.jpg", ...]}`` (an image item
-``{"type": "image"}`` in a message's content where each image goes, in order); without it, a demo set of
-question/answer chats about crops of matplotlib's sample photographs. The model is a tiny random
-Qwen2.5-VL (benchmarks/vlm_tiny.py) with its processor.
+``{"type": "image"}`` in a message's content where each image goes, in order, the paths relative to the
+file); without it, a demo set of question/answer chats about crops of matplotlib's sample photographs.
+The model is a tiny random Qwen2.5-VL (benchmarks/vlm_tiny.py) with its processor, saved as a processor
+folder.
 
-Rows are made by hand here, as the images build makes them (docs/training.md, "Vision-language models"):
-each chat through the processor's ``apply_chat_template`` alone, its 3-D positions from the model's own
-``get_rope_index`` alone; chats packed first-fit into rows of at most ``--max-tokens``; a row's tokens,
-labels and positions concatenated, its images' ``pixel_values``/``image_grid_thw`` in token order, and
-the boundaries as ``cu_seq_lens_*``. ``packer.prepare(model, processor=processor)`` switches the text
-model to ``packer_varlen`` after probing it with images; the vision tower keeps its own attention (per
-image). Each example's loss in a row equals its loss alone (tests/test_vlm_train.py).
+The data goes through packer as any user's would: ``packer build`` with ``--processor`` (each example the
+processor's tokens, its images stored once), then ``make_dataloader``: each row's tokens and labels, its
+images' ``pixel_values``/``image_grid_thw`` in token order, each example's own 3-D positions from the
+model's ``get_rope_index`` and the boundaries as ``cu_seq_lens_*`` (docs/images.md).
+``packer.prepare(model, processor=processor)`` switches the text model to ``packer_varlen`` after probing
+it with images; the vision tower keeps its own attention (per image). Each example's loss in a row equals
+its loss alone (tests/test_vlm_train.py).
 
 ``--trainer sft``: TRL's ``SFTTrainer`` on the same rows (one row a micro-batch, the collator hands the row
-on as it is); ``loop``: a plain PyTorch loop with a progress bar.
+on as it is); ``loop``: a plain PyTorch loop with a progress bar. ``make_rows`` packs chats by hand, as
+the build does (the benchmark's path: benchmarks/bench_vlm.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from tqdm import tqdm
 from packer import prepare
 
 try:
-    from benchmarks.vlm_tiny import build, chat_example, packed_row
+    from benchmarks.vlm_tiny import build, chat_example, packed_row, save_processor
 except ModuleNotFoundError:  # `python examples/vlm_sft.py`: sys.path holds examples/, not the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.vlm_tiny import build, chat_example, packed_row
+    from benchmarks.vlm_tiny import build, chat_example, packed_row, save_processor
 
 SAMPLES = Path(__import__("matplotlib").get_data_path()) / "sample_data"
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png")
@@ -125,17 +127,41 @@ def sft_trainer(model, processor, rows: list[dict], steps: int, output_dir: str,
                                        data_collator=lambda features: rows[features[0]["row"]])  # fmt: skip
 
 
+def build_rows(processor, chats, max_len: int, workdir: Path) -> list[dict]:
+    """``chats`` through ``packer build --processor`` and ``make_dataloader``: the loader's rows."""
+    from packer import make_dataloader
+    from packer.building.pipeline import build as build_shards
+    from packer.contract.config import BuildConfig
+
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    with open(data / "data.jsonl", "w") as f:
+        for i, (images, messages) in enumerate(chats):
+            names = [f"{i}_{j}.png" for j in range(len(images))]
+            for image, name in zip(images, names, strict=True):
+                image.save(data / name)
+            f.write(json.dumps({"messages": messages, "images": names}) + "\n")
+    out = workdir / "shards"
+    build_shards(BuildConfig(source=str(data / "data.jsonl"), out=str(out), pack="bfd", max_len=max_len, num_proc=1,
+                             processor=str(save_processor(processor, workdir / "processor"))))  # fmt: skip
+    return [{k: v for k, v in b.items() if k != "num_items_in_batch"} for b in make_dataloader(out, shuffle=False)]
+
+
 def main(argv: list[str] | None = None) -> list[float]:
+    import tempfile
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", help="a JSONL of chats with images (default: the demo set)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=512, help="the longest example (the build's --max-len)")
     p.add_argument("--trainer", choices=("loop", "sft"), default="loop")
     p.add_argument("--output-dir", default="vlm-sft-out")
     args = p.parse_args(argv)
     model, processor = build("qwen2_5_vl")
-    rows = make_rows(model, processor, read_chats(args.data) if args.data else demo_chats(), args.max_tokens)
-    prepare(model, processor=processor, max_tokens=args.max_tokens)
+    chats = read_chats(args.data) if args.data else demo_chats()
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = build_rows(processor, chats, args.max_len, Path(workdir))
+    prepare(model, processor=processor, max_tokens=max(r["input_ids"].shape[1] for r in rows))
     print(f"{len(rows)} packed rows, {sum(r['input_ids'].shape[1] for r in rows)} tokens, "
           f"{sum(len(r['image_grid_thw']) for r in rows if 'image_grid_thw' in r)} images")  # fmt: skip
     if args.trainer == "sft":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.vlm_tiny import build
-from examples.vlm_sft import demo_chats, make_rows, sft_trainer, train_loop
+from examples.vlm_sft import build_rows, demo_chats, make_rows, sft_trainer, train_loop
 from packer import prepare
 
 
@@ -92,27 +92,8 @@ def test_trains_on_make_dataloader_rows_of_an_image_build(setup, tmp_path):
     """The images build and its loader end to end: a build of chats about real photographs with the tiny
     model's own processor, make_dataloader's rows (vision inputs and [4, 1, T] positions made by the loader)
     through the prepared model, each example's loss equal to its loss alone, and a few steps lower it."""
-    import json
-
-    from benchmarks.vlm_tiny import save_processor
-    from packer import make_dataloader
-    from packer.building.pipeline import build as build_shards
-    from packer.contract.config import BuildConfig
-
     model, processor, chats, _ = setup
-    folder = tmp_path / "data"
-    folder.mkdir()
-    with open(folder / "data.jsonl", "w") as f:
-        for i, (images, messages) in enumerate(chats):
-            names = []
-            for j, image in enumerate(images):
-                names.append(f"{i}_{j}.png")
-                image.save(folder / names[-1])
-            f.write(json.dumps({"messages": messages, "images": names}) + "\n")
-    out = tmp_path / "shards"
-    build_shards(BuildConfig(source=str(folder / "data.jsonl"), out=str(out), processor=str(save_processor(
-        processor, tmp_path / "processor")), pack="bfd", max_len=400, num_proc=1))  # fmt: skip
-    rows = [{k: v for k, v in b.items() if k != "num_items_in_batch"} for b in make_dataloader(out, shuffle=False)]
+    rows = build_rows(processor, chats, 400, tmp_path)  # packer build --processor, then make_dataloader
     assert sum(len(r["cu_seq_lens_q"]) - 1 for r in rows) == len(chats) and rows[0]["position_ids"].shape[0] == 4
     model = prepare(copy.deepcopy(model), processor=processor)
     _check_row_losses(model, _eager_copy(model), rows)
