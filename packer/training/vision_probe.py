@@ -108,7 +108,9 @@ def row(model: Any, exs: list[dict], images: list[int]) -> dict:
     lens = [e["input_ids"].shape[1] for e in exs]
     pos = [_positions(model, e) for e in exs]
     shape = next((p.shape[:-2] for p in pos if p is not None and p.dim() == 3), ())
-    pos = [(p if p is not None else torch.arange(n).view(1, n)).expand(*shape, 1, n) for p, n in zip(pos, lens, strict=True)]
+    device = exs[0]["input_ids"].device
+    pos = [(p if p is not None else torch.arange(n, device=device).view(1, n)).expand(*shape, 1, n)
+           for p, n in zip(pos, lens, strict=True)]  # fmt: skip
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     out = dict(position_ids=torch.cat(pos, dim=-1), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                max_length_q=max(lens), max_length_k=max(lens))  # fmt: skip
@@ -161,7 +163,8 @@ def compare(probe: Any, implementation: str, processor: Any, tolerance: float, r
     through an eager copy; ``refuse(why)`` makes the error raised."""
     reference = copy.deepcopy(probe)
     reference.set_attn_implementation("eager")
-    exs = examples(processor)
+    device = next(probe.parameters()).device  # the processor's tensors to the model's device (a GPU's)
+    exs = [{k: v.to(device) for k, v in e.items()} for e in examples(processor)]
     packed = row(reference, exs, [len(which) for _, which in SPECS][: len(exs)])
     lens = [e["input_ids"].shape[1] for e in exs]
     bounds = [0, *itertools.accumulate(lens)]
