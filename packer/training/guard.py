@@ -46,6 +46,10 @@ no packed mask); and whatever implementation, if an ``attention_mask`` comes wit
 hybrid model, if a mixer was replaced, a context-parallel share arrives, or gradient checkpointing would
 recompute a mixer out of the boundaries' reach (``_boundaries_lost``). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
+
+A vision-language model (``prepare(model, processor=processor)``) has only its text model switched, its
+vision tower left per image and without the row's keys, a probe with images (``vision_probe``), and the
+row's images checked at every packed forward (``vision_guard``; Gemma 3's mask: ``vision_masks``).
 """
 
 from __future__ import annotations
