@@ -286,7 +286,7 @@ def test_packing_never_cuts_an_image(data, processor_dir, tmp_path):
         assert len(first[1]) == 200 and first[3]["image_tokens"] == [44]
 
 
-def test_a_text_build_keeps_its_bytes_and_imports_no_image_code(tmp_path):
+def test_a_text_build_has_no_image_columns(tmp_path):
     """The image columns are optional: a build without --processor has none (test_digests pins its bytes)."""
     result = build(BuildConfig(source="flan", out=str(tmp_path / "t"), limit=20))
     assert not result.manifest.row_format.images
@@ -303,6 +303,13 @@ def test_verify_checks_the_image_columns_and_rederives_the_tokens(built, data, t
     lines = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
     assert report.ok, [str(p) for p in report.problems]
     assert report.checked["images"] == sum(len(r["images"]) for r in lines)
+    from PIL import Image, ImageOps
+
+    changed = tmp_path / "changed_source"  # the same records, one picture replaced by another of its size
+    shutil.copytree(data, changed)
+    ImageOps.mirror(Image.open(data / "hopper_wide.png")).save(changed / "hopper_wide.png")
+    problems = [str(p) for p in verify(built, source=str(changed / "data.jsonl")).problems]
+    assert any("other images than their source" in p for p in problems), problems
     for column, change, expect in (
         ("image_tokens", lambda v, o: v.__setitem__(0, v[0] + 1), "the processor gives"),
         ("images", lambda v, o: v.__setitem__(0, v[0][:300]), "does not decode"),
@@ -423,3 +430,11 @@ def test_shards_are_cut_by_their_image_bytes_too(processor_dir, tmp_path):
     result = build(BuildConfig(source=str(tmp_path / "data.jsonl"), out=str(tmp_path / "out"), processor=str(processor_dir),
                                batch_size=1, shard_size_mb=1, num_proc=1))
     assert len(result.manifest.shards) == 2
+
+
+def test_a_hub_processor_that_is_not_in_the_cache_is_one_line_offline(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(main, ["build", str(data / "data.jsonl"), "--processor", "nobody-packer/no-such-vlm",
+                                       "--tokenizer", "bundled", "--out", str(tmp_path / "out"), "-q"])
+    line = one_line(result)
+    assert "--processor nobody-packer/no-such-vlm" in line and "download it" in line

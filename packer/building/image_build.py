@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..contract.config import BuildConfig
-from ..contract.vision import PROCESSOR_FILES, PROCESSOR_KEY, load_processor, processor_info
+from ..contract.vision import PROCESSOR_FILES, PROCESSOR_KEY, load_processor, processor_folder, processor_info
 from ..errors import ConfigError, PackerError
-from . import sources
+from . import hub, sources
 from .image_encoder import ImageEncoder
 
 DEFAULT_IMAGES_FIELDS = ("images", "image")
@@ -24,6 +24,8 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
     field = config.images_field or next((f for f in DEFAULT_IMAGES_FIELDS if f in columns), DEFAULT_IMAGES_FIELDS[0])
     if field not in columns:
         raise ConfigError(f"--images-field {field}: the data has no such field; its columns are {', '.join(columns)}")
+    if not Path(config.processor).expanduser().is_dir():  # a Hub id: its files fetched into the cache, if the Hub answers
+        processor_folder(config.processor, download=hub.reachable())
     base = Path(stream.files[0]).parent if stream.source.kind == "local" and stream.files else None
     return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
                         max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors,
@@ -33,8 +35,13 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
 def default_processor(config: BuildConfig) -> BuildConfig:
     """``--processor`` left out: the ``--tokenizer`` folder, when it holds a processor's config and the
     (first) source's records have an images field; else the config as it is (a text build)."""
-    folder = Path(config.tokenizer).expanduser() if config.tokenizer else None
-    if config.processor is not None or folder is None or not any((folder / f).is_file() for f in PROCESSOR_FILES):
+    if config.processor is not None or not config.tokenizer:
+        return config
+    try:
+        folder = Path(config.tokenizer).expanduser()
+        if not any((folder / f).is_file() for f in PROCESSOR_FILES):
+            return config
+    except (OSError, RuntimeError):  # no such user's home, a name too long: loading the tokenizer says so
         return config
     part = (config.mix or ({"source": config.source},))[0]
     try:

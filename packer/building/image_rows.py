@@ -41,9 +41,10 @@ def image_columns(store: ImageStore, plan: Plan, s_lo: int, s_hi: int, seg_split
     row_off = seg_first[seg_splits].astype(np.int32)
     blobs = store.read(rows)
     sizes = np.fromiter(map(len, blobs), np.int64, count=len(blobs))
-    data_off = np.zeros(len(blobs) + 1, np.int32)
+    data_off = np.zeros(len(blobs) + 1, np.int64)
     np.cumsum(sizes, out=data_off[1:])
-    binary = pa.Array.from_buffers(pa.binary(), len(blobs), [None, pa.py_buffer(data_off), pa.py_buffer(b"".join(blobs))])
+    binary = pa.Array.from_buffers(pa.large_binary(), len(blobs),
+                                   [None, pa.py_buffer(data_off), pa.py_buffer(b"".join(blobs))])
     tokens = store.index[rows, 6].astype(np.int32)
     hw = store.index[rows][:, 2:4].astype(np.int32).reshape(-1)
     return [

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..contract.vision import MAX_PIXELS, decode, open_image, oriented_size
+from ..contract.vision import MAX_PIXELS, open_image, oriented_size
 from ..errors import RecordError
 
 
@@ -72,7 +72,8 @@ def read_image(value: Any, base: Path | None, which: str) -> Image:
                                   "(a decompression bomb, or a scan far larger than any processor's input); resize "
                                   "it", "image_too_large")
             height, width = oriented_size(image)
-            decode(data)  # decoded whole once, then dropped: a truncated or corrupt file fails here
+            image.load()  # decoded whole once (no converted copy), then dropped: a truncated or corrupt file fails here
+            del image
     except RecordError:
         raise
     except PILImage.DecompressionBombError:  # PIL's own guard, past twice its MAX_IMAGE_PIXELS, at the header

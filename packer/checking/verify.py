@@ -90,7 +90,7 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
         report.checked.update(rows=totals.rows, tokens=totals.tokens, segments=totals.segments)
         check_totals(manifest, totals, report)
     if manifest.row_format.images:  # an image build: its image columns (checking/verify_images.py)
-        check_images(directory, manifest, entries, report)
+        check_images(directory, manifest, entries, report, source, tok)
     if source is not None:
         check_source(manifest, source, tok, totals, report, progress)
     return report

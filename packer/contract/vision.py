@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -32,7 +33,8 @@ from ..errors import ConfigError
 
 IMAGES, IMAGE_TOKENS, IMAGE_SIZES = "images", "image_tokens", "image_sizes"
 IMAGE_FIELDS = (
-    pa.field(IMAGES, pa.list_(pa.binary()), nullable=False),
+    # large_binary: 64-bit byte offsets, so a record batch's images may pass 2 GB (a batch holds up to 2**20 tokens)
+    pa.field(IMAGES, pa.list_(pa.large_binary()), nullable=False),
     pa.field(IMAGE_TOKENS, pa.list_(pa.int32()), nullable=False),
     pa.field(IMAGE_SIZES, pa.list_(pa.int32()), nullable=False),
 )
@@ -157,15 +159,35 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")  # a processor's files: no weights
+
+
+def processor_folder(name: str, *, download: bool = False) -> Path:
+    """The folder of processor ``name``: a local folder, or a Hub id's files in the local Hub cache
+    (``download``: fetched first; the build asks, once it knows the Hub answers); a ConfigError otherwise."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return folder
+    if name.startswith((".", "~", "/")) or not HUB_ID.match(name):
+        raise ConfigError(f"--processor {name}: no such folder; give a processor folder (save_pretrained's) or a Hub id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=list(HUB_FILES), local_files_only=not download))
+    except Exception as e:  # huggingface_hub's errors for a missing repo, no network, a cache miss
+        where = "the Hugging Face Hub cannot give it" if download else "not in the Hub cache while offline"
+        raise ConfigError(f"--processor {name}: not a local folder, and {where} ({type(e).__name__}); download it "
+                          "where there is network and pass the folder") from None
+
+
 @cache
 def load_processor(name: str):
-    """The processor in folder ``name`` as ``AutoProcessor`` loads it, or assembled without its video
-    processor where that needs torchvision; a ConfigError in one line otherwise."""
+    """The processor ``name`` (a folder, or a Hub id in the local cache) as ``AutoProcessor`` loads it, or
+    assembled without its video processor where that needs torchvision; a ConfigError in one line otherwise."""
     import transformers
 
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"--processor {name}: no such folder; give a processor folder (save_pretrained's)")
+    folder = processor_folder(name)
     if not any((folder / f).is_file() for f in PROCESSOR_FILES):
         raise ConfigError(f"--processor {name}: holds neither {' nor '.join(PROCESSOR_FILES)}, so it is not a "
                           "processor's folder; save the model's processor there (`AutoProcessor...save_pretrained`)")
