@@ -97,6 +97,10 @@ def main() -> None:
 @click.option("--chat-template", type=click.Path(dir_okay=False),
               help="Jinja file rendering chat data instead of the tokenizer's template (e.g. a {% generation %}-tagged one).")
 @click.option("--tools-field", help="Record field holding tool definitions passed to the chat template (default: tools, if present).")
+@click.option("--processor",
+              help="Image+text data: the model's processor folder or Hub id (its chat template, image processor and "
+                   "tokenizer).")
+@click.option("--images-field", help="With --processor: the record field holding each record's images (default: images).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--epochs", type=int, default=DEFAULTS["epochs"], show_default=True,

@@ -310,6 +310,9 @@ def row_lines(view: Row, *, show_ids: bool, color: bool, width: int) -> list[str
         head = (f"segment {seg.segment} · {role}example {seg.example_id} · tokens {seg.offset:,}.."
                 f"{seg.offset + seg.length:,} ({seg.length:,}) · {seg.trained_tokens:,} trained{padded}")
         lines.append(f"{bar} " + (click.style(head, fg=hue, bold=True) if color else head))
+        if seg.images:  # an image build: the segment's images, each a span of placeholder tokens
+            spans = "; ".join(f"{i['tokens']:,} tokens at {i['offset']:,}, {i['height']} x {i['width']}" for i in seg.images)
+            lines.append(f"{bar} " + click.style(f"{len(seg.images)} image(s): {spans}", dim=color or None))
         pieces: list[tuple[str, str]] = []  # (text, kind): kind in masked / trained / elided
         for run in seg.runs or ():
             if isinstance(run, Elided):

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import ConfigError, SourceError
 from ..planning.accounting import account
+from .image_encoder import EncodedImages, reordered
 from .tokenization import Encoded, Encoder, Skipped
 
 if TYPE_CHECKING:
@@ -388,7 +389,8 @@ class MixEncoder:
         new_starts = np.zeros(new_len.size + 1, np.int64)
         np.cumsum(new_len, out=new_starts[1:])
         index = np.repeat(starts[:-1][order] - new_starts[:-1], new_len) + np.arange(int(new_starts[-1]))
-        return Encoded(ids[index], trained[index], new_len, example_ids[order], Skipped(tuple(skipped)))
+        out = Encoded(ids[index], trained[index], new_len, example_ids[order], Skipped(tuple(skipped)))
+        return reordered(out, done, order) if isinstance(done[0], EncodedImages) else out  # an image build's images too
 
 
 def part_counts(parts: list[dict[str, Any]], seed: int, records: int, example_ids: np.ndarray, lengths: np.ndarray,

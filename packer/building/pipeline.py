@@ -30,7 +30,7 @@ from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
-from . import engines, mix, output, sources, spill
+from . import engines, image_build, mix, output, sources, spill
 from .formatting import make_spec
 from .preference import PairEncoder
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
@@ -104,7 +104,9 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
         read |= _signatures(stream)
         fields = {f: part.get(f) for f in mix.FIELDS}
         try:
-            spec = make_spec(recipe=source.recipe, config=config.replace(mix=None, **fields), columns=stream.columns())
+            columns = stream.columns()
+            spec = make_spec(recipe=source.recipe, config=image_build.for_columns(config.replace(mix=None, **fields), columns),
+                             columns=columns)
         except ConfigError as e:
             if config.mix is None:
                 raise
@@ -113,7 +115,10 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
             raise ConfigError(f"mix part {k + 1} ({part['source']}): a mix of preference pairs and SFT data cannot be "
                               "packed into one build (pairs train with a DPO loss); build them apart")
         streams.append(stream)
-        encoders.append((PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors))
+        if config.processor is not None:  # image+text records (packer.building.image_build)
+            encoders.append(image_build.encoder(config, tokenizer, spec, stream, skip_errors=skip_errors))
+        else:
+            encoders.append((PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors))
         wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
         infos.append(source_info(stream))
     record = infos[0] if config.mix is None else {
@@ -197,6 +202,7 @@ def build(config: BuildConfig, *, progress: bool = False) -> BuildResult:
     interrupted past its commit point (its manifest written) is complete: it returns.
     """
     started = time.time_ns()
+    config = image_build.default_processor(config)  # --processor left out: a processor's --tokenizer folder
     out = output.local_folder(config.out)
     try:
         return _locked_build(config, out, progress=progress)
@@ -328,7 +334,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
-    identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
+    identity = {"config": config.identity(),
+                "tokenizer": image_build.tokenizer_record(config, tokenizer_info(tokenizer, config.tokenizer or BUNDLED)),
                 "source": opened.source}
     previous = output.check(out, identity, config.overwrite)
     if previous is not None:
@@ -344,7 +351,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
 
     pad_id = None if config.layout() is None else pad_token_id(identity["tokenizer"])
     row_format = schema.RowFormat.of(config.format_version, id_bound=id_bound, longest_segment=config.longest_segment(),
-                                     padded=pad_id is not None, pairs=opened.pairs)
+                                     padded=pad_id is not None, pairs=opened.pairs, images=config.processor is not None)
     check_room(config, lengths, out, row_format)
     plan = plan_rows(config, lengths, tokens.trained_flags(), pad_id or 0, pairs=opened.pairs)
     if plan.num_rows == 0:

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from . import image_spill
 from .mix import MixEncoder, MixStream
 from .tokenization import Skipped
 
@@ -65,6 +66,7 @@ class TokenStore:
     trained_path: Path  # uint8 per token, 1 where the token is a target
     offsets: np.ndarray  # int64[examples+1]
     example_ids: np.ndarray  # int64[examples]: source record index of each example
+    images: image_spill.ImageStore | None = None  # an image build's images (packer.building.image_spill)
 
 
 @dataclass(slots=True)
@@ -94,6 +96,7 @@ class Spill:
             trained_path=self.folder / "trained.bin",
             offsets=offsets,
             example_ids=self.example_ids,
+            images=image_spill.open_images(self.folder, len(self.lengths)),
         )
 
 
@@ -131,6 +134,8 @@ def _open_spill(folder: Path, identity: dict[str, Any]) -> tuple[dict[str, Any],
                 if not path.is_file() or path.stat().st_size < need:
                     progress = None  # a marker without its data: start over
                     break
+            if progress is not None and not image_spill.complete(folder, progress):
+                progress = None  # an image build's marker without its images: start over
     if progress is None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -180,6 +185,7 @@ def tokenize(
                   + (" (all of them)" if done.get("finished") else "" if start else
                      " (the interrupted run committed none)"), file=sys.stderr)
     files = {key: open(folder / name, "ab") for key, (name, _) in _FILES.items()}  # noqa: SIM115
+    images = image_spill.Appender(folder, done)  # an image build's images, beside the tokens
     pending, committed = 0, time.monotonic()  # records since the last commit, and when it was
     try:
         for chunk in chunks:
@@ -187,6 +193,7 @@ def tokenize(
             files["trained"].write(chunk.trained.astype(np.uint8, copy=False).tobytes())
             files["lengths"].write(chunk.lengths.astype(np.int32).tobytes())
             files["example_ids"].write(chunk.example_ids.astype(np.int64, copy=False).tobytes())
+            images.append(chunk, done)
             # records, not examples: a preference record is two examples with one id (adjacent)
             ids = chunk.example_ids
             consumed = int(ids.size and 1 + np.count_nonzero(ids[1:] != ids[:-1])) + sum(chunk.skipped.values())
@@ -198,10 +205,10 @@ def tokenize(
             bar.update(consumed)
             pending += consumed
             if pending >= COMMIT_RECORDS or time.monotonic() - committed >= COMMIT_SECONDS:
-                _commit(folder, files, done)
+                _commit(folder, {**files, **images.files}, done)
                 pending, committed = 0, time.monotonic()
         done["finished"] = True
-        _commit(folder, files, done)
+        _commit(folder, {**files, **images.files}, done)
         if bar.total is not None and bar.n != bar.total:  # the total was an estimate: end the bar at 100%
             bar.total = bar.n
             bar.refresh()
@@ -209,6 +216,7 @@ def tokenize(
         bar.close()
         for f in files.values():
             f.close()
+        images.close()
         close = getattr(chunks, "close", None)
         if close is not None:
             close()  # stops a worker pool at once when a chunk failed

@@ -26,6 +26,7 @@ from .. import fs
 from ..contract import schema
 from ..planning.context_parallel import padding_positions
 from ..planning.plan import Plan
+from .image_rows import image_columns, row_bytes
 from .spill import TokenStore
 
 ROWS_PER_BATCH = 1024  # Arrow record batch: at most this many rows ...
@@ -109,6 +110,8 @@ def assemble(plan: Plan, store: TokenStore, row_lo: int, row_hi: int,
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow(seg_pad.astype(np.int32))))
     if schema.PAIR_COLUMN in fmt.extra:  # rows hold whole pairs, so a segment's parity is its role: chosen first
         columns.append(pa.ListArray.from_arrays(seg_off, _arrow((np.arange(s_lo, s_hi) % 2 == 0).astype(np.int8))))
+    if fmt.images:  # an image build: its rows' images (packer.building.image_rows)
+        columns += image_columns(store.images, plan, s_lo, s_hi, seg_splits)
     return pa.RecordBatch.from_arrays(columns, schema=fmt.schema())
 
 
@@ -145,13 +148,17 @@ def _read_segments(store: TokenStore, seg_src, seg_out, seg_len, input_ids: np.n
         os.close(fd_trained)
 
 
-def shard_bounds(plan: Plan, shard_bytes: int, row_format: schema.RowFormat | None = None) -> list[tuple[int, int]]:
-    """Cut the rows into shards of about ``shard_bytes`` uncompressed (never an empty shard, always ≥ 1 row)."""
+def shard_bounds(plan: Plan, shard_bytes: int, row_format: schema.RowFormat | None = None,
+                 extra: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """Cut the rows into shards of about ``shard_bytes`` uncompressed (never an empty shard, always ≥ 1 row);
+    ``extra``: each row's bytes beside its tokens (an image build's images)."""
     if plan.num_rows == 0:
         return []
     segments = np.diff(plan.row_splits)
     per_token = (row_format or _version_1(plan)).bytes_per_token()  # the token columns; then the two segment columns
     row_bytes = plan.row_lengths() * per_token + segments * 12 + 16
+    if extra is not None:
+        row_bytes = row_bytes + extra
     ends = np.cumsum(row_bytes)
     bounds, lo, base = [], 0, 0
     while lo < plan.num_rows:
@@ -245,7 +252,7 @@ def write_shards(plan: Plan, store: TokenStore, staging: Path, *, shard_bytes: i
     their counts. Threads, not processes: assembling is numpy, and writing
     and hashing are pyarrow's and hashlib's, which release the GIL; each thread writes whole shards, so
     the bytes do not depend on ``threads``."""
-    bounds = shard_bounds(plan, shard_bytes, row_format)
+    bounds = shard_bounds(plan, shard_bytes, row_format, None if store.images is None else row_bytes(store.images, plan))
     stop = threading.Event()
 
     def one(index: int) -> tuple[schema.ShardEntry, dict[str, int]]:

@@ -24,6 +24,7 @@ from ..fs import PathLike, join
 from ..planning.context_parallel import pad_up
 from ..planning.pairs import CHOSEN, REJECTED
 from ..planning.plan import plan
+from . import inspect_images
 from .views import Elided, Example, MixPart, Mode, Piece, PlotData, Row, Run, Segment, Summary
 
 ELIDE_KEEP = 32  # tokens kept at each end of a segment longer than 3 * ELIDE_KEEP, whose middle is elided
@@ -244,6 +245,10 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
                    else np.asarray(record[schema.LOSS_MASK], bool))
     bounds = np.concatenate([[0], np.cumsum(record["seq_lens"], dtype=np.int64)])
     pads, roles = record.get(schema.PAD_COLUMN), record.get(schema.PAIR_COLUMN)  # a padded, a preference build's
+    token = inspect_images.image_token(manifest)  # an image build's: its images per segment, their spans as markers
+    images = None if token is None else inspect_images.segment_images(record, bounds, token)
+    if token is not None and tokenizer is not None:
+        tokenizer = inspect_images.Marking(tokenizer, token)
     segments = []
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_ids, trained = ids[lo:hi], trained_all[lo:hi]
@@ -254,7 +259,8 @@ def row(directory: PathLike, index: int, tokenizer=None, *, elide: int | None = 
             runs=None if tokenizer is None else _elided_runs(tokenizer, seg_ids[:own], trained[:own], elide),
             pad_tokens=None if pads is None else int(pads[k]),
             # the stored role, as stored: a row whose roles are out of turn shows them so (verify says why)
-            pair=None if roles is None else k // 2, role=None if roles is None else ROLE_NAMES.get(roles[k], str(roles[k]))))
+            pair=None if roles is None else k // 2, role=None if roles is None else ROLE_NAMES.get(roles[k], str(roles[k])),
+            images=None if images is None else images[k]))
     return Row(row=index, shard=name, tokens=int(len(ids)), num_loss_tokens=record["num_loss_tokens"],
                max_seqlen=record["max_seqlen"], segments=tuple(segments),
                eos_token_id=manifest.tokenizer.get("eos_token_id"), pairs=None if roles is None else len(roles) // 2)

@@ -46,6 +46,7 @@ from ..contract import schema
 from ..contract.remote import local_view
 from ..remote.fetch import redact
 from .report import Problem, Report
+from .verify_images import check_images
 from .verify_manifest import check_files, check_folder_contents, check_stats_arithmetic, load_manifest
 from .verify_rows import check_rows, check_totals
 from .verify_source import check_source, check_tokenizer
@@ -88,6 +89,8 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
     if totals is not None:
         report.checked.update(rows=totals.rows, tokens=totals.tokens, segments=totals.segments)
         check_totals(manifest, totals, report)
+    if manifest.row_format.images:  # an image build: its image columns (checking/verify_images.py)
+        check_images(directory, manifest, entries, report, source, tok)
     if source is not None:
         check_source(manifest, source, tok, totals, report, progress)
     return report

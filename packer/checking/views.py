@@ -130,9 +130,10 @@ class Segment:
     pad_tokens: int | None = None  # a padded build's (--cp-size, --pad-to-multiple-of): padding ending it
     pair: int | None = None  # a preference build: the pair of the row it belongs to (0, 1, ...)
     role: str | None = None  # ... and its role in it: "chosen" (pair_roles 1) or "rejected" (0)
+    images: tuple[dict, ...] | None = None  # an image build: each image's offset in the row, tokens, height, width
 
     def to_json(self) -> dict[str, Any]:
-        return _json(self, "runs", "pad_tokens", "pair", "role")
+        return _json(self, "runs", "pad_tokens", "pair", "role", "images")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

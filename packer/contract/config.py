@@ -29,7 +29,7 @@ DEFAULT_BATCH_SIZE = 8
 # Fields added after the first manifests: recorded only when they differ from their default, so a
 # build that does not use them keeps the bytes (and the identity) it had before they existed.
 _RECORDED_WHEN_SET = ("train_on", "chat_template", "tools_field", "epochs", "cp_size", "cp_layout",
-                      "pad_to_multiple_of", "compression")
+                      "pad_to_multiple_of", "compression", "processor", "images_field")
 # Fields whose absence from a recorded config means a value other than their default: the format
 # version, whose default moved to 2 when it became a field, is absent from every version-1 manifest.
 _ABSENT_MEANS = {"format_version": 1}
@@ -95,6 +95,9 @@ class BuildConfig:
     # compared (a recorded config reads its max_tokens back as given). A preference build's default row budget
     # is a pair's, not a sequence's (for_pairs)
     max_tokens_given: bool | None = dataclasses.field(default=None, compare=False, repr=False)
+    # image+text data (docs/images.md): the processor folder, and the record field holding each record's images
+    processor: str | None = None
+    images_field: str | None = None
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -103,6 +106,7 @@ class BuildConfig:
         for name, value in self._normalised().items():
             object.__setattr__(self, name, value)
         self._check_mix()
+        self._check_images()
         if self.layout() is not None:  # padding that cannot fit, in any mode: refused before anything is read
             padded_budget(self.layout(), self.pack, self.max_len, self.max_tokens)
 
@@ -178,8 +182,28 @@ class BuildConfig:
             mix = None if parts is None else tuple(parts)
         cp_layout = "zigzag" if self.cp_size > 1 and self.cp_layout is None else self.cp_layout
         given = self.max_tokens is not None if self.max_tokens_given is None else self.max_tokens_given
-        return {"train_on": train_on, "train_on_prompt": train_on == "all", "batch_size": batch_size,
+        tokenizer = self.processor if self.tokenizer is None else self.tokenizer  # a processor's folder holds its tokenizer
+        return {"tokenizer": tokenizer, "train_on": train_on, "train_on_prompt": train_on == "all", "batch_size": batch_size,
                 "max_tokens": max_tokens, "mix": mix, "cp_layout": cp_layout, "max_tokens_given": given}
+
+    def _check_images(self) -> None:
+        """What an image build cannot do (its examples are never cut inside an image)."""
+        if self.processor is None:
+            if self.images_field is not None:
+                raise ConfigError("--images-field names the images of image+text records: give --processor too")
+            return
+        refused = [(self.pack == "wrap", "--pack wrap cuts examples anywhere, inside an image too; use --pack batch, "
+                                         "bfd or optimal"),
+                   (self.overlong == "split", "--overlong split cuts examples anywhere, inside an image too; use "
+                                              "--overlong truncate (text after the last image) or drop"),
+                   (self.overlong == "truncate-left", "--overlong truncate-left would cut the images at the start; "
+                                                      "use --overlong truncate or drop"),
+                   (self.engine == "ray", "--engine ray does not carry images yet; use --engine local"),
+                   (self.cp_size > 1 or self.pad_to_multiple_of > 1, "--cp-size/--pad-to-multiple-of: padding an "
+                                                                     "image build is not supported yet")]
+        for bad, why in refused:
+            if bad:
+                raise ConfigError(f"--processor (image+text data): {why}")
 
     def _check_mix(self) -> None:
         if self.mix is None:

@@ -62,6 +62,7 @@ import pyarrow as pa
 from .. import fs
 from ..errors import ConfigError, ShardFormatError
 from .config import _ABSENT_MEANS, BuildConfig
+from .vision import IMAGE_FIELDS, PROCESSOR_KEY
 
 FORMAT_NAME = "packer"
 FORMAT_VERSION = 2  # what a build writes unless told otherwise (BuildConfig.format_version)
@@ -123,17 +124,19 @@ class RowFormat:
     ids: str = "int32"
     positions: str = "int32"
     extra: tuple[str, ...] = ()
+    images: bool = False  # an image build: the image columns (packer.contract.vision.IMAGE_FIELDS) last
 
     @classmethod
-    def of(cls, version: int, *, id_bound: int, longest_segment: int, padded: bool, pairs: bool = False) -> RowFormat:
+    def of(cls, version: int, *, id_bound: int, longest_segment: int, padded: bool, pairs: bool = False,
+           images: bool = False) -> RowFormat:
         """The format a build writes: in version 2, ids in uint16 when every id is below 65,536
         (``id_bound``: one past the tokenizer's largest id) and positions in uint16 when every segment
         holds at most 65,536 tokens (``longest_segment``: what the config allows), else uint32."""
         extra = (PAD_COLUMN,) * padded + (PAIR_COLUMN,) * pairs
         if version == 1:
-            return cls(1, extra=extra)
+            return cls(1, extra=extra, images=images)
         return cls(version, "uint16" if id_bound <= _UINT16_VALUES else "uint32",
-                   "uint16" if longest_segment <= _UINT16_VALUES else "uint32", extra)
+                   "uint16" if longest_segment <= _UINT16_VALUES else "uint32", extra, images)
 
     @property
     def loss(self) -> str:
@@ -156,6 +159,8 @@ class RowFormat:
             ])
         for name in self.extra:
             base = base.append(pa.field(name, pa.list_(EXTRA_SEGMENT_COLUMNS[name]), nullable=False))
+        for image_field in IMAGE_FIELDS if self.images else ():
+            base = base.append(image_field)
         return base
 
     def columns(self) -> dict[str, str] | None:
@@ -189,7 +194,7 @@ def row_formats() -> list[RowFormat]:
     extras = [(), (PAD_COLUMN,), (PAIR_COLUMN,), (PAD_COLUMN, PAIR_COLUMN)]
     out = [RowFormat(1, extra=e) for e in extras]
     out += [RowFormat(2, i, p, e) for i in NARROW_TYPES for p in NARROW_TYPES for e in extras]
-    return out
+    return out + [RowFormat(f.version, f.ids, f.positions, f.extra, True) for f in out]  # and with images
 
 
 def shard_name(index: int) -> str:
@@ -370,9 +375,10 @@ class Manifest:
     def row_format(self) -> RowFormat:
         """What the shards hold, from the version, ``columns`` and the stats (a padded build's ``pad_lens``)."""
         extra = (PAD_COLUMN,) * self.stats.padded + (PAIR_COLUMN,) * self.stats.paired
+        images = PROCESSOR_KEY in self.tokenizer  # an image build records its processor with its tokenizer
         if self.format_version == 1 or self.columns is None:
-            return RowFormat(1, extra=extra)
-        return RowFormat(self.format_version, self.columns["input_ids"], self.columns["position_ids"], extra)
+            return RowFormat(1, extra=extra, images=images)
+        return RowFormat(self.format_version, self.columns["input_ids"], self.columns["position_ids"], extra, images)
 
     def to_json(self) -> dict[str, Any]:
         content = {

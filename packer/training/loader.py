@@ -88,7 +88,7 @@ from ..contract.remote import remote_build
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
 from ..remote.prefetch import PREFETCH_SHARDS, Prefetcher
-from . import decode
+from . import decode, vision
 
 STATE_VERSION = 2
 PAIR_KEYS = ("pair_roles", "pair_ids")  # a preference build's per-row keys (training/preference.py)
@@ -115,6 +115,7 @@ class _Batch:
     first: int  # the global index of its first row
     rows: rows.RowBatch
     roles: rows.Column | None = None  # a preference build's pair_roles (1 chosen, 0 rejected per segment)
+    arrow: Any = None  # an image build's record batch: its image columns (training/vision.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,9 @@ class _Shards:
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
                  vocab_size: int, row_format: schema.RowFormat | None = None,
                  limits: rows.Limits | None = None,
-                 locate: Callable[[schema.ShardEntry], str] | None = None, lazy: bool = False) -> None:
+                 locate: Callable[[schema.ShardEntry], str] | None = None, lazy: bool = False,
+                 images: vision.VisionRows | None = None) -> None:
+        self.vision = images
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
         self.starts: list[int] = []
@@ -187,7 +190,8 @@ class _Shards:
             # views of the memory map; example ids too, which the row rules check (and name a pair: pair_ids)
             row_batch = rows.RowBatch.from_arrow(batch)
             tokens += int(row_batch.input_ids.offsets[-1])
-            found.append(_Batch(str(path), n, row_batch, row_batch.pair_roles))
+            found.append(_Batch(str(path), n, row_batch, row_batch.pair_roles,
+                                batch if self.vision is not None else None))
             n += batch.num_rows
         if tokens != entry.tokens:
             raise ShardFormatError(
@@ -285,6 +289,8 @@ class _Shards:
             "seq_idx": torch.from_numpy(seq_idx),
             "num_items_in_batch": num_items,
         }
+        if self.vision is not None:  # an image build: the row's vision inputs and positions (training/vision.py)
+            out = self.vision.row(self.batches[b].arrow, j, out, f"{self.batches[b].file} row {index}")
         roles = self.batches[b].roles
         if roles is not None:  # chosen, rejected in turn: what a DPO step pairs (training/preference.py)
             # a pair's two segments carry its record's example id: one a pair, the key of a stored reference
@@ -445,6 +451,7 @@ class PackedDataset(IterableDataset):
             )
         self._open_cached()  # a remote build: what this machine's cache holds is mapped now, as a local build is
         self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
+        vision.check_view(self.manifest, self._view)
         loss_tokens = int(shards.num_loss_tokens.sum())
         if not shards.pending and loss_tokens != self.manifest.stats.loss_tokens:  # a lazy build: sha256 on arrival
             raise ShardFormatError(
@@ -476,9 +483,10 @@ class PackedDataset(IterableDataset):
     def _open(self) -> _Shards:
         if self._shards is None:
             locate = None if self._remote is None else self._fetched
+            images = vision.VisionRows(self.manifest) if self.manifest.row_format.images else None
             self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
                                    rows.build_limits(self.manifest.config, self.manifest.stats.paired), locate,
-                                   lazy=self._remote is not None)
+                                   lazy=self._remote is not None, images=images)
         return self._shards
 
     def _open_cached(self) -> None:
