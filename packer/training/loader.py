@@ -350,6 +350,28 @@ def _need_int(name: str, value: Any, low: int, why: str) -> int:
     return int(value)
 
 
+def _checked_arguments(rank, world_size, grad_accum, seed, shuffle, verify, remainder) -> tuple[int, int, int, int]:
+    """PackedDataset's arguments checked (a ConfigError naming the one out of range), rank and world size
+    defaulting to ``torch.distributed``'s: (rank, world_size, grad_accum, seed)."""
+    dist = _dist_rank_world()
+    if world_size is None:
+        world_size = dist[1] if dist else 1
+    if rank is None:
+        rank = dist[0] if dist else 0
+    world_size = _need_int("world_size", world_size, 1, "the number of data-parallel ranks")
+    rank = _need_int("rank", rank, 0, "this process's data-parallel rank")
+    if rank >= world_size:
+        raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
+    grad_accum = _need_int("grad_accum", grad_accum, 1, "micro-batches per optimizer step")
+    seed = _need_int("seed", seed, 0, "numpy's generators take no negative seed")
+    for name, flag in (("shuffle", shuffle), ("verify", verify)):
+        if type(flag) is not bool:
+            raise ConfigError(f"{name} {flag!r}: need True or False")
+    if remainder not in ("pad", "drop"):
+        raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
+    return rank, world_size, grad_accum, seed
+
+
 class PackedDataset(IterableDataset):
     """Rows of a packer shard directory as model-ready batch dicts, one row per batch.
 
@@ -403,22 +425,8 @@ class PackedDataset(IterableDataset):
             if self._remote.build.changed:
                 warnings.warn(f"{self._remote.shown}: the build there is not the one this cache read last time (its "
                               "manifest changed); its shards are fetched anew", stacklevel=2)
-        dist = _dist_rank_world()
-        if world_size is None:
-            world_size = dist[1] if dist else 1
-        if rank is None:
-            rank = dist[0] if dist else 0
-        world_size = _need_int("world_size", world_size, 1, "the number of data-parallel ranks")
-        rank = _need_int("rank", rank, 0, "this process's data-parallel rank")
-        if rank >= world_size:
-            raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
-        grad_accum = _need_int("grad_accum", grad_accum, 1, "micro-batches per optimizer step")
-        seed = _need_int("seed", seed, 0, "numpy's generators take no negative seed")
-        for name, flag in (("shuffle", shuffle), ("verify", verify)):
-            if type(flag) is not bool:
-                raise ConfigError(f"{name} {flag!r}: need True or False")
-        if remainder not in ("pad", "drop"):
-            raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
+        rank, world_size, grad_accum, seed = _checked_arguments(rank, world_size, grad_accum, seed, shuffle, verify,
+                                                                remainder)
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.grad_accum, self.remainder = grad_accum, remainder
         self._position = Position(0, order=(world_size, grad_accum))
