@@ -1,6 +1,7 @@
 """Every causal-LM type of the installed transformers through ``packer.prepare``: refused, or exact.
 
     python benchmarks/sweep_architectures.py [TYPE ...] [--markdown]
+    python benchmarks/sweep_architectures.py --vlm [TYPE ...] [--markdown]   # image-text-to-text types
 
 For each model type in transformers' causal-LM mapping, and each of the VARIANTS below, it builds a tiny
 random config (CPU, two layers, small windows, chunks and position thresholds), calls ``prepare``, and:
@@ -77,6 +78,7 @@ LENGTHS = [5, 21, 10]
 # defaults at or past it (Llama 3's original_max_position_embeddings=8192) are out of a row's reach.
 MAX_TOKENS = 128
 MAX_PARAMS = 2_000_000
+VLM_MEMORY = 10 << 30  # the --vlm sweep's address space (bytes)
 TOL = 1e-5  # fp32, two layers: correct paths differ by ~1e-7 (measured), a semantic error by > 1e-3
 
 
@@ -286,6 +288,141 @@ def judge(model_type: str, implementation: str = "packer_varlen") -> Verdict:
     return Verdict(model_type, "exact", f"logits within {d_logits:.1e}, grads within {d_grads:.1e}")
 
 
+def image_text_to_text_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _vlm_rows(model, processor, seed: int):
+    """Four examples made by the processor alone (other images and texts than prepare's probe: two images of
+    new sizes, one, none, one large), and their packed row as the loader yields it."""
+    from packer.training import vision_probe
+
+    s = vision_probe.nominal_size(processor.image_processor)
+    sizes = [(int(s * 0.8), int(s * 1.7)), (int(s * 2.1), int(s * 0.7)), (int(s * 0.5), int(s * 0.5)),
+             (int(s * 2.6), int(s * 2.2))]  # fmt: skip
+    images = [vision_probe._image(max(8, h), max(8, w), seed + i) for i, (h, w) in enumerate(sizes)]
+    token = processor.image_token
+    specs = [(f"two {token} and {token} here", images[:2]), (f"one {token} there", images[2:3]), ("no image at all", []),
+             (f"big {token}", images[3:])]  # fmt: skip
+    exs = []
+    for text, imgs in specs:
+        try:
+            got = dict(processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt"))
+        except ValueError:
+            if imgs:
+                raise
+            specs = [s for s in specs if s[1]]  # a family whose every example has an image (PaliGemma)
+            continue
+        got.pop("attention_mask", None)
+        exs.append({k: v for k, v in got.items() if isinstance(v, torch.Tensor)})
+    return exs, vision_probe.row(model, exs, [len(i) for _, i in specs])
+
+
+def _vlm_loss_and_grads(model, batches: list[dict], cu_list: list[list[int]]):
+    """Logits and parameter gradients of the summed token loss (no label across a boundary)."""
+    model.zero_grad(set_to_none=True)
+    logits = []
+    for batch, bounds in zip(batches, cu_list, strict=True):
+        out = model(**batch).logits
+        labels = batch["input_ids"].clone()
+        for b in bounds[:-1]:
+            labels[0, b] = -100
+        loss = torch.nn.functional.cross_entropy(out[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum")
+        loss.backward()
+        logits.append(out.detach()[0])
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits, grads
+
+
+def _vlm_unguarded(model, row: dict, exs: list[dict]) -> str | None:
+    """What prepare changed, undone or broken after it, whose packed forward runs (None: each refused)."""
+    from packer.errors import ConfigError
+
+    def runs(batch) -> bool:
+        try:
+            with torch.no_grad():
+                model(**batch)
+            return True
+        except ConfigError:
+            return False
+
+    for key in [None, *model.config.sub_configs]:
+        config = model.config if key is None else getattr(model.config, key)
+        if config is None:
+            continue
+        was = config._attn_implementation_internal
+        config._attn_implementation_internal = "sdpa" if was != "sdpa" else "eager"
+        try:
+            if runs(row):
+                return f"a packed row ran after {key or 'the config'}'s attention went from {was!r} to another"
+        finally:
+            config._attn_implementation_internal = was
+    pixels = [k for k in row if k.startswith("pixel_values")]
+    if pixels and runs({k: v for k, v in row.items() if k not in pixels}):
+        return "a packed row with image placeholders ran without its pixel_values"
+    return None
+
+
+def judge_vlm(model_type: str) -> Verdict:
+    """A vision-language type: refused (left unchanged), or exact on packed rows with images against each
+    example alone through an untouched eager copy (logits, every parameter's gradient) and guarded."""
+    import copy
+
+    try:
+        from vlm_tiny import build
+    except ImportError:  # imported as benchmarks.sweep_architectures
+        from benchmarks.vlm_tiny import build
+    from packer import prepare
+    from packer.errors import ConfigError
+
+    try:
+        model, processor = build(model_type)
+        reference = copy.deepcopy(model)
+        exs, row = _vlm_rows(model, processor, seed=7)
+        lens = [e["input_ids"].shape[1] for e in exs]
+        ref_logits, ref_grads = _vlm_loss_and_grads(reference, exs, [[0, n] for n in lens])
+    except Exception as e:  # MemoryError included: its default image sizes are beyond the sweep's memory
+        return Verdict(model_type, "skipped", f"tiny model not buildable: {type(e).__name__}: {e}"[:200].replace("\n", " "))
+    before = (model.config.to_json_string(), [(c, c._attn_implementation) for c in _sub_configs(model)])
+    implementation = "packer_varlen"
+    budget = max(MAX_TOKENS * 4, row["input_ids"].shape[1])  # the rows' budget: the judge's row fits
+    try:
+        try:
+            prepare(model, processor=processor, max_tokens=budget)
+        except ConfigError as e:
+            if "implementation='sdpa'" not in str(e):
+                raise
+            implementation = "sdpa"  # the model's own mask, per example (Gemma 3): what the message says to try
+            prepare(model, processor=processor, implementation="sdpa", max_tokens=budget)
+    except ConfigError as e:
+        after = (model.config.to_json_string(), [(c, c._attn_implementation) for c in _sub_configs(model)])
+        if after != before:
+            return Verdict(model_type, "LEAK", f"refused but left changed: {e}")
+        return Verdict(model_type, "refused", str(e))
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    try:
+        logits, grads = _vlm_loss_and_grads(model, [row], [bounds])
+    except Exception as e:  # accepted, then refused or failing on a row made as the contract says: a broken promise
+        return Verdict(model_type, "LEAK", f"accepted, but its packed row fails: {type(e).__name__}: {e}"[:200])
+    got = logits[0].split(lens)
+    d_logits = max(((g - r).abs().max() / (r.abs().max() + 1e-30)).item() for g, r in zip(got, ref_logits, strict=True))
+    d_grads = max(((grads[n] - g).abs().max() / (g.abs().max() + 1)).item() for n, g in ref_grads.items())
+    if set(grads) != set(ref_grads) or not (d_logits <= TOL and d_grads <= TOL):
+        return Verdict(model_type, "LEAK", f"accepted, but logits differ by {d_logits:.3g}, grads by {d_grads:.3g}")
+    unguarded = _vlm_unguarded(model, row, exs)
+    if unguarded:
+        return Verdict(model_type, "LEAK", f"accepted, but the guard is off: {unguarded}")
+    how = "" if implementation == "packer_varlen" else f" (implementation={implementation!r})"
+    return Verdict(model_type, "exact", f"logits within {d_logits:.1e} (relative), grads within {d_grads:.1e}{how}")
+
+
+def _sub_configs(model) -> list:
+    return [model.config, *(getattr(model.config, k) for k in model.config.sub_configs if getattr(model.config, k, None))]
+
+
 # docs/attention.md's table: one row per reason, the message fragment that identifies it
 REASONS = [
     ("transformers would not set", "attention not replaceable: transformers refuses a custom attention function"),
@@ -302,6 +439,10 @@ REASONS = [
     ("away from the ones it gets alone", "probe: packed logits differ from eager alone (learned positions from the row offset, masks only in the model, chunks, a scale from the row, ...)"),
     ("gradient packed is", "probe: packed gradients differ from eager alone"),
     ("probe forward failed", "probe: the packed forward fails"),
+    ("image probe: its packed row with images was refused", "image probe: the text model's attention is not causal (PaliGemma's prefix attends both ways)"),
+    ("image probe: example", "image probe: packed logits with images differ from each example alone"),
+    ("image probe: the gradient", "image probe: packed gradients with images differ from each example alone"),
+    ("probed with images made by its processor", "no processor given"),
 ]
 
 
@@ -321,12 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("types", nargs="*", help="model types or VARIANTS (default: every causal-LM type and variant)")
     p.add_argument("--implementation", default="packer_varlen")
     p.add_argument("--markdown", action="store_true", help="print the refused ones as docs/attention.md's table")
+    p.add_argument("--vlm", action="store_true", help="the image-text-to-text types, on packed rows with images")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.vlm:  # a family's default image sizes can ask for tens of GB: a MemoryError here, not the OOM killer
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (VLM_MEMORY, VLM_MEMORY))
     verdicts = []
     t0 = time.perf_counter()
-    for t in args.types or [*causal_lm_types(), *VARIANTS]:
-        v = judge(t, args.implementation)
+    default = image_text_to_text_types() if args.vlm else [*causal_lm_types(), *VARIANTS]
+    for t in args.types or default:
+        v = judge_vlm(t) if args.vlm else judge(t, args.implementation)
         verdicts.append(v)
         print(f"{v.outcome:8s} {t:28s} {v.detail}", flush=True)
     counts = {o: sum(v.outcome == o for v in verdicts) for o in ("exact", "refused", "skipped", "LEAK")}

@@ -6,6 +6,7 @@ on stderr (never a traceback; `terminal.py` decides how a command ends).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -30,6 +31,8 @@ from .contract.config import (
     TRAIN_ON,
     BuildConfig,
 )
+from .contract.remote import is_remote, local_view, publish, staging_folder
+from .errors import RemoteError
 from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
@@ -53,7 +56,9 @@ def main() -> None:
 @click.option("--mix", "mix_option", metavar="WEIGHTS|FILE",
               help="Mix several SOURCEs: one weight each (--mix 0.5,0.3,0.2), or a YAML/JSON mix file naming the "
                    "sources (then no SOURCE); see docs/mixtures.md.")
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output folder for the shards and manifest.json.")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
+              help="Output folder for the shards and manifest.json; an object-storage URL (s3://...) builds in a local "
+                   "staging folder under the cache and uploads it as `packer push` does.")
 @click.option("--recipe", help="Format a local SOURCE as this recipe (fields and templates), e.g. --recipe gsm8k.")
 @click.option("--from-hub", is_flag=True, help="Read a recipe from the Hugging Face Hub instead of its bundled sample.")
 @click.option("--split", help="Split of a Hub dataset (default: the recipe's, else train).")
@@ -138,15 +143,52 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
     if parts is None and not sources:
         raise click.UsageError("give a SOURCE (or a mix file with --mix)")
     name = "+".join(p["source"] for p in parts) if parts else sources[0]
+    url = options["out"] if is_remote(options["out"]) else None
+    if url is not None:  # built locally (a rerun resumes there), then uploaded: docs/loader.md, "Publishing"
+        options["out"] = str(staging_folder(url))
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
     result = run_build(config, progress=not quiet and not as_json)
+    pushed = None if url is None else publish(result.out, url)
     interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
-                               "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
+                               "stats": manifest["stats"], "shards": manifest["shards"],
+                               **({} if pushed is None else {"pushed": _pushed_json(pushed)})}, indent=2))
         return
     terminal.echo(render.build_lines(result))
+    if pushed is not None:
+        click.echo(_pushed_line(pushed))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def push(directory: str, url: str, as_json: bool) -> None:
+    """Upload a finished build to object storage: shards first, the manifest last, so a reader never sees
+    half a build; a rerun uploads only what is missing or differs.
+
+    \b
+    packer push shards/ s3://bucket/flan/        then: make_dataloader("s3://bucket/flan/")
+    packer verify s3://bucket/flan/              fetches it through the cache and checks it
+    """
+    pushed = publish(directory, url)
+    if as_json:
+        click.echo(json.dumps(_pushed_json(pushed), indent=2))
+    else:
+        click.echo(_pushed_line(pushed))
+
+
+def _pushed_json(pushed) -> dict:
+    return {"url": pushed.url, "uploaded": pushed.uploaded, "kept": pushed.kept, "bytes": pushed.bytes,
+            "removed": pushed.removed, "seconds": round(pushed.seconds, 3)}
+
+
+def _pushed_line(pushed) -> str:
+    removed = f", removed {len(pushed.removed)} stale shard(s)" if pushed.removed else ""
+    return (f"pushed {len(pushed.uploaded)} file(s), {pushed.bytes / 1e6:,.1f} MB, to {pushed.url} in "
+            f"{pushed.seconds:.1f}s; {len(pushed.kept)} already there{removed}")
 
 
 @main.command()
@@ -175,39 +217,54 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     _note_staging(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
-    out: dict = {}
-    if plot_path is not None:
-        from .plot import plot_build  # matplotlib, an optional dependency, only for --plot
+    with _readable(directory) as local:
+        out: dict = {}
+        if plot_path is not None:
+            from .plot import plot_build  # matplotlib, an optional dependency, only for --plot
 
-        out["plot"] = str(plot_build(inspect_.plot_data(directory), plot_path))
-        if not as_json:
-            click.echo(f"wrote {out['plot']}")
-    if example_id is not None:
-        view = inspect_.find_example(directory, example_id)
-        rc = 0 if view.found else 1
+            out["plot"] = str(plot_build(inspect_.plot_data(local), plot_path))
+            if not as_json:
+                click.echo(f"wrote {out['plot']}")
+        if example_id is not None:
+            view = inspect_.find_example(local, example_id)
+            rc = 0 if view.found else 1
+            if as_json:
+                click.echo(json.dumps({**view.to_json(), **out}, indent=2))
+            else:
+                terminal.echo(render.example_lines(view, directory, terminal.use_color()))
+            return rc
+        if row_index is not None:
+            name = tokenizer or schema.read_manifest(local).tokenizer["name_or_path"]
+            view = inspect_.row(local, row_index, load_tokenizer(tokenizer_path(name)),
+                                elide=None if full else inspect_.ELIDE_KEEP)
+            if as_json:
+                click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
+            else:
+                width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
+                terminal.echo(render.row_lines(view, show_ids=show_ids, color=terminal.use_color(), width=width))
+            return 0
+        if plot_path is not None and not as_json:
+            return 0
+        view = dataclasses.replace(inspect_.summary(local), directory=directory)
         if as_json:
             click.echo(json.dumps({**view.to_json(), **out}, indent=2))
         else:
-            terminal.echo(render.example_lines(view, directory, terminal.use_color()))
-        return rc
-    if row_index is not None:
-        name = tokenizer or schema.read_manifest(directory).tokenizer["name_or_path"]
-        view = inspect_.row(directory, row_index, load_tokenizer(tokenizer_path(name)),
-                            elide=None if full else inspect_.ELIDE_KEEP)
-        if as_json:
-            click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
-        else:
-            width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns) - 4)
-            terminal.echo(render.row_lines(view, show_ids=show_ids, color=terminal.use_color(), width=width))
+            terminal.echo(render.summary_lines(view, terminal.use_color()))
         return 0
-    if plot_path is not None and not as_json:
-        return 0
-    view = inspect_.summary(directory)
-    if as_json:
-        click.echo(json.dumps({**view.to_json(), **out}, indent=2))
-    else:
-        terminal.echo(render.summary_lines(view, terminal.use_color()))
-    return 0
+
+
+@contextlib.contextmanager
+def _readable(directory: str):
+    """A folder inspect reads: the directory itself, or a remote build's local view (its shards fetched
+    into the cache once, checked on arrival; docs/loader.md, "Remote builds")."""
+    if not is_remote(directory):
+        yield directory
+        return
+    schema.read_manifest(directory)  # no folder or no build there: the same one line as for a local path
+    with local_view(directory) as (folder, failed):
+        if failed:
+            raise RemoteError(next(iter(failed.values())))
+        yield str(folder)
 
 
 def _note_staging(directory: str) -> None:

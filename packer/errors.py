@@ -46,3 +46,8 @@ class ShardFormatError(PackerError):
 
 class WorkerError(PackerError):
     """A worker process of a parallel build died without reporting (killed, out of memory)."""
+
+
+class RemoteError(PackerError):
+    """A remote build that cannot be read or written: a server that keeps failing, a shard that is no
+    longer the one its manifest records. The message names the file and its URL, never credentials."""

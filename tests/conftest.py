@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ import pytest
 # 5.4 s with one thread, 22-55 s with two, beside one other busy process). Set before torch is
 # imported; a value given in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# botocore looks for credentials at the cloud's metadata address when none are set: the tests never leave the
+# loopback (their S3 server sets its own credentials and endpoint: tests/loopback.py)
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+# Remote builds read in the tests are cached in a folder of this session, not the user's ~/.cache/packer.
+os.environ.setdefault("PACKER_CACHE", tempfile.mkdtemp(prefix="packer-test-cache-"))
 
 from packer import BuildConfig, build
 

@@ -38,14 +38,14 @@ raise a ``PackerError``. The steps: :mod:`packer.checking.verify_manifest` (1, 2
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 from .. import fs
 from ..building.pipeline import tokenizer_path
 from ..building.tokenization import load_tokenizer
 from ..contract import schema
-from .report import Report
+from ..contract.remote import local_view
+from ..remote.fetch import redact
+from .report import Problem, Report
 from .verify_images import check_images
 from .verify_manifest import check_files, check_folder_contents, check_stats_arithmetic, load_manifest
 from .verify_rows import check_rows, check_totals
@@ -97,14 +97,17 @@ def verify(directory: str | os.PathLike, *, tokenizer: str | None = None, source
 
 
 def _verify_remote(url: str, **options) -> Report:
-    """A folder in object storage is copied to a temporary folder and checked there: every byte has to
-    be read for the hashes anyway, and the checks then run on the same memory-mapped path as local."""
-    if not fs.is_dir(url):
-        raise schema.not_a_folder(url)
-    filesystem, root = fs.filesystem(url)
-    with tempfile.TemporaryDirectory(prefix="packer-verify-") as tmp:
-        for name in fs.list_names(url):
-            filesystem.get(root.rstrip("/") + "/" + name, str(Path(tmp) / name), recursive=True)
-        report = verify(tmp, **options)
-    report.directory = url
+    """A folder in object storage is checked as a local view of it (packer.contract.remote.local_view):
+    its shards fetched into the cache once, each checked against the manifest on arrival, then every
+    check runs on the same memory-mapped files as a local build's. Paths in the report name the URL."""
+    shown = redact(url.rstrip("/"))
+    with local_view(url) as (folder, failed):
+        report = verify(folder, **options)
+    prefix = str(folder)
+    report.problems = [Problem(p.check, p.where.replace(prefix, shown), p.message) for p in report.problems
+                       if p.where.replace(prefix + "/", "") not in failed]  # a shard not fetched: its reason below
+    for name, why in failed.items():
+        report.add("files", f"{shown}/{name}", f"cannot be fetched: {why}")
+    report.notes = [n.replace(prefix, shown) for n in report.notes]
+    report.directory = shown
     return report

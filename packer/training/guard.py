@@ -46,6 +46,10 @@ no packed mask); and whatever implementation, if an ``attention_mask`` comes wit
 hybrid model, if a mixer was replaced, a context-parallel share arrives, or gradient checkpointing would
 recompute a mixer out of the boundaries' reach (``_boundaries_lost``). Unpacked forwards (generation) are left alone. The check costs a few attribute reads per
 forward and model.
+
+A vision-language model (``prepare(model, processor=processor)``) has only its text model switched, its
+vision tower left per image and without the row's keys, a probe with images (``vision_probe``), and the
+row's images checked at every packed forward (``vision_guard``; Gemma 3's mask: ``vision_masks``).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import attention, mixers, prepared
+from . import attention, mixers, prepared, vision_guard, vision_probe
 
 # Implementations that see the packing only through the block-diagonal mask transformers builds from
 # position_ids, which it skips when a cache is used.
@@ -227,12 +231,14 @@ def _examples(model: Any, lengths: list[int]) -> list[torch.Tensor]:
 def _compare(model: Any, implementation: str, exs: list[torch.Tensor], extra: dict, grads: bool) -> None:
     """Each example packed gets the logits (and gradients) it gets alone through eager attention."""
     lens = [len(e) for e in exs]
+    settings = [(c, c._attn_implementation_internal) for c in _configs(model)]
     model.set_attn_implementation("eager")
     alone = [
         _forward(model, dict(input_ids=e.view(1, -1), use_cache=False), [i] if grads else None)
         for i, e in enumerate(exs)
     ]
-    model.set_attn_implementation(implementation)
+    for c, impl in settings:  # back as they were (a vision tower keeps its own implementation)
+        c._attn_implementation_internal = impl
     before = attention.calls()
     logits, grad = _forward(model, {**_row(exs), **extra}, list(range(len(exs))) if grads else None)
     bounds = [0, *itertools.accumulate(lens)]
@@ -276,7 +282,7 @@ def _random_in_training(model: Any, batch: dict) -> bool:
         return not torch.equal(model(**batch).logits, model(**batch).logits)
 
 
-def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
+def _probe(model: Any, implementation: str, max_tokens: int | None, processor: Any = None) -> None:
     """The probes on a float32 copy, as the loader's batches are called; says when a cache is the cause."""
     try:
         probe = _probe_copy(model)
@@ -286,12 +292,13 @@ def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
             "prepare(model, probe=False) skips the probe"
         ) from e
     try:
-        probe.set_attn_implementation(implementation)
+        probe.set_attn_implementation(vision_guard.implementation_for(probe, implementation))
     except (ValueError, KeyError, ImportError) as e:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}: {e}") from e
     if probe.config._attn_implementation != implementation:
         raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
     mixers.install(probe)  # the per-segment path is what is probed (one segment alone runs the mixer as it is)
+    vision_guard.install(probe)  # a vision-language model's hooks, as prepare will install them
     exs = _examples(probe, probe_lengths(_text_config(probe), max_tokens, mixers.thresholds(probe)))
     heads = [e[: PROBE_MIN_LEN + 1] for e in exs]
     # random draws show on any tokens: the short row, not the long one (quadratic in the eager reference)
@@ -301,6 +308,8 @@ def _probe(model: Any, implementation: str, max_tokens: int | None) -> None:
     def both(extra: dict) -> None:
         _compare(probe, implementation, heads, extra, grads=True)
         _compare(probe, implementation, exs, extra, grads=False)
+        if processor is not None:  # a vision-language model: packed rows with images (vision_probe)
+            vision_probe.compare(probe, implementation, processor, PROBE_TOLERANCE, lambda why: _refuse(model, why))
 
     try:
         both({})
@@ -355,7 +364,8 @@ def _boundaries_lost(module: Any, kwargs: dict, found: list, row_length: int) ->
 
     Shapes and attributes only, no host sync (cu_seq_lens on the CPU are read: free)."""
     cu = kwargs.get("cu_seq_lens_q")
-    if kwargs.get("attention_mask") is not None:
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not vision_guard.outer_mask(module, mask):
         return ("an attention_mask is passed with it (sdpa and eager then build their mask from it, across the "
                 "examples): drop the attention_mask column, the row's position_ids and cu_seq_lens carry its boundaries")
     if cu is not None and kwargs.get("position_ids") is None:
@@ -388,6 +398,7 @@ def _guard(model: Any, implementation: str, max_tokens: int | None, found: list 
     expected = [(c, c._attn_implementation) for c in _configs(model)]
     text = _text_config(model)
     found = found or []
+    vision_model = vision_guard.is_vision_language(model)
 
     def hook(module, args, kwargs):
         changed = [(c, was) for c, was in expected if c._attn_implementation != was]
@@ -396,7 +407,9 @@ def _guard(model: Any, implementation: str, max_tokens: int | None, found: list 
         cached = implementation in MASK_FROM_POSITIONS and _uses_cache(text, kwargs)
         longer = max_tokens is not None and _row_length(args, kwargs) > max_tokens
         lost = _boundaries_lost(module, kwargs, found, _row_length(args, kwargs))
-        if not (changed or prefix or cached or longer or lost) or not _is_packed(kwargs):
+        packed = _is_packed(kwargs) or vision_guard.packed_3d(kwargs)
+        lost = lost or (vision_model and packed and vision_guard.row_refusal(module, kwargs))
+        if not (changed or prefix or cached or longer or lost) or not packed:
             return None
         if lost:
             what = lost
@@ -424,6 +437,7 @@ def prepare(
     implementation: str = attention.ATTN_IMPLEMENTATION,
     probe: bool = True,
     max_tokens: int | None = None,
+    processor: Any = None,
 ) -> Any:
     """Switch a transformers causal LM to ``implementation`` if packed rows are exact on it; keep guard.
 
@@ -432,7 +446,8 @@ def prepare(
     builds a packed mask from ``position_ids`` only without a cache: ``config.use_cache=False``).
     ``max_tokens``: the longest row you will feed (the build's budget); thresholds a row cannot reach are
     not probed, and a longer packed row raises. ``probe=False`` skips the probes (the structural and
-    config rules still apply).
+    config rules still apply). ``processor``: a vision-language model's own processor, which the probe
+    makes its rows with images with (required with the probe on such a model; ``vision_probe``).
 
     Raises ``ConfigError`` naming the reason, and leaves the model exactly as it was, when any rule of
     the module docstring fails. Returns the model, with forward pre-hooks that raise if the setting is
@@ -448,6 +463,9 @@ def prepare(
     # without setting it, and Falcon/GPT-Neo are exact with transformers' sdpa. transformers refuses a
     # custom implementation it cannot set, and the probes judge what the forward actually does.
     why = config_refusals(text, implementation) + mixers.refusals(model, text, implementation)
+    if probe and processor is None and vision_guard.is_vision_language(model):
+        why.append("a vision-language model is probed with images made by its processor: "
+                   "prepare(model, processor=processor)")
     if why:
         raise _refuse(model, "; ".join(why))
     attention.register()
@@ -456,7 +474,7 @@ def prepare(
             device = next(model.parameters()).device
             # the probe's random draws (routing in training) leave the caller's generators as they were
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                _probe(model, implementation, max_tokens)
+                _probe(model, implementation, max_tokens, processor if vision_guard.is_vision_language(model) else None)
         except ConfigError:
             raise
         except Exception as e:  # a forward that fails on a packed row cannot be vouched for
@@ -468,7 +486,7 @@ def prepare(
             ) from e
     snapshot = [(c, c._attn_implementation_internal) for c in _configs(model)]
     try:
-        model.set_attn_implementation(implementation)
+        model.set_attn_implementation(vision_guard.implementation_for(model, implementation))
         if config._attn_implementation != implementation:
             raise _refuse(model, f"transformers would not set attn_implementation={implementation!r}")
     except (ValueError, KeyError, ImportError, ConfigError) as e:
@@ -490,6 +508,6 @@ def prepare(
         m.register_forward_pre_hook(hook, with_kwargs=True)
         for m in model.modules()
         if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
-    ]
+    ] + vision_guard.install(model)
     prepared.mark(model, implementation, max_tokens, model.packer_path)  # save_pretrained keeps it: prepared.py
     return model

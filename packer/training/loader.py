@@ -73,7 +73,7 @@ import bisect
 import hashlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -84,8 +84,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import fs
 from ..contract import rows, schema
+from ..contract.remote import remote_build
 from ..errors import ConfigError, ShardFormatError
 from ..planning.context_parallel import row_view
+from ..remote.prefetch import PREFETCH_SHARDS, Prefetcher
 from . import decode, vision
 
 STATE_VERSION = 2
@@ -127,11 +129,17 @@ class _Read:
 
 
 class _Shards:
-    """The memory-mapped row batches of a shard directory, addressed by global row index."""
+    """The memory-mapped row batches of a shard directory, addressed by global row index.
+
+    ``lazy`` (a remote build): a shard is opened (its cached copy fetched, then mapped) the first time a
+    row of it is read, or its rows' loss tokens are counted (``need``), so the first batch waits for the
+    shards of its optimizer step, not the whole build (docs/loader.md, "Remote builds")."""
 
     def __init__(self, directory: str | os.PathLike, shard_entries: tuple[schema.ShardEntry, ...],
                  vocab_size: int, row_format: schema.RowFormat | None = None,
-                 limits: rows.Limits | None = None, images: vision.VisionRows | None = None) -> None:
+                 limits: rows.Limits | None = None,
+                 locate: Callable[[schema.ShardEntry], str] | None = None, lazy: bool = False,
+                 images: vision.VisionRows | None = None) -> None:
         self.vision = images
         self.tables = []  # keeps the memory maps alive
         self.batches: list[_Batch] = []
@@ -140,49 +148,87 @@ class _Shards:
         self.bounds: list[np.ndarray | None] = []  # per batch, decode.row_bounds: made on its first numpy read
         self.reads: list[_Read | None] = []  # per batch, what reading its rows takes: made on its first read
         self.vocab_size, self.limits = vocab_size, limits
-        n = 0
-        for entry in shard_entries:
-            path = fs.join(directory, entry.file)
-            table = schema.open_shard(path, row_format)
-            if table.num_rows != entry.rows:
-                raise ShardFormatError(
-                    f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
-                    "the folder mixes builds, rebuild it"
-                )
-            self.tables.append(table)
-            tokens = 0
-            for batch in table.to_batches():
-                if batch.num_rows == 0:
-                    continue
-                nulls = rows.null_problem(batch)  # numpy has no null: refused before any column is read
-                if nulls is not None:
-                    raise ShardFormatError(f"{path} row {n}: {nulls.message}; the shard is damaged, rebuild the "
-                                           "folder (`packer verify DIR` lists every problem)")
-                # views of the memory map; example ids too, which the row rules check (and name a pair: pair_ids)
-                row_batch = rows.RowBatch.from_arrow(batch)
-                tokens += int(row_batch.input_ids.offsets[-1])
-                self.batches.append(_Batch(str(path), n, row_batch, row_batch.pair_roles,
-                                           batch if images is not None else None))
-                self.starts.append(n)
-                self.checked.append(False)
-                self.bounds.append(None)
-                self.reads.append(None)
-                n += batch.num_rows
-            if tokens != entry.tokens:
-                raise ShardFormatError(
-                    f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
-                    "build or damaged, rebuild the folder"
-                )
-        self.num_rows = n
-        self.paired = bool(self.batches) and self.batches[0].roles is not None
-        self.num_loss_tokens = (
-            np.concatenate([b.rows.num_loss_tokens for b in self.batches]).astype(np.int64)
-            if self.batches
-            else np.zeros(0, np.int64)
-        )
-        # per row, what num_items_in_batch counts: loss tokens, or a preference build's pairs
-        self.items = (np.concatenate([b.rows.seq_lens.lengths // 2 for b in self.batches]).astype(np.int64)
-                      if self.paired else self.num_loss_tokens)
+        self.directory, self.entries, self.row_format, self.locate = directory, shard_entries, row_format, locate
+        for entry in shard_entries:  # the counts below are sized from the manifest: bounded before they are made
+            if not 0 <= entry.rows <= entry.bytes:
+                raise ShardFormatError(f"{fs.join(directory, entry.file)}: the manifest records {entry.rows} rows for "
+                                       f"{entry.bytes} bytes; the manifest is damaged, rebuild the folder")
+        self.first = np.concatenate([[0], np.cumsum([e.rows for e in shard_entries], dtype=np.int64)])
+        self.first_list = self.first.tolist()
+        self.opened = [False] * len(shard_entries)
+        self.pending = len(shard_entries)  # shards not opened yet (0 once all are: a local build's at once)
+        self.num_rows = int(self.first[-1])
+        self.num_loss_tokens = np.zeros(self.num_rows, np.int64)
+        self.items = self.num_loss_tokens  # per row, what num_items_in_batch counts (pairs: set below)
+        self.paired = False
+        if not lazy:
+            for s in range(len(shard_entries)):
+                self.open(s)
+
+    def open(self, s: int) -> None:
+        """Map shard ``s`` and index its row batches (once)."""
+        if self.opened[s]:
+            return
+        entry = self.entries[s]
+        path = fs.join(self.directory, entry.file)  # what messages name; a remote build's is read from its cached copy
+        table = schema.open_shard(path if self.locate is None else self.locate(entry), self.row_format)
+        if table.num_rows != entry.rows:
+            raise ShardFormatError(
+                f"{path}: {table.num_rows} rows, the manifest records {entry.rows}; "
+                "the folder mixes builds, rebuild it"
+            )
+        n = self.first_list[s]
+        tokens = 0
+        found: list[_Batch] = []
+        for batch in table.to_batches():
+            if batch.num_rows == 0:
+                continue
+            nulls = rows.null_problem(batch)  # numpy has no null: refused before any column is read
+            if nulls is not None:
+                raise ShardFormatError(f"{path} row {n}: {nulls.message}; the shard is damaged, rebuild the "
+                                       "folder (`packer verify DIR` lists every problem)")
+            # views of the memory map; example ids too, which the row rules check (and name a pair: pair_ids)
+            row_batch = rows.RowBatch.from_arrow(batch)
+            tokens += int(row_batch.input_ids.offsets[-1])
+            found.append(_Batch(str(path), n, row_batch, row_batch.pair_roles,
+                                batch if self.vision is not None else None))
+            n += batch.num_rows
+        if tokens != entry.tokens:
+            raise ShardFormatError(
+                f"{path}: {tokens} tokens, the manifest records {entry.tokens}; the shard is from another "
+                "build or damaged, rebuild the folder"
+            )
+        self.tables.append(table)
+        at = bisect.bisect_left(self.starts, self.first_list[s])  # shards may open in any order: keep starts sorted
+        self.batches[at:at] = found
+        self.starts[at:at] = [b.first for b in found]
+        self.checked[at:at] = [False] * len(found)
+        self.bounds[at:at] = [None] * len(found)
+        self.reads[at:at] = [None] * len(found)
+        lo, hi = self.first_list[s], self.first_list[s + 1]
+        if found:
+            self.paired = found[0].roles is not None
+            self.num_loss_tokens[lo:hi] = np.concatenate([b.rows.num_loss_tokens for b in found])
+            if self.paired:  # per row, what num_items_in_batch counts: a preference build's pairs
+                if self.items is self.num_loss_tokens:
+                    self.items = np.zeros(self.num_rows, np.int64)
+                self.items[lo:hi] = np.concatenate([b.rows.seq_lens.lengths // 2 for b in found])
+        self.opened[s] = True
+        self.pending -= 1
+
+    def shard_of(self, rows_: np.ndarray) -> np.ndarray:
+        """The shard index of each global row."""
+        return np.searchsorted(self.first, rows_, side="right") - 1
+
+    def need(self, rows_: np.ndarray) -> None:
+        """Open the shards that hold ``rows_`` (a lazy build's; a no-op once every shard is open)."""
+        if self.pending:
+            for s in np.unique(self.shard_of(rows_)).tolist():
+                self.open(s)
+
+    def open_all(self) -> None:
+        for s in range(len(self.entries)):
+            self.open(s)
 
     def check(self, b: int) -> None:
         """Refuse batch ``b`` at the first problem :func:`packer.contract.rows.check_rows` finds, within the
@@ -201,16 +247,21 @@ class _Shards:
 
     def segment_pads(self, index: int) -> np.ndarray | None:
         """The padding at the end of each segment of row ``index`` (None: the build has none)."""
+        if self.pending:
+            self.open(bisect.bisect_right(self.first_list, index) - 1)
         b = bisect.bisect_right(self.starts, index) - 1
         r, j = self.batches[b].rows, index - self.starts[b]
         return None if r.pad_lens is None else r.pad_lens.values[r.pad_lens.offsets[j] : r.pad_lens.offsets[j + 1]]
 
     def max_segments(self) -> int:
+        self.open_all()
         return max(int(b.rows.seq_lens.lengths.max()) for b in self.batches)
 
     def row(self, index: int, filler: bool, num_items: int) -> dict[str, Any]:
         # the per-row cost is what bench_loader.py measures against the collator: no Python per token or
         # segment, one kernel call a row where it was built (training/decode.py)
+        if self.pending:  # a lazy build's shard is opened on its first row read
+            self.open(bisect.bisect_right(self.first_list, index) - 1)
         b = bisect.bisect_right(self.starts, index) - 1
         if not self.checked[b]:  # once per row batch and process, on its first row read
             self.check(b)
@@ -249,6 +300,33 @@ class _Shards:
         return out
 
 
+class _StepItems:
+    """``num_items_in_batch`` per step of a lazy (remote) build's pass, counted an optimizer step at a time
+    when the pass reaches it: only the shards of that step's rows (every rank's) are opened for it."""
+
+    def __init__(self, shards: _Shards, index: np.ndarray, filler: np.ndarray, grad_accum: int) -> None:
+        self.shards, self.index, self.filler, self.g = shards, index, filler, grad_accum
+        self.done: dict[int, int] = {}
+
+    def __getitem__(self, k: int) -> int:
+        step = k // self.g
+        value = self.done.get(step)
+        if value is None:
+            rows_ = self.index[step * self.g : (step + 1) * self.g]
+            real = rows_[~self.filler[step * self.g : (step + 1) * self.g]]
+            self.shards.need(real)
+            value = self.done[step] = max(int(self.shards.items[real].sum()), 1)  # as _steps: never 0
+        return value
+
+
+def _need_order(shards: _Shards, index: np.ndarray, filler: np.ndarray) -> list[int]:
+    """The shards a pass needs, in the order it first needs them (every rank's rows of each step, which
+    its ``num_items_in_batch`` counts)."""
+    found = shards.shard_of(index[~filler])
+    first = np.unique(found, return_index=True)[1]
+    return found[np.sort(first)].tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class Position:
     """Where a loader stands in its epochs: the one state ``state_dict()`` saves, the same on every rank.
@@ -272,6 +350,28 @@ def _need_int(name: str, value: Any, low: int, why: str) -> int:
     return int(value)
 
 
+def _checked_arguments(rank, world_size, grad_accum, seed, shuffle, verify, remainder) -> tuple[int, int, int, int]:
+    """PackedDataset's arguments checked (a ConfigError naming the one out of range), rank and world size
+    defaulting to ``torch.distributed``'s: (rank, world_size, grad_accum, seed)."""
+    dist = _dist_rank_world()
+    if world_size is None:
+        world_size = dist[1] if dist else 1
+    if rank is None:
+        rank = dist[0] if dist else 0
+    world_size = _need_int("world_size", world_size, 1, "the number of data-parallel ranks")
+    rank = _need_int("rank", rank, 0, "this process's data-parallel rank")
+    if rank >= world_size:
+        raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
+    grad_accum = _need_int("grad_accum", grad_accum, 1, "micro-batches per optimizer step")
+    seed = _need_int("seed", seed, 0, "numpy's generators take no negative seed")
+    for name, flag in (("shuffle", shuffle), ("verify", verify)):
+        if type(flag) is not bool:
+            raise ConfigError(f"{name} {flag!r}: need True or False")
+    if remainder not in ("pad", "drop"):
+        raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
+    return rank, world_size, grad_accum, seed
+
+
 class PackedDataset(IterableDataset):
     """Rows of a packer shard directory as model-ready batch dicts, one row per batch.
 
@@ -283,6 +383,8 @@ class PackedDataset(IterableDataset):
         grad_accum: micro-batches per optimizer step (sets ``num_items_in_batch``).
         remainder: ``"pad"`` (filler rows with no loss) or ``"drop"``; see the module docstring.
         verify: also check every shard's sha256 against the manifest (reads every byte once).
+        cache_dir, cache_limit: where a remote build's shards are cached and how large that cache may grow
+            (``packer.cache``: else ``$PACKER_CACHE`` ... ``~/.cache/packer``, and ``$PACKER_CACHE_LIMIT``).
         cp_rank, cp_size: yield context-parallel rank ``cp_rank``'s share of every row (the build's
             ``--cp-size`` must be a multiple of ``cp_size``); every rank of a CP group gets the same rows.
         static_shapes: every row padded to the build's row budget, ``cu_seq_lens`` to a fixed count and
@@ -307,32 +409,31 @@ class PackedDataset(IterableDataset):
         cp_rank: int = 0,
         cp_size: int = 1,
         static_shapes: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         super().__init__()
         self.directory = directory if fs.is_url(directory) else Path(directory)
-        self.manifest = schema.read_manifest(self.directory)
-        self.fingerprint = manifest_fingerprint(self.directory)
-        dist = _dist_rank_world()
-        if world_size is None:
-            world_size = dist[1] if dist else 1
-        if rank is None:
-            rank = dist[0] if dist else 0
-        world_size = _need_int("world_size", world_size, 1, "the number of data-parallel ranks")
-        rank = _need_int("rank", rank, 0, "this process's data-parallel rank")
-        if rank >= world_size:
-            raise ConfigError(f"rank {rank} with world size {world_size}: need 0 <= rank < world_size >= 1")
-        grad_accum = _need_int("grad_accum", grad_accum, 1, "micro-batches per optimizer step")
-        seed = _need_int("seed", seed, 0, "numpy's generators take no negative seed")
-        for name, flag in (("shuffle", shuffle), ("verify", verify)):
-            if type(flag) is not bool:
-                raise ConfigError(f"{name} {flag!r}: need True or False")
-        if remainder not in ("pad", "drop"):
-            raise ConfigError(f"remainder {remainder!r}: choose 'pad' or 'drop'")
+        # a remote build is read through the local cache (docs/loader.md, "Remote builds"): None for a local one
+        self._remote = remote_build(directory, cache_dir, cache_limit)
+        self._held: list = []  # the cache entries this process maps (kept from eviction while it reads them)
+        if self._remote is None:
+            self.manifest = schema.read_manifest(self.directory)
+            self.fingerprint = manifest_fingerprint(self.directory)
+        else:
+            self.manifest, self.fingerprint = self._remote.manifest, self._remote.fingerprint
+            if self._remote.build.changed:
+                warnings.warn(f"{self._remote.shown}: the build there is not the one this cache read last time (its "
+                              "manifest changed); its shards are fetched anew", stacklevel=2)
+        rank, world_size, grad_accum, seed = _checked_arguments(rank, world_size, grad_accum, seed, shuffle, verify,
+                                                                remainder)
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.grad_accum, self.remainder = grad_accum, remainder
         self._position = Position(0, order=(world_size, grad_accum))
         self._resuming = False  # load_state_dict set _position: the next pass starts there, not at the epoch's start
-        self._check_files(verify)
+        self._verify = verify
+        if self._remote is None:  # a remote build's shards are checked (size, sha256) as they arrive
+            self._check_files(verify)
         self._shards: _Shards | None = None
         shards = self._open()
         self.num_rows = shards.num_rows
@@ -356,10 +457,11 @@ class PackedDataset(IterableDataset):
                 f"optimizer step, but an epoch has {self.epoch_rows} rows: every epoch would be empty; use "
                 "remainder='pad', fewer ranks or a smaller grad_accum"
             )
+        self._open_cached()  # a remote build: what this machine's cache holds is mapped now, as a local build is
         self._view = row_view(self.manifest, cp_rank, cp_size, static_shapes, shards.max_segments)
         vision.check_view(self.manifest, self._view)
         loss_tokens = int(shards.num_loss_tokens.sum())
-        if loss_tokens != self.manifest.stats.loss_tokens:
+        if not shards.pending and loss_tokens != self.manifest.stats.loss_tokens:  # a lazy build: sha256 on arrival
             raise ShardFormatError(
                 f"{self.directory}: the rows' num_loss_tokens sum to {loss_tokens}, the manifest's stats say "
                 f"{self.manifest.stats.loss_tokens}; rebuild the folder"
@@ -388,14 +490,37 @@ class PackedDataset(IterableDataset):
 
     def _open(self) -> _Shards:
         if self._shards is None:
+            locate = None if self._remote is None else self._fetched
             images = vision.VisionRows(self.manifest) if self.manifest.row_format.images else None
             self._shards = _Shards(self.directory, self.manifest.shards, self._vocab_size(), self.manifest.row_format,
-                                   rows.build_limits(self.manifest.config, self.manifest.stats.paired), images)
+                                   rows.build_limits(self.manifest.config, self.manifest.stats.paired), locate,
+                                   lazy=self._remote is not None, images=images)
         return self._shards
+
+    def _open_cached(self) -> None:
+        """Open the shards of a remote build that the cache holds already (no fetch): done in the DataLoader's
+        process before its workers start, so they inherit the maps instead of opening them each pass."""
+        shards = self._open()
+        if self._remote is None or not shards.pending:
+            return
+        for s, entry in enumerate(self.manifest.shards):
+            if not shards.opened[s] and self._remote.cached(entry):
+                shards.open(s)
+
+    def _fetch_shard(self, s: int) -> None:
+        """Shard ``s`` into the cache (the prefetcher's thread): fetched unless it is there, then let go."""
+        self._remote.shard(self.manifest.shards[s], full=self._verify).close()
+
+    def _fetched(self, entry: schema.ShardEntry) -> str:
+        """A remote shard's cached copy, fetched unless the cache holds it; held open while this dataset maps it."""
+        held = self._remote.shard(entry, full=self._verify)
+        self._held.append(held)
+        return str(held.path)
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the memory maps instead of pickling tables
         state = self.__dict__.copy()
         state["_shards"] = None
+        state["_held"] = []  # a spawned worker opens its own cache entries
         return state
 
     # -- order --------------------------------------------------------------------------------
@@ -452,7 +577,10 @@ class PackedDataset(IterableDataset):
         slots = slots.reshape(steps, w)
         filler = slots >= n
         index = slots % n + (position.epoch % self.epochs) * n  # the planned epoch's rows
-        loss = np.where(filler, 0, self._open().items[index])
+        shards = self._open()
+        if shards.pending:  # a lazy (remote) build: counted per optimizer step as the pass reaches it
+            return index[:, self.rank], filler[:, self.rank], _StepItems(shards, index, filler, g)
+        loss = np.where(filler, 0, shards.items[index])
         step_items = loss.reshape(-1, g * w).sum(axis=1)
         items = np.maximum(np.repeat(step_items, g), 1)  # max(1): an all-masked step gives 0 loss, not NaN
         return index[:, self.rank], filler[:, self.rank], items
@@ -471,8 +599,22 @@ class PackedDataset(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         shards = self._open()
-        index, filler, items = index.tolist(), filler.tolist(), items.tolist()  # Python ints: cheaper per row
+        ahead = None
+        if shards.pending:  # a remote build's next shards are fetched in the background while this one trains
+            ahead = Prefetcher(self._fetch_shard, _need_order(shards, index, filler), PREFETCH_SHARDS)
+        index, filler = index.tolist(), filler.tolist()  # Python ints: cheaper per row
+        items = items.tolist() if isinstance(items, np.ndarray) else items
+        try:
+            yield from self._rows(shards, position, index, filler, items, info, wid, nw, ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _rows(self, shards: _Shards, position: Position, index: list[int], filler: list[bool], items: Any, info: Any,
+              wid: int, nw: int, ahead: Prefetcher | None) -> Iterator[dict[str, Any]]:
         for k in range(position.micro + wid, len(index), nw):
+            if ahead is not None:
+                ahead.reached(shards.shard_of(index[k]).item())
             batch = shards.row(index[k], filler[k], items[k])
             if self._view is not None:  # a context-parallel rank's share, or a fixed shape
                 pairs = {key: batch[key] for key in PAIR_KEYS if key in batch}  # the row's, on every share of it
@@ -649,6 +791,7 @@ class PackedDataLoader(DataLoader):
             # without pinning there is nothing for DataLoader's machinery to do: read directly
             yield from super().__iter__() if self.pin_memory else iter(self.dataset)
             return
+        self.dataset._open_cached()  # a remote build's cached shards, mapped once here for every worker
         batches = super().__iter__()  # starts the workers, each with a copy of the dataset as it is now...
         self.dataset._begin_pass()  # ...so this process's copy starts the same pass after them
         for batch in batches:
