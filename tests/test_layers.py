@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "packer"
 STAGES = ("planning", "contract", "building", "checking", "training")
-# what each stage may import, besides itself and the shared modules at the top (errors, fs)
+# what each stage may import, besides itself and the shared modules at the top (cache, errors, fs)
 ALLOWED = {
     "planning": set(),
     "contract": {"planning"},
@@ -20,7 +20,7 @@ ALLOWED = {
     "checking": {"building", "contract", "planning"},
     "training": {"contract", "planning"},
 }
-SHARED = {"errors", "fs"}
+SHARED = {"cache", "errors", "fs"}
 
 
 def modules() -> list[str]:
