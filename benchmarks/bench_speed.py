@@ -103,9 +103,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=8, help="copies of the 6,000-record sample (8: 48,000 records)")
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds; each figure is the best")
     ap.add_argument("--no-peers", action="store_true", help="skip datasets.map + TRL pack_dataset")
+    ap.add_argument("--llama2", type=Path, default=LLAMA2, help="the Llama 2 tokenizer folder (default: ../shared/data)")
     args = ap.parse_args()
-    if not (LLAMA2 / "tokenizer.json").is_file():
-        raise SystemExit(f"{LLAMA2} is absent")
+    llama2 = args.llama2
+    if not (llama2 / "tokenizer.json").is_file():
+        raise SystemExit(f"{llama2} is absent")
     tmp = Path(tempfile.mkdtemp(prefix="bench_speed-"))
     try:
         source = tmp / f"flan_x{args.repeat}.jsonl"
@@ -120,12 +122,12 @@ def main() -> None:
         cpu: dict[str, float] = {}  # side -> CPU seconds of that best run
         tokens = 0
         for r in range(args.runs):
-            _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(LLAMA2 / "tokenizer.json")], dict(os.environ))
+            _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(llama2 / "tokenizer.json")], dict(os.environ))
             wall, count, encode_cpu = out.split()
             tokens = int(count)
             figures = {"raw": (float(wall), float(encode_cpu))}  # the encode_batch calls alone
             wall, used, _ = timed([sys.executable, "-m", "packer.cli", "build", str(source), "--recipe", "flan",
-                                   "-t", str(LLAMA2), "--pack", "bfd", "--out", str(tmp / "packer-out"),
+                                   "-t", str(llama2), "--pack", "bfd", "--out", str(tmp / "packer-out"),
                                    "--overwrite", "-q"], cold_env(tmp))
             figures["packer"] = (wall, used)
             if not args.no_peers:

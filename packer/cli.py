@@ -13,7 +13,7 @@ import shutil
 import click
 
 from . import __version__, interrupt, render, terminal
-from .building import output
+from .building import output, token_store
 from .building.mix import parts_from_cli
 from .building.pipeline import build as run_build
 from .building.pipeline import tokenizer_path
@@ -94,6 +94,9 @@ def main() -> None:
 @click.option("--tools-field", help="Record field holding tool definitions passed to the chat template (default: tools, if present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--no-cache", "cache", is_flag=True, flag_value=False, default=True,
+              help="Neither re-plan from the token store nor keep this build's tokens there (the bytes are the same "
+                   "either way; see `packer cache`).")
 @click.option("--epochs", type=int, default=DEFAULTS["epochs"], show_default=True,
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
@@ -137,10 +140,13 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
     result = run_build(config, progress=not quiet and not as_json)
     interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
+    for warning in result.warnings:
+        click.echo(f"packer: warning: {warning}", err=True)
     if as_json:
         manifest = result.manifest.to_json()
-        click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
-                               "stats": manifest["stats"], "shards": manifest["shards"]}, indent=2))
+        click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "replanned": result.replanned,
+                               "seconds": round(result.seconds, 3), "stats": manifest["stats"],
+                               "shards": manifest["shards"]}, indent=2))
         return
     terminal.echo(render.build_lines(result))
 
@@ -240,6 +246,42 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     else:
         terminal.echo(render.verify_lines(report))
     ctx.exit(0 if report.ok else 1)
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def cache(ctx: click.Context) -> None:
+    """The cache (its root: $PACKER_CACHE, else $XDG_CACHE_HOME/packer, else ~/.cache/packer; its size limit:
+    $PACKER_CACHE_LIMIT). With no subcommand: list it.
+
+    \b
+    packer cache              the token store's entries: size, source, tokenizer, last use
+    packer cache clear        remove them all
+    """
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(cache_list)
+
+
+@cache.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable listing.")
+def cache_list(as_json: bool = False) -> None:
+    """List the token store's entries, most recently used first."""
+    found = token_store.entries()
+    if as_json:
+        click.echo(json.dumps({"root": str(token_store.folder()), "entries": [
+            {"path": str(e.path), "bytes": e.bytes, "last_used": e.last_used, "sound": e.sound, **e.about}
+            for e in found]}, indent=2, default=str))
+        return
+    terminal.echo(render.cache_lines(token_store.folder(), found))
+
+
+@cache.command("clear")
+def cache_clear() -> None:
+    """Remove every entry of the token store (a build using one keeps what it took)."""
+    n = len(token_store.entries())
+    freed = token_store.clear()
+    click.echo(f"removed {n:,} token store entr{'y' if n == 1 else 'ies'} ({freed / 1e6:,.1f} MB) from "
+               f"{token_store.folder()}")
 
 
 if __name__ == "__main__":

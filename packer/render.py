@@ -4,6 +4,7 @@ to lines of text. No I/O here; ``color`` says whether lines carry ANSI styles (c
 from __future__ import annotations
 
 import re
+import time
 
 import click
 
@@ -87,7 +88,28 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size / 1e6:,.1f} MB"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
-                 "were tokenized by the interrupted run)" if result.resumed else ""))
+                 "were tokenized by the interrupted run)" if result.resumed else "")
+                 + (" (re-planned from cached tokens: the source was not read nor tokenized)" if result.replanned
+                    else ""))
+    return lines
+
+
+def cache_lines(folder, entries) -> list[str]:
+    """``packer cache``: the token store's entries, most recently used first."""
+    if not entries:
+        return [f"{folder}: the token store is empty"]
+    total = sum(e.bytes for e in entries)
+    lines = [f"{folder}: {len(entries):,} entr{'y' if len(entries) == 1 else 'ies'}, {total / 1e6:,.1f} MB"]
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        if not e.sound:
+            lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  (unfinished or damaged: the next build "
+                         "that needs it tokenizes again)")
+            continue
+        a = e.about
+        limit = f", --limit {a['limit']:,}" if a.get("limit") else ""
+        lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  {' + '.join(a.get('sources', []))}{limit} · "
+                     f"{a.get('tokenizer')} · {a.get('records', 0):,} records, {a.get('tokens', 0):,} tokens")
     return lines
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,10 @@ import pytest
 # 5.4 s with one thread, 22-55 s with two, beside one other busy process). Set before torch is
 # imported; a value given in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The cache (the token store, remote shards) is never the user's ~/.cache: the session's own folder, inherited by
+# every process a test starts, and each test's own (``_own_cache``), so no test re-plans from another's tokens.
+os.environ["PACKER_CACHE"] = tempfile.mkdtemp(prefix="packer-test-cache-")
+atexit.register(shutil.rmtree, os.environ["PACKER_CACHE"], True)
 
 from packer import BuildConfig, build
 
@@ -37,6 +44,11 @@ def files_signature(folder: Path) -> tuple:
     ``additional_chat_templates/``): each file's path, size and mtime."""
     return tuple(sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
                         for p in folder.rglob("*") if p.is_file()))
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("PACKER_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(scope="session", autouse=True)

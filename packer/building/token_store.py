@@ -1,0 +1,372 @@
+"""The token store: a build's tokenized examples kept in the cache, so a build that differs only in what acts
+after tokenizing (the pack mode, row sizes, seed, epochs, ranks, padding, format, shards) re-plans from them
+instead of reading and tokenizing the source again.
+
+An entry is what a finished token spill holds (:mod:`packer.building.spill`: ids, trained flags, lengths,
+example ids, and the records and skips counted) in ``<cache root>/tokens/<key>/``::
+
+    meta.json         the identity the tokens were made from, the counts, each file's size and sha256
+    ids.bin trained.bin lengths.bin example_ids.bin
+
+keyed by everything the tokens depend on (:func:`identity`): the source's content (the sha256s, or the
+Hub revision, the manifest records), the tokenizer's fingerprint and special tokens, the chat template's
+sha256, every config field that acts before planning (fields, recipe, ``--train-on``, tools, ``--limit``,
+``--on-error``; a mix's parts and seed, which decide its draws), packer's version and the store's. The key
+names a folder; the identity in ``meta.json`` must equal the build's whole, or the entry is not used.
+
+Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
+cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
+the first's); it is used by linking its files into the build's staging folder and checking those links'
+sizes and sha256s against ``meta.json`` (what was linked cannot change under the build, even if the
+entry is evicted meanwhile); a damaged, partial or foreign entry is removed and the source tokenized
+again. Writing the store is an optimisation: any failure (a full disk) leaves the build as it was and is
+reported in one warning. The cache root, its locks, size limit and least-recently-used eviction are
+:mod:`packer.cache`'s (``Cache("tokens")``): an entry is opened under its shared lock while its files are linked,
+so it is never evicted under a build that is taking it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .. import __version__, cache
+from ..contract.config import BuildConfig
+from ..errors import PackerError
+from ..fs import file_sha256
+from . import spill
+
+STORE_VERSION = 1  # bump when what an entry holds or means changes: entries of another version are never used
+KIND = "tokens"  # the store's folder in the cache root
+META = "meta.json"
+# the config fields that act after tokenizing: a build differing only in them re-plans from the same tokens
+AFTER_TOKENIZING = frozenset({
+    "max_len", "pack", "batch_size", "max_tokens", "overlong", "seed", "epochs", "world_size", "balance", "cp_size",
+    "cp_layout", "pad_to_multiple_of", "format_version", "compression", "shard_size_mb"})
+
+
+def identity(config: BuildConfig, tokenizer: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """What the tokens of a build depend on: every recorded config field not in ``AFTER_TOKENIZING`` (so a
+    field added later counts until it is known not to), the seed for a mix (its draws decide which record
+    comes where), the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer by
+    content (its name is where it lies), the source by content (``source``: the manifest's record of it)."""
+    fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING and k != "chat_template"}
+    if config.mix is not None:
+        fields["seed"] = config.seed
+    return {"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
+            "config": fields, "tokenizer": {k: v for k, v in tokenizer.items() if k != "name_or_path"},
+            "source": source}
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def key(ident: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(ident).encode()).hexdigest()[:32]
+
+
+def folder() -> Path:
+    """The store's folder in the cache root."""
+    return cache.root() / KIND
+
+
+class _Missing(Exception):
+    """Raised by a lookup's maker: a lookup never makes an entry (only a build's tokens do, in :func:`save`)."""
+
+
+def _missing(_tmp: Path) -> None:
+    raise _Missing
+
+
+def _open_existing(store: cache.Cache, name: str, check) -> cache.Entry | None:
+    """Entry ``name`` opened (shared lock: not evicted while open) if it is there and passes ``check``; None
+    otherwise, a failing one removed (``Cache.open`` removes what fails its check before making it again)."""
+    if not store.path(name).exists():
+        return None
+    try:
+        return store.open(name, _missing, check)
+    except _Missing:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """How a lookup went: the spill restored from an entry (``hit``), or why not (``note``: damage found)."""
+
+    hit: bool
+    note: str | None = None
+
+
+def restore(ident: dict[str, Any], into: Path, spill_identity: dict[str, Any]) -> Restored:
+    """Put the entry of ``ident``, if the store holds a sound one, into ``into`` as a finished spill of
+    ``spill_identity`` (the build's own): its files linked (copied across filesystems) under the entry's shared
+    lock, then checked there against the entry's sizes and sha256s. A damaged or foreign entry is removed
+    (``note`` says what was found) and nothing is restored; ``into`` is then left empty for the build to
+    tokenize into."""
+    try:
+        store = cache.Cache(KIND)
+    except cache.CacheError:  # an unusable cache folder: tokenize; saving says why, once
+        return Restored(False)
+    name = key(ident)
+    found: list[str] = []
+
+    def check(path: Path, full: bool) -> str | None:
+        problem = _meta_problem(path, ident)
+        if problem is not None:
+            found.append(problem)
+        return problem
+
+    try:
+        entry = _open_existing(store, name, check)
+        if entry is None:
+            return Restored(False, _damaged(name, found[0]) if found else None)
+        with entry:
+            meta = json.loads((entry.path / META).read_text())
+            _empty(into)
+            for file in spill.FILES:
+                _link_or_copy(entry.path / file, into / file)
+        problem = _hash_problem(into, meta)
+    except OSError as e:
+        problem = f"it cannot be read ({e.strerror or e})"
+    if problem is not None:
+        _remove(store, name)
+        _empty(into)
+        return Restored(False, _damaged(name, problem))
+    spill.mark_finished(into, spill_identity, meta["counts"])
+    return Restored(True)
+
+
+def _damaged(name: str, problem: str) -> str:
+    return f"the token store's entry {name} was not used ({problem}); it was removed and the source tokenized again"
+
+
+def _remove(store: cache.Cache, name: str) -> None:
+    """Remove entry ``name`` once no build has it open: ``Cache.open`` removes an entry that fails its check."""
+    with suppress(OSError, PackerError):
+        _open_existing(store, name, lambda path, full: "to be removed")
+
+
+def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
+    """What is wrong with entry ``path`` as its meta.json and file sizes show (None: nothing). Its hashes are
+    checked on the copies a build links (:func:`_hash_problem`), where they cannot change under it."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return "its meta.json is missing or unreadable"
+    if not isinstance(meta, dict):
+        return "its meta.json is not an entry's"
+    if _canonical(meta.get("identity")) != _canonical(ident):
+        return "it was made from another source, tokenizer or config"
+    files, counts = meta.get("files"), meta.get("counts")
+    if (not isinstance(files, dict) or set(files) != set(spill.FILES) or not isinstance(counts, dict)
+            or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
+                       for f in files.values())):
+        return "its meta.json does not list its files and counts"
+    for name, (count, width) in {"ids.bin": ("tokens", 4), "trained.bin": ("tokens", 1), "lengths.bin": ("examples", 4),
+                                 "example_ids.bin": ("examples", 8)}.items():
+        if files[name]["bytes"] != counts.get(count, -1) * width:
+            return f"its meta.json's counts do not match {name}"
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != files[name]["bytes"]:
+            return f"{name} holds {size:,} bytes, not the {files[name]['bytes']:,} it was written with"
+    return None
+
+
+def _hash_problem(where: Path, meta: dict[str, Any]) -> str | None:
+    """Which of the files in ``where`` differs from the size and sha256 ``meta`` lists (None: none)."""
+    for name in spill.FILES:
+        problem = cache.file_problem(where / name, meta["files"][name]["bytes"], meta["files"][name]["sha256"])
+        if problem is not None:
+            return f"{name}: {problem}"
+    return None
+
+
+def _empty(into: Path) -> None:
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link where ``src`` and ``dst`` share a filesystem (no bytes copied: entries and spills are never
+    written in place, only replaced or removed), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            raise
+        shutil.copyfile(src, dst)
+
+
+def save(ident: dict[str, Any], tokens: spill.Spill, about: dict[str, Any]) -> str | None:
+    """Keep a finished spill as the entry of ``ident`` (nothing to do if a sound one is there; past the cache's
+    limit, the least recently used entries are evicted first). Returns None, or the one warning that the store
+    was skipped and why (a full disk): the build goes on unharmed either way. A spill larger than the whole
+    limit is not kept."""
+    name = key(ident)
+
+    def make(temp: Path) -> None:
+        temp.mkdir()
+        files = {}
+        for file in spill.FILES:
+            _link_or_copy(tokens.folder / file, temp / file)
+            files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
+        meta = {"identity": ident, "counts": spill.counts(tokens), "files": files, "about": about,
+                "created": time.time()}
+        (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
+
+    try:
+        store = cache.Cache(KIND)
+        size = sum((tokens.folder / file).stat().st_size for file in spill.FILES)
+        if store.limit is not None and size > store.limit:
+            return None
+        with store.open(name, make, lambda path, full: _meta_problem(path, ident), size_hint=size):
+            pass
+    except (OSError, cache.CacheError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return (f"the token store was skipped ({why}): the build is complete, but a build that differs only in "
+                f"packing will tokenize again; free space in {folder()} or pass --no-cache")
+    return None
+
+
+# -- the tokenizer's facts ---------------------------------------------------------------------------------
+# A re-plan needs the tokenizer's identity (its fingerprint: the serialised Rust tokenizer transformers builds) and
+# id range, not the tokenizer; loading it imports transformers, most of a re-plan's time. So a build that loads
+# one keeps those facts (``<cache root>/tokenizers/<key>.json``), keyed by the content of every file of its folder
+# (transformers reads several), the chat template given, and the versions of packer, transformers and tokenizers;
+# a build whose tokenizer's files hash to a known key takes them from there. Facts that do not hold when the
+# tokenizer is loaded after all are removed and the build starts again without them.
+
+FACTS = "tokenizers"  # the facts' kind in the cache root (each a small JSON file, evicted as any entry)
+_HASHED_UP_TO = 64 << 20  # larger files of a tokenizer folder (a model's weights beside it) count by size and mtime
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    info: dict[str, Any]  # tokenizer_info without name_or_path
+    id_bound: int
+
+
+def _facts_key(tokenizer: str, chat_template: str | None) -> str | None:
+    """The key of the tokenizer folder ``tokenizer``'s facts as its files are now; None for what is not a local
+    folder (a Hub id: the tokenizer is loaded, as without the store)."""
+    try:
+        base = Path(os.path.expanduser(tokenizer))
+        if not base.is_dir():
+            return None
+        # the installed versions, read from their metadata: importing transformers is what this spares
+        versions = [__version__, *(metadata.version(d) for d in ("transformers", "tokenizers"))]
+        digest = hashlib.sha256(_canonical(versions).encode())
+        for path in sorted(base.rglob("*")):
+            if path.is_file():
+                st = path.stat()
+                what = file_sha256(path) if st.st_size <= _HASHED_UP_TO else f"{st.st_size}:{st.st_mtime_ns}"
+                digest.update(_canonical([path.relative_to(base).as_posix(), what]).encode())
+        if chat_template is not None:
+            digest.update(b"chat_template:" + Path(os.path.expanduser(chat_template)).read_bytes())
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return digest.hexdigest()[:32] + ".json"
+
+
+def _read_facts(path: Path) -> Facts:
+    data = json.loads(path.read_text())
+    return Facts(dict(data["info"]), int(data["id_bound"]))
+
+
+def _facts_problem(path: Path, full: bool) -> str | None:
+    try:
+        _read_facts(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable"
+    return None
+
+
+def tokenizer_facts(tokenizer: str, chat_template: str | None) -> Facts | None:
+    """The facts a build kept of this tokenizer folder, as its files are now (None: not known)."""
+    name = _facts_key(tokenizer, chat_template)
+    if name is None:
+        return None
+    try:
+        entry = _open_existing(cache.Cache(FACTS), name, _facts_problem)
+        if entry is None:
+            return None
+        with entry:
+            return _read_facts(entry.path)
+    except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
+        return None
+
+
+def keep_tokenizer_facts(tokenizer: str, chat_template: str | None, info: dict[str, Any], id_bound: int) -> None:
+    """Keep a loaded tokenizer's facts (a failure only means the next build loads the tokenizer)."""
+    name = _facts_key(tokenizer, chat_template)
+    if name is None:
+        return
+    data = json.dumps({"info": {k: v for k, v in info.items() if k != "name_or_path"}, "id_bound": id_bound})
+    with suppress(OSError, cache.CacheError), cache.Cache(FACTS).open(name, lambda tmp: tmp.write_text(data),
+                                                                       _facts_problem):
+        pass
+
+
+def forget_tokenizer_facts(tokenizer: str, chat_template: str | None) -> None:
+    name = _facts_key(tokenizer, chat_template)
+    if name is not None:
+        with suppress(cache.CacheError):
+            _remove(cache.Cache(FACTS), name)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry as ``packer cache`` lists it."""
+
+    path: Path
+    bytes: int
+    about: dict[str, Any]  # source, tokenizer, counts (what meta.json says; {} for a damaged entry)
+    last_used: float
+    sound: bool  # meta.json readable (its hashes are checked when it is used)
+
+
+def entries() -> list[Entry]:
+    """The store's entries, most recently used first."""
+    root = folder()
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if not path.is_dir() or path.name.startswith("."):  # the locks, entries being written or evicted
+            continue
+        try:
+            meta = json.loads((path / META).read_text())
+            about, sound = {**meta["about"], **meta["counts"]}, True
+        except (OSError, ValueError, KeyError, TypeError):
+            about, sound = {}, False
+        try:
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            found.append(Entry(path, size, about, path.stat().st_mtime, sound))
+        except OSError:  # evicted meanwhile
+            continue
+    return sorted(found, key=lambda e: -e.last_used)
+
+
+def clear() -> int:
+    """Remove every entry, each once no build has it open, and the tokenizers' facts. Returns the bytes freed."""
+    freed = 0
+    store = cache.Cache(KIND)
+    for e in entries():
+        _remove(store, e.path.name)
+        if not e.path.exists():
+            freed += e.bytes
+    facts = cache.Cache(FACTS)
+    for path in facts.folder.glob("*.json"):
+        _remove(facts, path.name)
+    return freed
