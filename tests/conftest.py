@@ -17,12 +17,16 @@ import pytest
 # 5.4 s with one thread, 22-55 s with two, beside one other busy process). Set before torch is
 # imported; a value given in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The cache (the token store, remote shards) is never the user's ~/.cache: the session's own folder, inherited by
-# every process a test starts, and each test's own (``_own_cache``), so no test re-plans from another's tokens.
+# The cache (the token store, remote shards) is never the user's ~/.cache: each test has its own (``_own_cache``), in
+# this process and in the processes it starts with the environment of the moment. An environment a module copied
+# when it was imported (test_crash's ENV) gets the session's folder with a limit of 0 bytes, which keeps no tokens:
+# no test re-plans from another test's tokens, whatever the order they run in.
 os.environ["PACKER_CACHE"] = tempfile.mkdtemp(prefix="packer-test-cache-")
-atexit.register(shutil.rmtree, os.environ["PACKER_CACHE"], True)
+os.environ["PACKER_CACHE_LIMIT"] = "0"
 
 from packer import BuildConfig, build
+
+atexit.register(shutil.rmtree, os.environ["PACKER_CACHE"], True)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -49,6 +53,7 @@ def files_signature(folder: Path) -> tuple:
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PACKER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.delenv("PACKER_CACHE_LIMIT")
 
 
 @pytest.fixture(scope="session", autouse=True)

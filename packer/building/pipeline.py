@@ -365,7 +365,9 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
     stored = token_store.identity(config, info, opened.source) if config.cache else None
-    restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity) if stored is not None
+    # an interrupted run's finished spill is there already: reused as it is (a resume), else the store's
+    restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
+                if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
     if opened.encoder is None and not restored.hit:  # the source must be tokenized after all
         tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)

@@ -125,6 +125,15 @@ def mark_finished(folder: Path, identity: dict[str, Any], done: dict[str, Any]) 
     (folder / PROGRESS).write_text(json.dumps({**done, "finished": True}, sort_keys=True))
 
 
+def finished(folder: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a finished spill of ``identity`` (an interrupted build's, to be reused as it is)."""
+    try:
+        return ((folder / IDENTITY).read_text() == _stamp(identity)
+                and json.loads((folder / PROGRESS).read_text()).get("finished") is True)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _open_spill(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start)."""
     stamp = _stamp(identity)
