@@ -18,6 +18,7 @@ import filecmp
 import gzip
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -46,14 +47,24 @@ CHANGES = {  # each option a re-plan may change, as one build's flags
 }
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(args: list[str], env: dict[str, str]) -> tuple[float, dict]:
-    t = time.perf_counter()
+    """Wall seconds of ``packer build ARGS --json`` (CPU seconds of its process tree in ``CPU[-1]``), its output."""
+    t, cpu = time.perf_counter(), children_cpu()
     done = subprocess.run([sys.executable, "-m", "packer", "build", *args, "--json"], env=env, capture_output=True,
                           text=True)
     seconds = time.perf_counter() - t
+    CPU.append(children_cpu() - cpu)
     if done.returncode:
         raise SystemExit(f"packer build {' '.join(args)} failed:\n{done.stderr[-2000:]}")
     return seconds, json.loads(done.stdout)
+
+
+CPU: list[float] = []
 
 
 def same_folder(a: Path, b: Path) -> bool:
@@ -68,9 +79,12 @@ def main() -> None:
     ap.add_argument("--llama2", type=Path, default=LLAMA2, help="the Llama 2 tokenizer folder")
     ap.add_argument("--runs", type=int, default=1, help="rounds; each figure is the best")
     ap.add_argument("--only", nargs="*", help="the changes to run (default: all)")
+    ap.add_argument("--no-cold", action="store_true",
+                    help="skip the --no-cache builds (each a whole tokenize): re-plans timed, not compared")
     args = ap.parse_args()
     if not (args.llama2 / "tokenizer.json").is_file():
         raise SystemExit(f"{args.llama2} is absent")
+    load = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench_replan-"))
     try:
         source = tmp / f"flan_x{args.repeat}.jsonl"
@@ -78,27 +92,34 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PACKER_CACHE": str(tmp / "cache")}
         common = [str(source), *BASE, "-t", str(args.llama2)]
         changes = {k: v for k, v in CHANGES.items() if not args.only or k in args.only}
-        first, replans, colds = float("inf"), {}, {}
+        first, replans, colds, cpu = float("inf"), {}, {}, {}
         for _ in range(args.runs):
             shutil.rmtree(tmp / "cache", ignore_errors=True)
             seconds, result = run([*common, "--out", str(tmp / "first")], env)
             assert not result["replanned"]
-            first = min(first, seconds)
+            if seconds < first:
+                first, cpu["first"] = seconds, CPU[-1]
             for name, flags in changes.items():
                 seconds, result = run([*common, *flags, "--out", str(tmp / "replan"), "--overwrite"], env)
                 assert result["replanned"], name
-                replans[name] = min(replans.get(name, float("inf")), seconds)
+                if seconds < replans.get(name, float("inf")):
+                    replans[name], cpu[name] = seconds, CPU[-1]
+                if args.no_cold:
+                    continue
                 seconds, _ = run([*common, *flags, "--out", str(tmp / "cold"), "--overwrite", "--no-cache"], env)
                 colds[name] = min(colds.get(name, float("inf")), seconds)
                 if not same_folder(tmp / "replan", tmp / "cold"):
                     raise SystemExit(f"{name}: the re-planned folder differs from the --no-cache build")
         tokens = sum(1 for _ in source.open())
-        print(f"cores {os.cpu_count()}, {tokens:,} records, Llama 2 tokenizer, {' '.join(BASE)}; best of {args.runs}; "
-              "each re-planned folder byte-identical to its --no-cache build")
-        print(f"first build (tokenizes, keeps the tokens): {first:.2f} s")
-        print(f"{'change':<36} {'re-plan':>8} {'/ first':>8} {'--no-cache':>11}")
+        print(f"cores {os.cpu_count()}, {tokens:,} records, Llama 2 tokenizer, {' '.join(BASE)}; best of {args.runs}"
+              + ("" if args.no_cold else "; each re-planned folder byte-identical to its --no-cache build"))
+        print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f} (1 minute)")
+        print(f"first build (tokenizes, keeps the tokens): {first:.2f} s wall, {cpu['first']:.1f} s CPU")
+        print(f"{'change':<36} {'re-plan':>8} {'/ first':>8} {'CPU':>6} {'/ first':>8} {'--no-cache':>11}")
         for name in changes:
-            print(f"{name:<36} {replans[name]:>7.2f}s {replans[name] / first:>8.1%} {colds[name]:>10.2f}s")
+            cold = f"{colds[name]:>10.2f}s" if name in colds else f"{'-':>11}"
+            print(f"{name:<36} {replans[name]:>7.2f}s {replans[name] / first:>8.1%} {cpu[name]:>5.2f}s "
+                  f"{cpu[name] / cpu['first']:>8.1%} {cold}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
