@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, need_shared
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packer import BuildConfig, build
+from packer import BuildConfig, build, cache
 from packer.building import token_store
+from packer.building.tokenization import load_tokenizer, tokenizer_info
 from packer.checking.verify import verify
 from packer.cli import main
 from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
@@ -109,6 +110,31 @@ def test_cli_summary_no_cache_and_the_cache_command(tmp_path):
     cleared = runner.invoke(main, ["cache", "clear"])
     assert cleared.exit_code == 0 and "removed 1 token store entry" in cleared.output and not entry_dirs()
     assert not build(config(tmp_path / "e", limit=LIMITS[0])).replanned
+
+
+# -- tokenizers met before: rebuilt without transformers ------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", ["bundled", "llama2-tokenizer", "tokenizers/qwen3"])
+def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
+    """The parts a build keeps give transformers' tokenizer back (its fingerprint, ids and offsets, special
+    tokens, chat templates) by the Rust library alone; damaged parts are not used."""
+    path = ROOT / "packer" / "data" / "tokenizer" if folder == "bundled" else need_shared(folder)
+    loaded = load_tokenizer(str(path), memo=token_store.TOKENIZERS)  # loaded by transformers, its parts kept
+    rebuilt = load_tokenizer(str(path), memo=token_store.TOKENIZERS)
+    assert type(rebuilt.backend_tokenizer) is type(loaded.backend_tokenizer) and rebuilt is not loaded
+    assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t")
+    assert rebuilt.special_tokens_map == loaded.special_tokens_map and rebuilt.chat_template == loaded.chat_template
+    assert rebuilt.control_tokens() == loaded.control_tokens()
+    texts = ["Hello world!  你好 🙂\n\n  spaced", f"{loaded.eos_token} and <|im_start|>user\nhi<|im_end|>", ""]
+    for a, b in zip(loaded.backend_tokenizer.encode_batch(texts), rebuilt.backend_tokenizer.encode_batch(texts),
+                    strict=True):
+        assert (a.ids, a.offsets) == (b.ids, b.offsets)
+    kept = next(cache.Cache(token_store.FACTS).folder.glob("*.json"))
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of the serialised tokenizer
+    kept.write_bytes(bytes(data))
+    assert token_store.TOKENIZERS.get(path) is None
 
 
 # -- never trusted blindly: the property ------------------------------------------------------------------

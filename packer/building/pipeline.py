@@ -10,7 +10,6 @@ lock, checks and commit are :mod:`packer.building.output`'s. ``open_source`` and
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import time
@@ -85,36 +84,23 @@ class Opened:
     """The config's source (a mix, or one source as a mix of one part) opened and ready to encode."""
 
     stream: mix.MixStream  # its first config.limit records
-    encoder: mix.MixEncoder | None  # None until ``encoded`` (a re-plan from the token store never needs it)
+    encoder: mix.MixEncoder
     source: dict  # the manifest's source record
     read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
     pairs: bool = False  # preference data: two examples a record, planned as pairs (packer.planning.pairs)
-    specs: tuple = ()  # each part's FormatSpec
-    wheres: tuple[str, ...] = ()  # how an error names each part's record
-
-    def encoded(self, tokenizer, *, skip_errors: bool) -> Opened:
-        """This source with its encoder: each part's, made from its spec and ``tokenizer``."""
-        encoders = [(PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors)
-                    for spec in self.specs]
-        return dataclasses.replace(self, encoder=mix.MixEncoder(encoders, list(self.wheres)))
 
 
 def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
     """Open each part of the config's mix (its one source, for a one-source build) as a stream of its
     first records (under ``--limit``, as far as the draws take it; a part with a records count: that
     many), each with its encoder made from the config and the part's fields."""
-    return open_parts(config).encoded(tokenizer, skip_errors=skip_errors)
-
-
-def open_parts(config: BuildConfig) -> Opened:
-    """``open_source`` without the encoders (no tokenizer needed): the streams, their specs and the source's record."""
     parts = source_parts(config)
     resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
                                 from_hub=config.from_hub, files=part.get("files")) for part in parts]
     # under --limit, each part is read no further than the records the draws take from it
     drawn = (None if config.limit is None else
              mix.part_limits(list(parts), config.seed, config.limit, lambda k, n: sources.holds(resolved[k], n)))
-    streams, specs, wheres, infos, read = [], [], [], [], {}
+    streams, encoders, wheres, infos, read = [], [], [], [], {}
     for k, (part, source) in enumerate(zip(parts, resolved, strict=True)):
         stream = sources.open_stream(source, limit=part.get("records") if drawn is None else drawn[k])
         read |= _signatures(stream)
@@ -125,17 +111,17 @@ def open_parts(config: BuildConfig) -> Opened:
             if config.mix is None:
                 raise
             raise ConfigError(f"mix part {k + 1} ({part['source']}): {e}") from None  # which of the parts it is
-        if k and (spec.kind == "preference") != (specs[0].kind == "preference"):
+        if k and (spec.kind == "preference") != isinstance(encoders[0], PairEncoder):
             raise ConfigError(f"mix part {k + 1} ({part['source']}): a mix of preference pairs and SFT data cannot be "
                               "packed into one build (pairs train with a DPO loss); build them apart")
         streams.append(stream)
-        specs.append(spec)
+        encoders.append((PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors))
         wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
         infos.append(source_info(stream))
     record = infos[0] if config.mix is None else {
         "kind": "mix", "parts": [{"source": part["source"], **info} for part, info in zip(parts, infos, strict=True)]}
-    return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), None, record, read,
-                  specs[0].kind == "preference", tuple(specs), tuple(wheres))
+    return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), mix.MixEncoder(encoders, wheres),
+                  record, read, isinstance(encoders[0], PairEncoder))
 
 
 def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
@@ -337,44 +323,27 @@ def _check_id_range(tokenizer, name: str) -> int:
     return max(top + 1, len(tokenizer))
 
 
-def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False,
-           known: bool = True) -> BuildResult:
-    """The build. With the token store on, a tokenizer whose facts the store knows (``known``: its fingerprint
-    and id range, keyed by its files' content) is not loaded unless the source must be tokenized: a re-plan
-    never imports transformers."""
+def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
+           ) -> BuildResult:
     started = time.perf_counter()
-    name = config.tokenizer or BUNDLED
-    skip_errors = config.on_error == "skip"
-    facts = token_store.tokenizer_facts(tokenizer_path(config.tokenizer), config.chat_template) \
-        if config.cache and known else None
-    if facts is None:
-        tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
-        id_bound = _check_id_range(tokenizer, name)
-        info = tokenizer_info(tokenizer, name)
-        opened = open_source(config, tokenizer, skip_errors=skip_errors)
-        if config.cache:
-            token_store.keep_tokenizer_facts(tokenizer_path(config.tokenizer), config.chat_template, info, id_bound)
-    else:
-        info, id_bound = {"name_or_path": name, **facts.info}, facts.id_bound
-        opened = open_parts(config)
+    # with the token store on, a tokenizer folder met before is rebuilt from its kept parts, without transformers
+    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
+                               memo=token_store.TOKENIZERS if config.cache else None)
+    id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
+    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
-    identity = {"config": config.identity(), "tokenizer": info, "source": opened.source}
+    identity = {"config": config.identity(), "tokenizer": tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
+                "source": opened.source}
     previous = output.check(out, identity, config.overwrite)
     if previous is not None:
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
-    stored = token_store.identity(config, info, opened.source) if config.cache else None
+    stored = token_store.identity(config, identity["tokenizer"], opened.source) if config.cache else None
     # an interrupted run's finished spill is there already: reused as it is (a resume), else the store's
     restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
-    if opened.encoder is None and not restored.hit:  # the source must be tokenized after all
-        tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
-        if tokenizer_info(tokenizer, name) != info or _check_id_range(tokenizer, name) != id_bound:
-            token_store.forget_tokenizer_facts(tokenizer_path(config.tokenizer), config.chat_template)
-            return _build(config, engine, out, staging, progress=progress, known=False)  # facts that no longer hold
-        opened = opened.encoded(tokenizer, skip_errors=skip_errors)
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, progress=progress)
     check_unchanged(opened)

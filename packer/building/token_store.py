@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, cache
-from ..contract.config import BuildConfig
+from ..contract.config import ROW_LIMIT, BuildConfig
 from ..errors import PackerError
 from ..fs import file_sha256
 from . import spill
@@ -241,31 +241,21 @@ def save(ident: dict[str, Any], tokens: spill.Spill, about: dict[str, Any]) -> s
     return None
 
 
-# -- the tokenizer's facts ---------------------------------------------------------------------------------
-# A re-plan needs the tokenizer's identity (its fingerprint: the serialised Rust tokenizer transformers builds) and
-# id range, not the tokenizer; loading it imports transformers, most of a re-plan's time. So a build that loads
-# one keeps those facts (``<cache root>/tokenizers/<key>.json``), keyed by the content of every file of its folder
-# (transformers reads several), the chat template given, and the versions of packer, transformers and tokenizers;
-# a build whose tokenizer's files hash to a known key takes them from there. Facts that do not hold when the
-# tokenizer is loaded after all are removed and the build starts again without them.
+# -- tokenizers met before -----------------------------------------------------------------------------------
+# Loading a tokenizer by its transformers class imports transformers: most of a small build's start, and most of a
+# re-plan's. So a build that loads a tokenizer folder keeps its parts (``Tokenizer.parts``: the Rust tokenizer
+# transformers built, serialised whole, its special tokens and chat templates) in ``<cache root>/tokenizers/<key>``,
+# keyed by the content of every file of the folder (transformers reads several) and the versions of packer,
+# transformers and tokenizers; a later build of a folder whose files hash to that key rebuilds the same tokenizer
+# from them with the Rust library alone. The parts' own sha256 is kept beside them and checked on every use.
 
-FACTS = "tokenizers"  # the facts' kind in the cache root (each a small JSON file, evicted as any entry)
+FACTS = "tokenizers"  # their kind in the cache root (each a JSON file, evicted as any entry)
 _HASHED_UP_TO = 64 << 20  # larger files of a tokenizer folder (a model's weights beside it) count by size and mtime
 
 
-@dataclass(frozen=True, slots=True)
-class Facts:
-    info: dict[str, Any]  # tokenizer_info without name_or_path
-    id_bound: int
-
-
-def _facts_key(tokenizer: str, chat_template: str | None) -> str | None:
-    """The key of the tokenizer folder ``tokenizer``'s facts as its files are now; None for what is not a local
-    folder (a Hub id: the tokenizer is loaded, as without the store)."""
+def _tokenizer_key(base: Path) -> str | None:
+    """The key of tokenizer folder ``base`` as its files are now (None when it cannot be read)."""
     try:
-        base = Path(os.path.expanduser(tokenizer))
-        if not base.is_dir():
-            return None
         # the installed versions, read from their metadata: importing transformers is what this spares
         versions = [__version__, *(metadata.version(d) for d in ("transformers", "tokenizers"))]
         digest = hashlib.sha256(_canonical(versions).encode())
@@ -274,57 +264,59 @@ def _facts_key(tokenizer: str, chat_template: str | None) -> str | None:
                 st = path.stat()
                 what = file_sha256(path) if st.st_size <= _HASHED_UP_TO else f"{st.st_size}:{st.st_mtime_ns}"
                 digest.update(_canonical([path.relative_to(base).as_posix(), what]).encode())
-        if chat_template is not None:
-            digest.update(b"chat_template:" + Path(os.path.expanduser(chat_template)).read_bytes())
     except (OSError, metadata.PackageNotFoundError):
         return None
     return digest.hexdigest()[:32] + ".json"
 
 
-def _read_facts(path: Path) -> Facts:
-    data = json.loads(path.read_text())
-    return Facts(dict(data["info"]), int(data["id_bound"]))
+def _read_parts(path: Path) -> dict[str, Any]:
+    """The parts kept in ``path``: a first line holding the sha256 of the JSON after it, checked."""
+    data = path.read_bytes()
+    digest, _, body = data.partition(b"\n")
+    if hashlib.sha256(body).hexdigest().encode() != digest:
+        raise ValueError("its sha256 differs")
+    return json.loads(body)
 
 
-def _facts_problem(path: Path, full: bool) -> str | None:
+def _parts_problem(path: Path, full: bool) -> str | None:
     try:
-        _read_facts(path)
+        _read_parts(path)
     except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable"
+        return "unreadable or damaged"
     return None
 
 
-def tokenizer_facts(tokenizer: str, chat_template: str | None) -> Facts | None:
-    """The facts a build kept of this tokenizer folder, as its files are now (None: not known)."""
-    name = _facts_key(tokenizer, chat_template)
-    if name is None:
-        return None
-    try:
-        entry = _open_existing(cache.Cache(FACTS), name, _facts_problem)
-        if entry is None:
+class _Tokenizers:
+    """The tokenization.Memo of the cache: each tokenizer folder's parts."""
+
+    def get(self, folder: Path) -> dict[str, Any] | None:
+        name = _tokenizer_key(folder)
+        if name is None:
             return None
-        with entry:
-            return _read_facts(entry.path)
-    except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
-        return None
+        try:
+            entry = _open_existing(cache.Cache(FACTS), name, _parts_problem)
+            if entry is None:
+                return None
+            with entry:
+                return _read_parts(entry.path)
+        except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
+            return None
+
+    def put(self, folder: Path, tokenizer) -> None:
+        """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
+        below it, which the build refuses first). A failure only means the next build loads it again."""
+        name = _tokenizer_key(folder)
+        if name is None or max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(),
+                               default=0) > ROW_LIMIT:
+            return
+        body = json.dumps(tokenizer.parts()).encode()
+        data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+        with suppress(OSError, cache.CacheError), cache.Cache(FACTS).open(name, lambda tmp: tmp.write_bytes(data),
+                                                                           _parts_problem):
+            pass
 
 
-def keep_tokenizer_facts(tokenizer: str, chat_template: str | None, info: dict[str, Any], id_bound: int) -> None:
-    """Keep a loaded tokenizer's facts (a failure only means the next build loads the tokenizer)."""
-    name = _facts_key(tokenizer, chat_template)
-    if name is None:
-        return
-    data = json.dumps({"info": {k: v for k, v in info.items() if k != "name_or_path"}, "id_bound": id_bound})
-    with suppress(OSError, cache.CacheError), cache.Cache(FACTS).open(name, lambda tmp: tmp.write_text(data),
-                                                                       _facts_problem):
-        pass
-
-
-def forget_tokenizer_facts(tokenizer: str, chat_template: str | None) -> None:
-    name = _facts_key(tokenizer, chat_template)
-    if name is not None:
-        with suppress(cache.CacheError):
-            _remove(cache.Cache(FACTS), name)
+TOKENIZERS = _Tokenizers()
 
 
 @dataclass(frozen=True, slots=True)
