@@ -93,6 +93,21 @@ def test_replan_is_byte_identical_verifies_and_says_so(tmp_path):
     assert len(entry_dirs()) == 3
 
 
+def test_what_the_pack_mode_reads_is_keyed(tmp_path):
+    """A source with a text column beside a prompt/completion pair: --pack wrap trains the text, another mode
+    the pair, so the two builds' tokens differ and a wrap build never re-plans from a batch build's."""
+    source = tmp_path / "both.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"a{i}", "text": f"plain text {i} " * 9})
+                              + "\n" for i in range(40)))
+    options = dict(source=str(source), num_proc=1, pack="wrap", max_tokens=64)
+    assert not build(BuildConfig(out=str(tmp_path / "batch"), source=str(source), num_proc=1)).replanned
+    wrapped = build(BuildConfig(out=str(tmp_path / "wrap"), **options))
+    assert not wrapped.replanned
+    build(BuildConfig(out=str(tmp_path / "cold"), cache=False, **options))
+    assert digest(tmp_path / "wrap") == digest(tmp_path / "cold")
+    assert build(BuildConfig(out=str(tmp_path / "wrap2"), seed=1, **options)).replanned
+
+
 def test_cli_summary_no_cache_and_the_cache_command(tmp_path):
     runner = CliRunner()
     args = ["build", "flan", "--limit", str(LIMITS[0]), "-j", "1", "-q"]

@@ -339,7 +339,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
-    stored = token_store.identity(config, identity["tokenizer"], opened.source) if config.cache else None
+    stored = token_store.identity(config, identity["tokenizer"], opened.source, opened.encoder) if config.cache else None
     # an interrupted run's finished spill is there already: reused as it is (a resume), else the store's
     restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)

@@ -27,6 +27,7 @@ so it is never evicted under a build that is taking it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -44,6 +45,7 @@ from ..contract.config import ROW_LIMIT, BuildConfig
 from ..errors import PackerError
 from ..fs import file_sha256
 from . import spill
+from .mix import MixEncoder
 
 STORE_VERSION = 1  # bump when what an entry holds or means changes: entries of another version are never used
 KIND = "tokens"  # the store's folder in the cache root
@@ -54,16 +56,20 @@ AFTER_TOKENIZING = frozenset({
     "cp_layout", "pad_to_multiple_of", "format_version", "compression", "shard_size_mb"})
 
 
-def identity(config: BuildConfig, tokenizer: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+def identity(config: BuildConfig, tokenizer: dict[str, Any], source: dict[str, Any], encoder: MixEncoder
+             ) -> dict[str, Any]:
     """What the tokens of a build depend on: every recorded config field not in ``AFTER_TOKENIZING`` (so a
     field added later counts until it is known not to), the seed for a mix (its draws decide which record
-    comes where), the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer by
-    content (its name is where it lies), the source by content (``source``: the manifest's record of it)."""
+    comes where), each part's format as resolved (``FormatSpec``: the options, the recipe and the columns
+    decide it, and so can ``--pack``: wrap reads a ``text`` column where another mode reads a prompt/completion
+    pair beside it), the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer
+    by content (its name is where it lies), the source by content (``source``: the manifest's record of it)."""
     fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING and k != "chat_template"}
     if config.mix is not None:
         fields["seed"] = config.seed
+    formats = [dataclasses.asdict(getattr(e, "spec", None) or e.formatter.spec) for e in encoder.encoders]
     return {"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
-            "config": fields, "tokenizer": {k: v for k, v in tokenizer.items() if k != "name_or_path"},
+            "config": fields, "formats": formats, "tokenizer": {k: v for k, v in tokenizer.items() if k != "name_or_path"},
             "source": source}
 
 
