@@ -12,8 +12,8 @@ import shutil
 
 import click
 
-from . import __version__, interrupt, render, terminal
-from .building import output, token_store
+from . import __version__, cli_cache, interrupt, render, terminal
+from .building import output
 from .building.mix import parts_from_cli
 from .building.pipeline import build as run_build
 from .building.pipeline import tokenizer_path
@@ -36,7 +36,7 @@ from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
-@click.group(cls=terminal.OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=terminal.OneLineErrors, commands=[cli_cache.cache], context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
@@ -94,9 +94,7 @@ def main() -> None:
 @click.option("--tools-field", help="Record field holding tool definitions passed to the chat template (default: tools, if present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-@click.option("--no-cache", "cache", is_flag=True, flag_value=False, default=True,
-              help="Neither re-plan from the token store nor keep this build's tokens there (the bytes are the same "
-                   "either way; see `packer cache`).")
+@click.option("--no-cache", "cache", flag_value=False, default=True, help="Keep no tokens in the cache, use none.")
 @click.option("--epochs", type=int, default=DEFAULTS["epochs"], show_default=True,
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
@@ -140,13 +138,10 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
     result = run_build(config, progress=not quiet and not as_json)
     interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
-    for warning in result.warnings:
-        click.echo(f"packer: warning: {warning}", err=True)
     if as_json:
         manifest = result.manifest.to_json()
-        click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "replanned": result.replanned,
-                               "seconds": round(result.seconds, 3), "stats": manifest["stats"],
-                               "shards": manifest["shards"]}, indent=2))
+        click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
+                               "stats": manifest["stats"], "shards": manifest["shards"], **render.build_notes(result)}, indent=2))
         return
     terminal.echo(render.build_lines(result))
 
@@ -246,42 +241,6 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     else:
         terminal.echo(render.verify_lines(report))
     ctx.exit(0 if report.ok else 1)
-
-
-@main.group(invoke_without_command=True)
-@click.pass_context
-def cache(ctx: click.Context) -> None:
-    """The cache (its root: $PACKER_CACHE, else $XDG_CACHE_HOME/packer, else ~/.cache/packer; its size limit:
-    $PACKER_CACHE_LIMIT). With no subcommand: list it.
-
-    \b
-    packer cache              the token store's entries: size, source, tokenizer, last use
-    packer cache clear        remove them all
-    """
-    if ctx.invoked_subcommand is None:
-        ctx.invoke(cache_list)
-
-
-@cache.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable listing.")
-def cache_list(as_json: bool = False) -> None:
-    """List the token store's entries, most recently used first."""
-    found = token_store.entries()
-    if as_json:
-        click.echo(json.dumps({"root": str(token_store.folder()), "entries": [
-            {"path": str(e.path), "bytes": e.bytes, "last_used": e.last_used, "sound": e.sound, **e.about}
-            for e in found]}, indent=2, default=str))
-        return
-    terminal.echo(render.cache_lines(token_store.folder(), found))
-
-
-@cache.command("clear")
-def cache_clear() -> None:
-    """Remove every entry of the token store (a build using one keeps what it took)."""
-    n = len(token_store.entries())
-    freed = token_store.clear()
-    click.echo(f"removed {n:,} token store entr{'y' if n == 1 else 'ies'} ({freed / 1e6:,.1f} MB) from "
-               f"{token_store.folder()}")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,13 @@ def build_lines(result: BuildResult) -> list[str]:
                  "were tokenized by the interrupted run)" if result.resumed else "")
                  + (" (re-planned from cached tokens: the source was not read nor tokenized)" if result.replanned
                     else ""))
+    lines += [f"warning   {w}" for w in result.warnings]
     return lines
+
+
+def build_notes(result: BuildResult) -> dict:
+    """What ``packer build --json`` adds beside the stats: whether it re-planned from cached tokens, its warnings."""
+    return {"replanned": result.replanned, "warnings": list(result.warnings)}
 
 
 def cache_lines(folder, entries) -> list[str]:

@@ -198,7 +198,7 @@ def _damage(kind: str, pick: int, out: Path) -> str | None:
     return entry.name
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(st.lists(STEP, min_size=2, max_size=4))
 def test_builds_damage_and_kills_against_cold_builds(tmp_path, steps):
@@ -270,8 +270,8 @@ def test_full_disk_under_the_store_leaves_the_build_unharmed(tmp_path):
               f"-j 1 -q --out {out}")
     done = _run([], cache, prefix=["unshare", "-rm", "sh", "-c", script])
     assert done.returncode == 0, done.stderr
-    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "token store was skipped" in warnings[0], done.stderr
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and "token store was skipped (No space left on device)" in warnings[0], done.stdout
     assert digest(out) == cold(limit=LIMITS[0])
 
 
@@ -283,7 +283,7 @@ def test_two_builds_at_once_share_the_store(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0 and "warning" not in err, err
+        assert proc.returncode == 0 and json.loads(out)["warnings"] == [], err
     assert digest(tmp_path / "b0") == digest(tmp_path / "b1") == cold(limit=LIMITS[1])
     os.environ["PACKER_CACHE"] = str(cache)
     assert len(entry_dirs()) == 1
