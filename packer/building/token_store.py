@@ -42,7 +42,6 @@ from typing import Any
 
 from .. import __version__, cache
 from ..contract.config import ROW_LIMIT, BuildConfig
-from ..errors import PackerError
 from ..fs import file_sha256
 from . import spill
 from .mix import MixEncoder
@@ -157,9 +156,10 @@ def _damaged(name: str, problem: str) -> str:
 
 
 def _remove(store: cache.Cache, name: str) -> None:
-    """Remove entry ``name`` once no build has it open: ``Cache.open`` removes an entry that fails its check."""
-    with suppress(OSError, PackerError):
-        _open_existing(store, name, lambda path, full: "to be removed")
+    """Remove entry ``name`` unless a process has it open (then the next build that keeps these tokens replaces
+    it: ``save`` checks an entry in place in full). The cache's own eviction of one entry does exactly this."""
+    with suppress(OSError):
+        store._evict(store.path(name))
 
 
 def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
@@ -189,6 +189,15 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
         if size != files[name]["bytes"]:
             return f"{name} holds {size:,} bytes, not the {files[name]['bytes']:,} it was written with"
     return None
+
+
+def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
+    """``_meta_problem``, and with ``full`` the sha256s too, but for an entry ``save`` has just made (under the
+    cache's temporary name: its hashes were taken from those very files)."""
+    problem = _meta_problem(path, ident)
+    if problem is not None or not full or path.name.startswith(cache.TMP_PREFIX):
+        return problem
+    return _hash_problem(path, json.loads((path / META).read_text()))
 
 
 def _hash_problem(where: Path, meta: dict[str, Any]) -> str | None:
@@ -238,7 +247,7 @@ def save(ident: dict[str, Any], tokens: spill.Spill, about: dict[str, Any]) -> s
         size = sum((tokens.folder / file).stat().st_size for file in spill.FILES)
         if store.limit is not None and size > store.limit:
             return None
-        with store.open(name, make, lambda path, full: _meta_problem(path, ident), size_hint=size):
+        with store.open(name, make, lambda path, full: _entry_problem(path, ident, full), full=True, size_hint=size):
             pass
     except (OSError, cache.CacheError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
