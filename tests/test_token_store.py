@@ -93,6 +93,21 @@ def test_replan_is_byte_identical_verifies_and_says_so(tmp_path):
     assert len(entry_dirs()) == 3
 
 
+def test_the_cache_limit_evicts_the_least_recently_used_entry(tmp_path, monkeypatch):
+    build(config(tmp_path / "a", limit=LIMITS[0]))
+    (first,) = entry_dirs()
+    everything = sum(f.stat().st_size for f in cache.root().rglob("*") if f.is_file())
+    monkeypatch.setenv("PACKER_CACHE_LIMIT", str(int(everything * 1.2)))  # room for one of the two entries
+    build(config(tmp_path / "b", limit=LIMITS[1]))
+    assert [p.name for p in entry_dirs()] != [first.name] and len(entry_dirs()) == 1  # the older one went
+    assert not build(config(tmp_path / "a2", limit=LIMITS[0], seed=1)).replanned
+    monkeypatch.setenv("PACKER_CACHE_LIMIT", "1kB")  # less than one entry: none is kept, the build is whole
+    assert not build(config(tmp_path / "c", limit=LIMITS[0], train_on="all")).warnings
+    assert all(json.loads((p / "meta.json").read_text())["about"]["limit"] != LIMITS[0] or
+               json.loads((p / "meta.json").read_text())["identity"]["config"].get("train_on") != "all"
+               for p in entry_dirs())
+
+
 def test_what_the_pack_mode_reads_is_keyed(tmp_path):
     """A source with a text column beside a prompt/completion pair: --pack wrap trains the text, another mode
     the pair, so the two builds' tokens differ and a wrap build never re-plans from a batch build's."""
@@ -198,7 +213,7 @@ def _damage(kind: str, pick: int, out: Path) -> str | None:
     return entry.name
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(st.lists(STEP, min_size=2, max_size=4))
 def test_builds_damage_and_kills_against_cold_builds(tmp_path, steps):
