@@ -95,7 +95,7 @@ def _missing(_tmp: Path) -> None:
 
 def _open_existing(store: cache.Cache, name: str, check) -> cache.Entry | None:
     """Entry ``name`` opened (shared lock: not evicted while open) if it is there and passes ``check``; None
-    otherwise, a failing one removed (``Cache.open`` removes what fails its check before making it again)."""
+    otherwise (``Cache.open`` then asks the maker for a new one, and the maker declines)."""
     if not store.path(name).exists():
         return None
     try:
@@ -134,7 +134,10 @@ def restore(ident: dict[str, Any], into: Path, spill_identity: dict[str, Any]) -
     try:
         entry = _open_existing(store, name, check)
         if entry is None:
-            return Restored(False, _damaged(name, found[0]) if found else None)
+            if not found:
+                return Restored(False)
+            _remove(store, name)
+            return Restored(False, _damaged(name, found[0]))
         with entry:
             meta = json.loads((entry.path / META).read_text())
             _empty(into)
