@@ -10,7 +10,10 @@ sample repeated ``--repeat`` times as one JSONL file (8 → 48,000 records), the
 1. raw:    the texts (formatted beforehand by packer's own Formatter, untimed) are read, then only the
            ``encode_batch`` calls are timed: the tokenizer's tokens/s, nothing else in it;
 2. packer: ``python -m packer.cli build FILE --recipe flan -t LLAMA2 --pack bfd -q`` timed from the shell,
-           process start to exit (manifest written), with an empty ``HF_DATASETS_CACHE`` (cold cache);
+           process start to exit (manifest written), with an empty ``HF_DATASETS_CACHE`` (cold cache) and no
+           tokens in packer's cache, the tokenizer met before (its parts kept by an untimed ``--limit 10``
+           build first: what every build after a tokenizer's first finds); then the same with ``--no-cache``
+           (the tokenizer loaded by transformers, nothing kept);
 3. peers:  ``datasets.map`` + TRL ``pack_dataset`` + ``save_to_disk`` (``bench_build.peers_build``), in
            a fresh process with a cold cache too, timed from process start to exit.
 
@@ -93,9 +96,14 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 
 def cold_env(tmp: Path) -> dict[str, str]:
+    """A cold `datasets` cache, and packer's cache (``$PACKER_CACHE``) without tokens: what a first build of
+    new data finds. The tokenizer's kept parts stay (``packer.building.token_store.TOKENIZERS``: a tokenizer
+    met before, as on any machine after its first build); ``--no-cache`` runs show the build without them."""
     cache = tmp / "hf-datasets-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(cache)}
+    shutil.rmtree(tmp / "packer-cache" / "tokens", ignore_errors=True)
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(cache),
+            "PACKER_CACHE": str(tmp / "packer-cache")}
 
 
 def main() -> None:
@@ -103,9 +111,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=8, help="copies of the 6,000-record sample (8: 48,000 records)")
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds; each figure is the best")
     ap.add_argument("--no-peers", action="store_true", help="skip datasets.map + TRL pack_dataset")
+    ap.add_argument("--llama2", type=Path, default=LLAMA2, help="the Llama 2 tokenizer folder (default: ../shared/data)")
     args = ap.parse_args()
-    if not (LLAMA2 / "tokenizer.json").is_file():
-        raise SystemExit(f"{LLAMA2} is absent")
+    llama2 = args.llama2
+    if not (llama2 / "tokenizer.json").is_file():
+        raise SystemExit(f"{llama2} is absent")
     tmp = Path(tempfile.mkdtemp(prefix="bench_speed-"))
     try:
         source = tmp / f"flan_x{args.repeat}.jsonl"
@@ -116,18 +126,24 @@ def main() -> None:
         n = 6000 * args.repeat
         print(f"cores {os.cpu_count()}, {n:,} records ({source.stat().st_size / 1e6:.0f} MB JSONL), Llama 2 "
               f"tokenizer, --pack bfd, best of {args.runs} interleaved rounds (shared machine: compare within this run)")
+        timed([sys.executable, "-m", "packer.cli", "build", str(source), "--recipe", "flan", "-t", str(llama2),
+               "--limit", "10", "--out", str(tmp / "warm"), "-q"], cold_env(tmp))  # keeps the tokenizer's parts
+        timed([sys.executable, "-m", "packer.cli", "build", "flan", "--limit", "10", "--out", str(tmp / "warm-small"),
+               "-q"], cold_env(tmp))
         best: dict[str, float] = {}  # side -> best wall seconds
         cpu: dict[str, float] = {}  # side -> CPU seconds of that best run
         tokens = 0
         for r in range(args.runs):
-            _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(LLAMA2 / "tokenizer.json")], dict(os.environ))
+            _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(llama2 / "tokenizer.json")], dict(os.environ))
             wall, count, encode_cpu = out.split()
             tokens = int(count)
             figures = {"raw": (float(wall), float(encode_cpu))}  # the encode_batch calls alone
-            wall, used, _ = timed([sys.executable, "-m", "packer.cli", "build", str(source), "--recipe", "flan",
-                                   "-t", str(LLAMA2), "--pack", "bfd", "--out", str(tmp / "packer-out"),
-                                   "--overwrite", "-q"], cold_env(tmp))
+            packer = [sys.executable, "-m", "packer.cli", "build", str(source), "--recipe", "flan", "-t", str(llama2),
+                      "--pack", "bfd", "--out", str(tmp / "packer-out"), "--overwrite", "-q"]
+            wall, used, _ = timed(packer, cold_env(tmp))
             figures["packer"] = (wall, used)
+            wall, used, _ = timed([*packer, "--no-cache"], cold_env(tmp))
+            figures["packer --no-cache"] = (wall, used)
             if not args.no_peers:
                 wall, used, _ = timed([sys.executable, "-c", PEERS, str(ROOT / "benchmarks"), str(source),
                                        str(tmp / "peers-out")], cold_env(tmp))
@@ -135,11 +151,11 @@ def main() -> None:
             for k, (wall, used) in figures.items():
                 if wall < best.get(k, float("inf")):
                     best[k], cpu[k] = wall, used
-            ratio = figures["raw"][0] / figures["packer"][0]
+            ratio = figures["raw"][0] / figures["packer"][0]  # (the first round's packer run keeps the tokenizer)
             print(f"  round {r + 1}: " + ", ".join(f"{k} {w:.2f} s wall / {c:.2f} s CPU" for k, (w, c) in figures.items())
                   + f"; packer at {ratio:.1%} of raw in this round", flush=True)
         for name, key in (("raw tokenizer encode_batch", "raw"), ("packer build (whole process)", "packer"),
-                          ("datasets.map + TRL pack", "peers")):
+                          ("packer build --no-cache", "packer --no-cache"), ("datasets.map + TRL pack", "peers")):
             if key in best:
                 print(f"{name:<29}: {best[key]:8.2f} s  {tokens / best[key]:>10,.0f} tokens/s  "
                       f"= {best['raw'] / best[key]:6.1%} of raw  (CPU {cpu[key]:.1f} s)")
@@ -149,17 +165,19 @@ def main() -> None:
         small_source.write_bytes(sample)
         small_texts = tmp / "small-texts.json"
         small_texts.write_text(json.dumps(formatted_texts(small_source)))
-        small, floor, start = [], [], []
+        small, small_cold, floor, start = [], [], [], []
         for _ in range(args.runs):
             _, _, out = timed([sys.executable, "-c", RAW, str(small_texts), str(BUNDLED_TOKENIZER / "tokenizer.json")],
                               dict(os.environ))
             floor.append(float(out.split()[0]))
             start.append(timed([sys.executable, "-c", "pass"], dict(os.environ))[0])
-            wall, _, _ = timed([sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(tmp / "small-out"),
-                                "--overwrite", "-q"], cold_env(tmp))
-            small.append(wall)
-        print(f"packer build flan (6,000 records, every default, cold cache, from the shell): best {min(small):.2f} s "
-              f"of {', '.join(f'{w:.2f}' for w in small)}")
+            default = [sys.executable, "-m", "packer.cli", "build", "flan", "--out", str(tmp / "small-out"),
+                       "--overwrite", "-q"]
+            small.append(timed(default, cold_env(tmp))[0])
+            small_cold.append(timed([*default, "--no-cache"], cold_env(tmp))[0])
+        print(f"packer build flan (6,000 records, every default, no tokens cached, from the shell): best {min(small):.2f} "
+              f"s of {', '.join(f'{w:.2f}' for w in small)}; with --no-cache: best {min(small_cold):.2f} s of "
+              f"{', '.join(f'{w:.2f}' for w in small_cold)}")
         print(f"  its floor: the bundled tokenizer's encode_batch over the same texts, both cores: best "
               f"{min(floor):.2f} s of {', '.join(f'{w:.2f}' for w in floor)}; python start-up {min(start):.2f} s")
     finally:

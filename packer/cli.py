@@ -13,7 +13,7 @@ import shutil
 
 import click
 
-from . import __version__, interrupt, render, terminal
+from . import __version__, cli_cache, interrupt, render, terminal
 from .building import output
 from .building.mix import parts_from_cli
 from .building.pipeline import build as run_build
@@ -39,7 +39,7 @@ from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
-@click.group(cls=terminal.OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=terminal.OneLineErrors, commands=[cli_cache.cache], context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
@@ -103,6 +103,7 @@ def main() -> None:
 @click.option("--images-field", help="With --processor: the record field holding each record's images (default: images).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON instead of a summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--no-cache", "cache", flag_value=False, default=True, help="Keep no tokens in the cache, use none.")
 @click.option("--epochs", type=int, default=DEFAULTS["epochs"], show_default=True,
               help="Plan E epochs, each its own shuffle of the examples (batch: the minibatches a reshuffling "
                    "sampler would give; bfd: new groupings); the shards hold all E (E × the disk), the loader "
@@ -153,7 +154,7 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
-                               "stats": manifest["stats"], "shards": manifest["shards"],
+                               "stats": manifest["stats"], "shards": manifest["shards"], **render.build_notes(result),
                                **({} if pushed is None else {"pushed": _pushed_json(pushed)})}, indent=2))
         return
     terminal.echo(render.build_lines(result))

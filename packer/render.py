@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import click
 
@@ -108,7 +109,34 @@ def build_lines(result: BuildResult) -> list[str]:
     lines.append(f"shards    {len(m.shards)} in {result.out} ({size_text(size)}"
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
-                 "were tokenized by the interrupted run)" if result.resumed is not None else ""))
+                 "were tokenized by the interrupted run)" if result.resumed is not None else "")
+                 + (" (re-planned from cached tokens: the source was not read nor tokenized)" if result.replanned
+                    else ""))
+    lines += [f"warning   {w}" for w in result.warnings]
+    return lines
+
+
+def build_notes(result: BuildResult) -> dict:
+    """What ``packer build --json`` adds beside the stats: whether it re-planned from cached tokens, its warnings."""
+    return {"replanned": result.replanned, "warnings": list(result.warnings)}
+
+
+def cache_lines(folder, entries) -> list[str]:
+    """``packer cache``: the token store's entries, most recently used first."""
+    if not entries:
+        return [f"{folder}: the token store is empty"]
+    total = sum(e.bytes for e in entries)
+    lines = [f"{folder}: {len(entries):,} entr{'y' if len(entries) == 1 else 'ies'}, {total / 1e6:,.1f} MB"]
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        if not e.sound:
+            lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  (unfinished or damaged: the next build "
+                         "that needs it tokenizes again)")
+            continue
+        a = e.about
+        limit = f", --limit {a['limit']:,}" if a.get("limit") else ""
+        lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  {' + '.join(a.get('sources', []))}{limit} · "
+                     f"{a.get('tokenizer')} · {a.get('records', 0):,} records, {a.get('tokens', 0):,} tokens")
     return lines
 
 

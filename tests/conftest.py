@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,10 +20,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # botocore looks for credentials at the cloud's metadata address when none are set: the tests never leave the
 # loopback (their S3 server sets its own credentials and endpoint: tests/loopback.py)
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-# Remote builds read in the tests are cached in a folder of this session, not the user's ~/.cache/packer.
-os.environ.setdefault("PACKER_CACHE", tempfile.mkdtemp(prefix="packer-test-cache-"))
+# The cache (the token store, remote shards) is never the user's ~/.cache: each test has its own (``_own_cache``), in
+# this process and in the processes it starts with the environment of the moment. An environment a module copied
+# when it was imported (test_crash's ENV) gets the session's folder with a limit of 0 bytes, which keeps no tokens:
+# no test re-plans from another test's tokens, whatever the order they run in.
+os.environ["PACKER_CACHE"] = tempfile.mkdtemp(prefix="packer-test-cache-")
+os.environ["PACKER_CACHE_LIMIT"] = "0"
 
 from packer import BuildConfig, build
+
+atexit.register(shutil.rmtree, os.environ["PACKER_CACHE"], True)
 
 ROOT = Path(__file__).resolve().parent.parent
 # The maintainers' GSM8K and tokenizers. PACKER_SHARED_DATA points the tests elsewhere (.ci/run points it at a
@@ -45,6 +53,12 @@ def files_signature(folder: Path) -> tuple:
     ``additional_chat_templates/``): each file's path, size and mtime."""
     return tuple(sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
                         for p in folder.rglob("*") if p.is_file()))
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("PACKER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.delenv("PACKER_CACHE_LIMIT")
 
 
 @pytest.fixture(scope="session", autouse=True)

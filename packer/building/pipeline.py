@@ -30,7 +30,7 @@ from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
-from . import engines, image_build, mix, output, sources, spill
+from . import engines, image_build, mix, output, sources, spill, token_store
 from .formatting import make_spec
 from .preference import PairEncoder
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
@@ -45,6 +45,8 @@ class BuildResult:
     reused: bool  # the folder already held this exact build; nothing was done
     seconds: float
     resumed: int | None = None  # records an interrupted earlier run had tokenized (its spill reused); None: no such run
+    replanned: bool = False  # the tokens came from the token store: nothing was read from the source nor tokenized
+    warnings: tuple[str, ...] = ()  # what went wrong beside the build, which is complete (the token store skipped)
 
 
 def tokenizer_path(name: str | None) -> str:
@@ -330,7 +332,9 @@ def _check_id_range(tokenizer, name: str) -> int:
 def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
            ) -> BuildResult:
     started = time.perf_counter()
-    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template)
+    # with the token store on, a tokenizer folder met before is rebuilt from its kept parts, without transformers
+    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
+                               memo=token_store.TOKENIZERS if config.cache else None)
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
@@ -342,9 +346,20 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         return BuildResult(out, previous, True, time.perf_counter() - started)
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
+    # an image build's images live beside its spill (image_spill), which the token store does not keep
+    stored = (token_store.identity(config, identity["tokenizer"], opened.source, opened.encoder)
+              if config.cache and config.processor is None else None)
+    # an interrupted run's finished spill is there already: reused as it is (a resume), else the store's
+    restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
+                if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
+                else token_store.Restored(False))
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
                             engine=engine, progress=progress)
     check_unchanged(opened)
+    warnings = () if restored.note is None else (restored.note,)
+    if stored is not None and not restored.hit and len(tokens.lengths):
+        skipped_store = token_store.save(stored, tokens, _about(config, identity))
+        warnings += () if skipped_store is None else (skipped_store,)
     lengths, skipped = tokens.lengths, tokens.skipped
     if len(lengths) == 0:
         raise SourceError(f"{opened.stream.name}: every record was skipped ({skipped}); nothing to pack")
@@ -382,4 +397,11 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         columns=row_format.columns(),
     )
     output.commit(out, staging, manifest)
-    return BuildResult(out, manifest, False, time.perf_counter() - started, tokens.reused_records)
+    return BuildResult(out, manifest, False, time.perf_counter() - started,
+                       None if restored.hit else tokens.reused_records, restored.hit, warnings)
+
+
+def _about(config: BuildConfig, identity: dict[str, Any]) -> dict[str, Any]:
+    """What ``packer cache`` shows of a token store entry: its source(s) and tokenizer."""
+    parts = [p["source"] for p in source_parts(config)]
+    return {"sources": parts, "tokenizer": identity["tokenizer"]["name_or_path"], "limit": config.limit}

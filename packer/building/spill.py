@@ -114,10 +114,39 @@ def _memmap(path: Path, dtype, count: int) -> np.ndarray:
 # ---- resumable spill -------------------------------------------------------------------------------
 
 
+FILES = tuple(name for name, _ in _FILES.values())  # the token files, what a finished spill's bytes are
+
+
+def _stamp(identity: dict[str, Any]) -> str:
+    return json.dumps({"stage_version": STAGE_VERSION, "chunk": CHUNK, **identity}, sort_keys=True, default=str)
+
+
+def counts(spill: Spill) -> dict[str, Any]:
+    """A finished spill's marker: what :func:`mark_finished` writes back for a spill of the same files."""
+    return {"records": spill.records, "examples": len(spill.lengths), "tokens": spill.tokens,
+            "skipped": list(spill.skipped.by_part), "finished": True}
+
+
+def mark_finished(folder: Path, identity: dict[str, Any], done: dict[str, Any]) -> None:
+    """Make ``folder``, which holds a finished spill's token files (put there by the token store), a finished
+    spill of ``identity``: :func:`tokenize` then reads nothing from the source, as after an interrupted build."""
+    (folder / IDENTITY).write_text(_stamp(identity))
+    (folder / PROGRESS).write_text(json.dumps({**done, "finished": True}, sort_keys=True))
+
+
+def finished(folder: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a finished spill of ``identity`` (an interrupted build's, to be reused as it is)."""
+    try:
+        return ((folder / IDENTITY).read_text() == _stamp(identity)
+                and json.loads((folder / PROGRESS).read_text()).get("finished") is True)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _open_spill(folder: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Prepare ``folder`` for appending; return the committed progress (zeros for a fresh start) and
     whether an interrupted run of this build left it (its progress may be zeros: it committed none)."""
-    stamp = json.dumps({"stage_version": STAGE_VERSION, "chunk": CHUNK, **identity}, sort_keys=True, default=str)
+    stamp = _stamp(identity)
     fresh = {"records": 0, "examples": 0, "tokens": 0, "skipped": []}
     progress = None
     earlier = (folder / IDENTITY).is_file() and (folder / IDENTITY).read_text() == stamp

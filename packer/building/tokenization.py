@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,15 +43,35 @@ class Tokenizer:
 
     def __init__(self, folder: Path, name_or_path: str):
         hf = _tokenizer_class(folder).from_pretrained(str(folder), local_files_only=True)
+        self._take(name_or_path, hf.backend_tokenizer, dict(hf.special_tokens_map), hf.chat_template)
+
+    def _take(self, name_or_path: str, backend, special_tokens_map: dict, chat_template) -> None:
         self.name_or_path = name_or_path
-        self.backend_tokenizer = hf.backend_tokenizer
-        self.special_tokens_map = dict(hf.special_tokens_map)
+        self.backend_tokenizer = backend
+        self.special_tokens_map = special_tokens_map
         for role in ("bos", "eos", "pad", "unk"):
             token = self.special_tokens_map.get(f"{role}_token")
             setattr(self, f"{role}_token", token)
             setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
-        self.chat_template = hf.chat_template  # a dict when the tokenizer has named ones
+        self.chat_template = chat_template  # a dict when the tokenizer has named ones
         self.chat_template_name = f"{name_or_path}'s chat template"
+
+    def parts(self) -> dict[str, Any]:
+        """What this tokenizer is made of, as JSON: the Rust tokenizer transformers built (serialised whole: its
+        fingerprint is this text's sha256), the named special tokens and the chat template(s)."""
+        return {"backend": self.backend_tokenizer.to_str(), "special_tokens_map": self.special_tokens_map,
+                "chat_template": self.chat_template}
+
+    @classmethod
+    def from_parts(cls, name_or_path: str, parts: dict[str, Any]) -> Tokenizer:
+        """The tokenizer ``parts`` describes, rebuilt by the Rust library alone (``tokenizers.Tokenizer.from_str``)
+        without importing transformers: the same tokenizer, by its fingerprint."""
+        from tokenizers import Tokenizer as Backend
+
+        self = cls.__new__(cls)
+        self._take(name_or_path, Backend.from_str(parts["backend"]), dict(parts["special_tokens_map"]),
+                   parts["chat_template"])
+        return self
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -99,12 +119,22 @@ def _read_json(path: Path) -> dict:
         return {}  # transformers reports an unreadable config when it loads the folder
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Tokenizer:
+class Memo(Protocol):
+    """Where the parts of tokenizer folders met before are kept (``packer.building.token_store.TOKENIZERS``)."""
+
+    def get(self, folder: Path) -> dict[str, Any] | None: ...
+
+    def put(self, folder: Path, tokenizer: Tokenizer) -> None: ...
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, *, memo: Memo | None = None) -> Tokenizer:
     """A fast tokenizer (tokenizer.json) that has an EOS token, or a one-line TokenizerError.
 
     A folder is read as it is; anything else is taken for a Hub id and looked up in the local Hub
     cache first, then on the Hub. ``chat_template`` is a Jinja file that replaces the tokenizer's own
     template (e.g. a ``{% generation %}``-tagged training twin); the manifest records its hash.
+    ``memo``: a folder whose parts it holds is rebuilt from them (no transformers import: most of a small
+    build's start), and a folder loaded by transformers leaves its parts there.
     """
     folder = expand_user(name_or_path, "--tokenizer", TokenizerError)
     if not folder.is_dir():
@@ -117,8 +147,9 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
             f"--tokenizer {name_or_path}: has no tokenizer.json, so it is not a fast (Rust) tokenizer; save it "
             "with a recent transformers (`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
         )
+    parts = memo.get(folder) if memo is not None else None
     try:
-        tokenizer = Tokenizer(folder, name_or_path)
+        tokenizer = Tokenizer(folder, name_or_path) if parts is None else Tokenizer.from_parts(name_or_path, parts)
     except Exception as e:  # tokenizers raises bare Exception on a malformed tokenizer.json
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise TokenizerError(f"--tokenizer {name_or_path}: cannot be loaded ({first}); check its files") from e
@@ -127,6 +158,8 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Token
             f"--tokenizer {name_or_path}: has no EOS token, so examples cannot be ended; set eos_token in its "
             "tokenizer_config.json"
         )
+    if memo is not None and parts is None:
+        memo.put(folder, tokenizer)  # before --chat-template: the folder's own tokenizer
     if chat_template is not None:
         try:
             tokenizer.chat_template = expand_user(chat_template, "--chat-template", TokenizerError).read_text()

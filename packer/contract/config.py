@@ -95,6 +95,9 @@ class BuildConfig:
     # compared (a recorded config reads its max_tokens back as given). A preference build's default row budget
     # is a pair's, not a sequence's (for_pairs)
     max_tokens_given: bool | None = dataclasses.field(default=None, compare=False, repr=False)
+    # keep the tokens in the token store and re-plan from it (packer.building.token_store); not recorded: the
+    # bytes are the same either way
+    cache: bool = True
     # image+text data (docs/images.md): the processor folder, and the record field holding each record's images
     processor: str | None = None
     images_field: str | None = None
@@ -216,7 +219,7 @@ class BuildConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's bytes (recorded in the manifest, compared on rebuild)."""
-        skip = {"out", "overwrite", "num_proc", "engine", "max_tokens_given"}
+        skip = {"out", "overwrite", "num_proc", "engine", "max_tokens_given", "cache"}
         if self.mix is None:
             skip.add("mix")  # absent from a one-source build's manifest, as it always was
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
