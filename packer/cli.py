@@ -6,40 +6,28 @@ on stderr (never a traceback; `terminal.py` decides how a command ends).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
 
 import click
 
-from . import __version__, cli_cache, interrupt, render, terminal
-from .building import output
+from . import __version__, cli_cache, cli_push, interrupt, render, terminal
+from .building import output, pipeline
 from .building.mix import parts_from_cli
-from .building.pipeline import build as run_build
-from .building.pipeline import tokenizer_path
 from .building.tokenization import load_tokenizer
 from .checking import inspect_
 from .checking.verify import verify as run_verify
+from .contract import config as cfg
 from .contract import schema
-from .contract.config import (
-    BALANCE_BY,
-    ENGINES,
-    ON_ERROR,
-    OVERLONG_POLICIES,
-    PACK_MODES,
-    TRAIN_ON,
-    BuildConfig,
-)
-from .contract.remote import is_remote, local_view, publish, staging_folder
-from .errors import RemoteError
+from .contract.config import BuildConfig
 from .planning.context_parallel import LAYOUTS as CP_LAYOUTS
 
 # The defaults `packer build` shows are BuildConfig's own, so the CLI and the library build the same.
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
 
 
-@click.group(cls=terminal.OneLineErrors, commands=[cli_cache.cache], context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=terminal.OneLineErrors, commands=[cli_cache.cache, cli_push.push], context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")  # the version the manifest records
 def main() -> None:
     """Pack fine-tuning data once, offline, into Arrow shards that train with no padding and no collation.
@@ -69,29 +57,29 @@ def main() -> None:
 @click.option("--text-field", help="Record field holding plain text, trained on whole.")
 @click.option("--train-on-prompt", is_flag=True, help="Alias of --train-on all.")
 @click.option("--max-len", type=int, default=DEFAULTS["max_len"], show_default=True, help="Longest example, in tokens; longer ones follow --overlong.")
-@click.option("--pack", type=click.Choice(PACK_MODES), default=DEFAULTS["pack"], show_default=True,
+@click.option("--pack", type=click.Choice(cfg.PACK_MODES), default=DEFAULTS["pack"], show_default=True,
               help="batch: B examples per row, same optimizer steps as padded training. "
                    "bfd: fill rows up to --max-tokens. optimal: bfd, then refilled to fewer rows. wrap: concatenate and cut (plain text).")
 @click.option("--batch-size", "-b", type=int, help="Examples per row in --pack batch (default 8).")
 @click.option("--max-tokens", type=int, help="Row budget in tokens for --pack bfd/optimal/wrap (default: --max-len; 2 x --max-len for preference pairs).")
-@click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,
+@click.option("--overlong", type=click.Choice(cfg.OVERLONG_POLICIES), default=DEFAULTS["overlong"], show_default=True,
               help="What happens to an example longer than --max-len; every case is counted in the manifest. "
                    "truncate keeps the first --max-len tokens; truncate-left drops prompt tokens from the start so "
                    "the answer and EOS stay whole (an answer longer than --max-len is cut as by truncate).")
 @click.option("--world-size", type=int, default=DEFAULTS["world_size"], show_default=True, help="Data-parallel ranks the rows are planned for.")
-@click.option("--balance", type=click.Choice(BALANCE_BY), help="Even out work across --world-size ranks in each step.")
+@click.option("--balance", type=click.Choice(cfg.BALANCE_BY), help="Even out work across --world-size ranks in each step.")
 @click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True, help="Seed of the shuffle; the same seed gives the same bytes.")
 @click.option("--limit", type=int, help="Use only the first N records.")
 @click.option("--shard-size", "shard_size_mb", type=int, default=DEFAULTS["shard_size_mb"], show_default=True, help="Approximate shard size, MB.")
-@click.option("--on-error", type=click.Choice(ON_ERROR), default=DEFAULTS["on_error"], show_default=True,
+@click.option("--on-error", type=click.Choice(cfg.ON_ERROR), default=DEFAULTS["on_error"], show_default=True,
               help="A bad record stops the build, or is skipped and counted in the manifest by reason.")
 @click.option("--num-proc", "-j", type=int, default=DEFAULTS["num_proc"], show_default=True,
               help="Processes for formatting and tokenizing (0: one per core, the fastest measured; 1: one process "
                    "whose tokenizer threads use every core; N: N workers). The bytes do not depend on it.")
-@click.option("--engine", type=click.Choice(ENGINES), default=DEFAULTS["engine"], show_default=True,
+@click.option("--engine", type=click.Choice(cfg.ENGINES), default=DEFAULTS["engine"], show_default=True,
               help="ray: tokenize and write as Ray Data tasks on the cluster ray.init() joins (pip install 'packer[ray]').")
 @click.option("--overwrite", is_flag=True, help="Replace a different build already in --out.")
-@click.option("--train-on", type=click.Choice(TRAIN_ON), default=DEFAULTS["train_on"], show_default=True,
+@click.option("--train-on", type=click.Choice(cfg.TRAIN_ON), default=DEFAULTS["train_on"], show_default=True,
               help="Chat: every assistant turn's output, only the final one, or every token. Prompt/completion "
                    "data: assistant trains the completion, all the prompt too.")
 @click.option("--chat-template", type=click.Path(dir_okay=False),
@@ -144,52 +132,20 @@ def build(sources: tuple[str, ...], mix_option: str | None, as_json: bool, quiet
     if parts is None and not sources:
         raise click.UsageError("give a SOURCE (or a mix file with --mix)")
     name = "+".join(p["source"] for p in parts) if parts else sources[0]
-    url = options["out"] if is_remote(options["out"]) else None
-    if url is not None:  # built locally (a rerun resumes there), then uploaded: docs/loader.md, "Publishing"
-        options["out"] = str(staging_folder(url))
+    url = cli_push.staged(options)  # --out URL: built locally (a rerun resumes there), then uploaded
     config = BuildConfig(source=name, mix=None if parts is None else tuple(parts), **options)
-    result = run_build(config, progress=not quiet and not as_json)
-    pushed = None if url is None else publish(result.out, url)
+    result = pipeline.build(config, progress=not quiet and not as_json)
+    pushed = None if url is None else cli_push.publish(result.out, url)
     interrupt.ignore()  # the build is complete: a late Ctrl-C must not report it interrupted
     if as_json:
         manifest = result.manifest.to_json()
         click.echo(json.dumps({"out": str(result.out), "reused": result.reused, "seconds": round(result.seconds, 3),
                                "stats": manifest["stats"], "shards": manifest["shards"], **render.build_notes(result),
-                               **({} if pushed is None else {"pushed": _pushed_json(pushed)})}, indent=2))
+                               **({} if pushed is None else {"pushed": cli_push.pushed_json(pushed)})}, indent=2))
         return
     terminal.echo(render.build_lines(result))
     if pushed is not None:
-        click.echo(_pushed_line(pushed))
-
-
-@main.command()
-@click.argument("directory", type=click.Path(file_okay=False))
-@click.argument("url")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def push(directory: str, url: str, as_json: bool) -> None:
-    """Upload a finished build to object storage: shards first, the manifest last, so a reader never sees
-    half a build; a rerun uploads only what is missing or differs.
-
-    \b
-    packer push shards/ s3://bucket/flan/        then: make_dataloader("s3://bucket/flan/")
-    packer verify s3://bucket/flan/              fetches it through the cache and checks it
-    """
-    pushed = publish(directory, url)
-    if as_json:
-        click.echo(json.dumps(_pushed_json(pushed), indent=2))
-    else:
-        click.echo(_pushed_line(pushed))
-
-
-def _pushed_json(pushed) -> dict:
-    return {"url": pushed.url, "uploaded": pushed.uploaded, "kept": pushed.kept, "bytes": pushed.bytes,
-            "removed": pushed.removed, "seconds": round(pushed.seconds, 3)}
-
-
-def _pushed_line(pushed) -> str:
-    removed = f", removed {len(pushed.removed)} stale shard(s)" if pushed.removed else ""
-    return (f"pushed {len(pushed.uploaded)} file(s), {pushed.bytes / 1e6:,.1f} MB, to {pushed.url} in "
-            f"{pushed.seconds:.1f}s; {len(pushed.kept)} already there{removed}")
+        click.echo(cli_push.pushed_line(pushed))
 
 
 @main.command()
@@ -218,7 +174,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     _note_staging(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
-    with _readable(directory) as local:
+    with cli_push.readable(directory) as local:
         out: dict = {}
         if plot_path is not None:
             from .plot import plot_build  # matplotlib, an optional dependency, only for --plot
@@ -236,7 +192,7 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
             return rc
         if row_index is not None:
             name = tokenizer or schema.read_manifest(local).tokenizer["name_or_path"]
-            view = inspect_.row(local, row_index, load_tokenizer(tokenizer_path(name)),
+            view = inspect_.row(local, row_index, load_tokenizer(pipeline.tokenizer_path(name)),
                                 elide=None if full else inspect_.ELIDE_KEEP)
             if as_json:
                 click.echo(json.dumps({**view.to_json(), **out}, indent=2, ensure_ascii=False))
@@ -252,20 +208,6 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
         else:
             terminal.echo(render.summary_lines(view, terminal.use_color()))
         return 0
-
-
-@contextlib.contextmanager
-def _readable(directory: str):
-    """A folder inspect reads: the directory itself, or a remote build's local view (its shards fetched
-    into the cache once, checked on arrival; docs/loader.md, "Remote builds")."""
-    if not is_remote(directory):
-        yield directory
-        return
-    schema.read_manifest(directory)  # no folder or no build there: the same one line as for a local path
-    with local_view(directory) as (folder, failed):
-        if failed:
-            raise RemoteError(next(iter(failed.values())))
-        yield str(folder)
 
 
 def _note_staging(directory: str) -> None:
