@@ -230,3 +230,26 @@ def test_push_to_s3_then_read_verify_and_republish(parallel_reference, flan_batc
         assert verify("s3://bucket/built").ok
     line = one_line(runner.invoke(main, ["push", str(flan_batch), "http://127.0.0.1:1/x"]))
     assert "HTTP is read-only" in line
+
+
+def test_push_never_overwrites_or_removes_what_packer_cannot_prove_it_wrote(flan_batch, tmp_path):
+    # ownership as for a local --out (schema.listed_files): a file's name proves nothing
+    runner = CliRunner()
+    target = tmp_path / "bucket"
+    target.mkdir()
+    (target / "manifest.json").write_text('{"shards": [{"file": "notes.txt"}]}')  # another tool's JSON
+    (target / "notes.txt").write_text("mine")
+    line = one_line(runner.invoke(main, ["push", str(flan_batch), f"file://{target}"]))
+    assert "holds manifest.json, which packer cannot prove it wrote" in line
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", "notes.txt"]  # nothing written or removed
+    (target / "manifest.json").unlink()
+    shard = sorted(p.name for p in flan_batch.glob("shard-*.arrow"))[0]
+    (target / shard).write_bytes(b"a user's file under a shard's name")
+    line = one_line(runner.invoke(main, ["push", str(flan_batch), f"file://{target}"]))
+    assert f"holds {shard}, which packer cannot prove it wrote" in line
+    assert (target / shard).read_bytes() == b"a user's file under a shard's name"
+    (target / shard).unlink()
+    assert runner.invoke(main, ["push", str(flan_batch), f"file://{target}"]).exit_code == 0
+    (target / "manifest.json").unlink()  # a push stopped before its manifest: the rerun finishes it
+    assert runner.invoke(main, ["push", str(flan_batch), f"file://{target}"]).exit_code == 0
+    assert verify(target).ok and (target / "notes.txt").read_text() == "mine"

@@ -129,7 +129,7 @@ def publish(directory: fs.PathLike, url: str, cache_dir: str | os.PathLike | Non
             raise ShardFormatError(f"{fs.join(local, entry.file)}: {problems[0]}; rebuild the folder before pushing it")
     others = [name for name in schema.DATASETS_FILES if (Path(local) / name).is_file()]
     return push(local, url, [(e.file, e.bytes, e.sha256) for e in manifest.shards], others, schema.MANIFEST_NAME,
-                cache_dir=cache_dir)
+                schema.listed_files, cache_dir=cache_dir)
 
 
 def staging_folder(url: str, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -21,6 +21,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def _upload(fs, local_target: Path | None, src: Path, dest: str) -> None:
 
 
 def push(directory: str | os.PathLike, url: str, shards: list[tuple[str, int, str]], others: list[str],
-         manifest_name: str, *, cache_dir: str | os.PathLike | None = None) -> Pushed:
+         manifest_name: str, owned: Callable[[dict | None], frozenset[str] | None], *,
+         cache_dir: str | os.PathLike | None = None) -> Pushed:
     """Upload the build at ``directory`` to ``url``: ``shards`` as (file, bytes, sha256) from its manifest,
     ``others`` the other files packer wrote there (the ``datasets`` files), ``manifest_name`` last."""
     start = time.monotonic()
@@ -96,7 +98,17 @@ def push(directory: str | os.PathLike, url: str, shards: list[tuple[str, int, st
         record_file = _record_path(url, cache_dir)
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         old = _read_json(fs, f"{root}/{manifest_name}") if manifest_name in there else None
-        old_shards = {e.get("file"): e.get("sha256") for e in (old or {}).get("shards", []) if isinstance(e, dict)}
+        # what packer may overwrite or remove there: the files a manifest there proves packer wrote (``owned``:
+        # the contract's rule, as for a local --out), and the shards an earlier push of ours recorded
+        ours = owned(old) or frozenset()
+        foreign = sorted(name for name in [*(name for name, _, _ in shards), *others, manifest_name]
+                         if name in there and name not in ours and name not in record)
+        if foreign:
+            raise RemoteError(f"{shown}: holds {foreign[0]}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+                              + ", which packer cannot prove it wrote (no packer manifest there lists it); push to an "
+                              "empty folder, or remove it yourself")
+        old_shards = ({e.get("file"): e.get("sha256") for e in old.get("shards", []) if isinstance(e, dict)}
+                      if ours else {})
         new_manifest = (directory / manifest_name).read_bytes()
         if manifest_name in there and fs.cat_file(f"{root}/{manifest_name}") != new_manifest:
             fs.rm_file(f"{root}/{manifest_name}")  # another build's: no reader may pair it with our shards
@@ -115,11 +127,13 @@ def push(directory: str | os.PathLike, url: str, shards: list[tuple[str, int, st
                 done.kept.append(name)
                 continue
             _upload(fs, local_target, directory / name, f"{root}/{name}")
+            record[name] = hashlib.sha256(data).hexdigest()  # ours from now on, though a push stops before the manifest
+            record_file.write_text(json.dumps(record))
             done.uploaded.append(name)
             done.bytes += len(data)
         listed = {name for name, _, _ in shards}
         for name in sorted(set(old_shards) - listed):
-            if isinstance(name, str) and name in there and "/" not in name:
+            if isinstance(name, str) and name in ours and name in there:
                 fs.rm_file(f"{root}/{name}")  # the old build's, which this manifest no longer lists
                 done.removed.append(name)
         fs.invalidate_cache()
