@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -95,18 +96,8 @@ def drop_nones(value: Any) -> Any:
 def normalize_messages(messages: Any, field: str) -> list[dict[str, Any]]:
     """Check a record's messages and make them what the template expects: Nones dropped (see
     ``drop_nones``), content given as text parts joined into one string. Every other key is kept."""
-    if messages is None:
-        raise RecordError(f"field {field!r} is null", "null_field")
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"field {field!r} must be a non-empty list of turns", "wrong_type")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RecordError(f"turn {i} is not a {{'role': str, 'content': ...}} object", "wrong_type")
-        message = drop_nones(message)
-        if message["role"] not in CHAT_ROLES:
-            raise RecordError(f"turn {i} has unknown role {message['role']!r} (known: {', '.join(CHAT_ROLES)})",
-                              "unknown_role")
+    for i, message in enumerate(checked_turns(messages, field)):
         content = message.get("content")
         if isinstance(content, list):
             message["content"] = _join_text_parts(content, i)
@@ -114,9 +105,31 @@ def normalize_messages(messages: Any, field: str) -> list[dict[str, Any]]:
             raise RecordError(f"turn {i}'s content is {type(content).__name__}, not text or a list of text parts",
                               "wrong_type")
         out.append(message)
-    if not any(m["role"] == "assistant" for m in out):
-        raise RecordError("the conversation has no assistant turn, so nothing would be trained", "empty_completion")
+    require_answer(out)
     return out
+
+
+def checked_turns(messages: Any, field: str) -> Iterator[dict[str, Any]]:
+    """Each turn of a record's ``field``, checked to be a {'role': known role, ...} object, with its Nones
+    dropped; the text and the image messages (``image_encoder``) both read turns through it."""
+    if messages is None:
+        raise RecordError(f"field {field!r} is null", "null_field")
+    if not isinstance(messages, list) or not messages:
+        raise RecordError(f"field {field!r} must be a non-empty list of turns", "wrong_type")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RecordError(f"turn {i} is not a {{'role': str, 'content': ...}} object", "wrong_type")
+        message = drop_nones(message)
+        if message["role"] not in CHAT_ROLES:
+            raise RecordError(f"turn {i} has unknown role {message['role']!r} (known: {', '.join(CHAT_ROLES)})",
+                              "unknown_role")
+        yield message
+
+
+def require_answer(messages: list[dict[str, Any]]) -> None:
+    """A conversation without an assistant turn trains nothing: refused (``empty_completion``)."""
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError("the conversation has no assistant turn, so nothing would be trained", "empty_completion")
 
 
 def _join_text_parts(parts: list, turn: int) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..contract.vision import decode, family_of, image_token_id, images_kwargs, load_processor
 from ..errors import RecordError
-from .chat import CHAT_ROLES, drop_nones, normalize_tools
+from .chat import checked_turns, normalize_tools, require_answer
 from .formatting import Formatter, Segments
 from .images import Image, read_image
 from .tokenization import Encoded, Encoder, Skipped
@@ -41,19 +41,11 @@ def vision_messages(messages: Any, name: str, join_answers: bool = True) -> tupl
     the number of image parts; an assistant's text parts are joined into its content where ``join_answers``
     (an untagged template: packer finds the answers by their text, chat.md), else kept as parts (a
     ``{% generation %}``-tagged template marks them itself, and some templates read parts only)."""
-    if messages is None:
-        raise RecordError(f"field {name!r} is null", "null_field")
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"field {name!r} must be a non-empty list of turns", "wrong_type")
+    if isinstance(messages, list):  # LLaVA's {"from", "value"} turns read as messages
+        messages = [llava_turn(m, i) if isinstance(m, dict) and "from" in m and "value" in m else m
+                    for i, m in enumerate(messages)]
     out, images = [], 0
-    for i, message in enumerate(messages):
-        if isinstance(message, dict) and "from" in message and "value" in message:
-            message = llava_turn(message, i)
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RecordError(f"turn {i} is not a {{'role': str, 'content': ...}} object", "wrong_type")
-        message = drop_nones(message)
-        if message["role"] not in CHAT_ROLES:
-            raise RecordError(f"turn {i} has unknown role {message['role']!r}", "unknown_role")
+    for i, message in enumerate(checked_turns(messages, name)):
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
@@ -72,8 +64,7 @@ def vision_messages(messages: Any, name: str, join_answers: bool = True) -> tupl
             raise RecordError(f"turn {i}'s content is {type(content).__name__}, not text or a list of parts",
                               "wrong_type")
         out.append(message)
-    if not any(m["role"] == "assistant" for m in out):
-        raise RecordError("the conversation has no assistant turn, so nothing would be trained", "empty_completion")
+    require_answer(out)
     return out, images
 
 
