@@ -441,3 +441,34 @@ def test_a_hub_processor_that_is_not_in_the_cache_is_one_line_offline(data, tmp_
                                        "--tokenizer", "bundled", "--out", str(tmp_path / "out"), "-q"])
     line = one_line(result)
     assert "--processor nobody-packer/no-such-vlm" in line and "download it" in line
+
+
+def test_an_interrupted_image_build_resumes_to_the_same_bytes(built, data, processor_dir, tmp_path, monkeypatch):
+    """Stopped after its first commit, with the second chunk's images already appended past the marker
+    (image_spill truncates them there), the rerun resumes from the committed records and writes the very
+    bytes of the uninterrupted build: two-record chunks over the 8 records, stopped at the second commit."""
+    from packer.building import spill
+
+    monkeypatch.setattr(spill, "CHUNK", 2)
+    monkeypatch.setattr(spill, "COMMIT_RECORDS", 2)
+    real, calls = spill._commit, []
+
+    def commit(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(*a)
+
+    monkeypatch.setattr(spill, "_commit", commit)
+    out = tmp_path / "out"
+    config = BuildConfig(source=str(data / "data.jsonl"), out=str(out), processor=str(processor_dir), pack="bfd",
+                         max_len=2048, num_proc=1)
+    with pytest.raises(KeyboardInterrupt):
+        build(config)
+    staged = out / schema.STAGING / schema.TOKENS_DIR
+    assert (staged / "images.bin").stat().st_size > 0 and not (out / schema.MANIFEST_NAME).exists()
+    monkeypatch.setattr(spill, "_commit", real)
+    result = build(config)
+    assert result.resumed == 2  # the first chunk's records, not tokenized again
+    files = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert files == {p.relative_to(built): p.read_bytes() for p in sorted(built.rglob("*")) if p.is_file()}
