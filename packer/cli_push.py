@@ -9,7 +9,7 @@ import json
 import click
 
 from .contract import schema
-from .contract.remote import is_remote, local_view, publish, staging_folder
+from .contract.remote import check_target, is_remote, local_view, publish, staging_folder
 from .errors import RemoteError
 
 
@@ -45,9 +45,10 @@ def pushed_line(pushed) -> str:
 
 def staged(options: dict) -> str | None:
     """``build --out URL``: the URL, with ``options["out"]`` set to its local staging folder (docs/loader.md,
-    "Publishing"); None for a local --out."""
+    "Publishing"); None for a local --out. A URL that push could not reach is refused first."""
     if not is_remote(options["out"]):
         return None
+    check_target(options["out"])  # unreachable, no credentials, no bucket: one line, before the build
     url, options["out"] = options["out"], str(staging_folder(options["out"]))
     return url
 

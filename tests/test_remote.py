@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -230,6 +231,29 @@ def test_push_to_s3_then_read_verify_and_republish(parallel_reference, flan_batc
         assert verify("s3://bucket/built").ok
     line = one_line(runner.invoke(main, ["push", str(flan_batch), "http://127.0.0.1:1/x"]))
     assert "HTTP is read-only" in line
+
+
+def test_build_to_a_url_push_cannot_reach_is_refused_before_it_builds(tmp_path, monkeypatch):
+    """No credentials, no bucket, HTTP: one line, exit 2, and nothing built (no staging folder in the cache)."""
+    runner = CliRunner()
+    args = ["build", "flan", "--limit", "20", "--quiet", "--out"]
+    staged = Path(os.environ["PACKER_CACHE"]) / ".builds"
+    with s3_server():
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # as a new process starts: fsspec keeps one per set of arguments
+        s3fs.S3FileSystem().mkdir("bucket")
+        line = one_line(runner.invoke(main, [*args, "s3://nobucket/b"]))
+        assert "its bucket nobucket does not exist" in line and "nothing was built" in line
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        s3fs.S3FileSystem.clear_instance_cache()
+        line = one_line(runner.invoke(main, [*args, "s3://bucket/b"]))
+        assert "cannot be reached (NoCredentialsError" in line and "nothing was built" in line
+    assert "HTTP is read-only" in one_line(runner.invoke(main, [*args, "http://127.0.0.1:1/x"]))
+    assert not staged.exists() or not any(staged.iterdir())
 
 
 def test_push_never_overwrites_or_removes_what_packer_cannot_prove_it_wrote(flan_batch, tmp_path):

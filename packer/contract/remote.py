@@ -20,10 +20,10 @@ from .. import cache, fs
 from ..errors import RemoteError, ShardFormatError
 from ..remote.cached import RemoteBuild
 from ..remote.fetch import fetch_bytes, redact
-from ..remote.publish import Pushed, push
+from ..remote.publish import Pushed, check_target, push
 from . import schema
 
-__all__ = ["Remote", "is_remote", "local_view", "publish", "remote_build", "staging_folder"]
+__all__ = ["Remote", "check_target", "is_remote", "local_view", "publish", "remote_build", "staging_folder"]
 
 
 class Remote:

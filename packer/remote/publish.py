@@ -29,7 +29,7 @@ from .. import cache
 from ..errors import RemoteError
 from .fetch import Policy, filesystem, redact
 
-__all__ = ["Pushed", "push"]
+__all__ = ["Pushed", "check_target", "push"]
 
 
 @dataclass(slots=True)
@@ -73,6 +73,34 @@ def _upload(fs, local_target: Path | None, src: Path, dest: str) -> None:
         fs.put_file(str(src), dest)  # an object appears whole when its upload completes
 
 
+def _refuse_http(url: str) -> None:
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        raise RemoteError(f"{redact(url)}: HTTP is read-only here; push to object storage (s3://, gs://, ...) or a "
+                          "folder, and serve that over HTTP")
+
+
+def check_target(url: str) -> None:
+    """What ``push`` asks of ``url`` first (its filesystem, a listing of what is there), asked before a build
+    whose end is that push (``build --out URL``), so that missing credentials or a missing bucket cost one line
+    and no build. Only reads."""
+    url = str(url).rstrip("/")
+    _refuse_http(url)
+    fs, root = filesystem(url, Policy.from_env().timeout)
+    try:
+        there = fs.exists(root)
+        local = getattr(fs, "protocol", None) in ("file", "local", ("file", "local"))
+        bucket = root.split("/", 1)[0]
+        if not there and not local and "/" in root and not fs.exists(bucket):
+            raise RemoteError(f"{redact(url)}: its bucket {bucket} does not exist, or these credentials cannot see it; "
+                              "create it (or fix the URL) and rerun: nothing was built")
+    except RemoteError:
+        raise
+    except Exception as e:  # every transport's errors, as one line without credentials
+        raise RemoteError(f"{redact(url)}: cannot be reached ({type(e).__name__}: "
+                          f"{redact(str(e)).splitlines()[0] if str(e) else ''}); check its credentials and endpoint "
+                          "and rerun: nothing was built") from e
+
+
 def push(directory: str | os.PathLike, url: str, shards: list[tuple[str, int, str]], others: list[str],
          manifest_name: str, owned: Callable[[dict | None], frozenset[str] | None], *,
          cache_dir: str | os.PathLike | None = None) -> Pushed:
@@ -82,9 +110,7 @@ def push(directory: str | os.PathLike, url: str, shards: list[tuple[str, int, st
     directory = Path(directory)
     url = str(url).rstrip("/")
     shown = redact(url)
-    if url.split("://", 1)[0].lower() in ("http", "https"):
-        raise RemoteError(f"{shown}: HTTP is read-only here; push to object storage (s3://, gs://, ...) or a folder, "
-                          "and serve that over HTTP")
+    _refuse_http(url)
     fs, root = filesystem(url, Policy.from_env().timeout)
     local_target = Path(root) if getattr(fs, "protocol", None) in ("file", "local", ("file", "local")) else None
     done = Pushed(shown)
