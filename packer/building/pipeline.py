@@ -353,8 +353,9 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
+    # tokens from the store are no resume and no tokenizing: no bar, no "resuming" line (the summary says it)
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
-                            engine=engine, progress=progress)
+                            engine=engine, progress=progress and not restored.hit)
     check_unchanged(opened)
     warnings = () if restored.note is None else (restored.note,)
     if stored is not None and not restored.hit and len(tokens.lengths):
