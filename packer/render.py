@@ -134,9 +134,9 @@ def cache_lines(folder, entries) -> list[str]:
                          "that needs it tokenizes again)")
             continue
         a = e.about
-        limit = f", --limit {a['limit']:,}" if a.get("limit") else ""
-        lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  {' + '.join(a.get('sources', []))}{limit} · "
-                     f"{a.get('tokenizer')} · {a.get('records', 0):,} records, {a.get('tokens', 0):,} tokens")
+        held = "all its" if a.get("complete") else "its first"  # a later build may take up to that many
+        lines.append(f"  {e.path.name}  {e.bytes / 1e6:9,.1f} MB  {used}  {' + '.join(a.get('sources', []))} · "
+                     f"{a.get('tokenizer')} · {held} {a.get('records', 0):,} records, {a.get('tokens', 0):,} tokens")
     return lines
 
 

@@ -347,10 +347,12 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
 
     output.prepare(out, staging)  # a matching interrupted spill is resumed
     # an image build's images live beside its spill (image_spill), which the token store does not keep
-    stored = (token_store.identity(config, identity["tokenizer"], opened.source, opened.encoder)
+    parts = source_parts(config)
+    stored = (token_store.identities(config, identity["tokenizer"], parts, opened.source, opened.encoder)
               if config.cache and config.processor is None else None)
-    # an interrupted run's finished spill is there already: reused as it is (a resume), else the store's
-    restored = (token_store.restore(stored, staging / schema.TOKENS_DIR, identity)
+    # an interrupted run's finished spill is there already: reused as it is (a resume), else re-drawn from the
+    # parts' entries in the store when they hold every record the draws take
+    restored = (token_store.restore(stored, parts, config.seed, config.limit, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
     # tokens from the store are no resume and no tokenizing: no bar, no "resuming" line (the summary says it)
@@ -359,7 +361,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     check_unchanged(opened)
     warnings = () if restored.note is None else (restored.note,)
     if stored is not None and not restored.hit and len(tokens.lengths):
-        skipped_store = token_store.save(stored, tokens, _about(config, identity))
+        skipped_store = token_store.save(stored, parts, config.seed, config.limit, tokens,
+                                         [_about(part, identity) for part in parts])
         warnings += () if skipped_store is None else (skipped_store,)
     lengths, skipped = tokens.lengths, tokens.skipped
     if len(lengths) == 0:
@@ -402,7 +405,6 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
                        None if restored.hit else tokens.reused_records, restored.hit, warnings)
 
 
-def _about(config: BuildConfig, identity: dict[str, Any]) -> dict[str, Any]:
-    """What ``packer cache`` shows of a token store entry: its source(s) and tokenizer."""
-    parts = [p["source"] for p in source_parts(config)]
-    return {"sources": parts, "tokenizer": identity["tokenizer"]["name_or_path"], "limit": config.limit}
+def _about(part: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """What ``packer cache`` shows of a part's token store entry: its source and tokenizer."""
+    return {"sources": [part["source"]], "tokenizer": identity["tokenizer"]["name_or_path"]}

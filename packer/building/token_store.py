@@ -40,36 +40,47 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import __version__, cache
 from ..contract.config import ROW_LIMIT, BuildConfig
 from ..fs import file_sha256
-from . import spill
+from . import mix, redraw, spill
 from .mix import MixEncoder
 
-STORE_VERSION = 1  # bump when what an entry holds or means changes: entries of another version are never used
+STORE_VERSION = 2  # bump when what an entry holds or means changes: entries of another version are never used
 KIND = "tokens"  # the store's folder in the cache root
 META = "meta.json"
+PARTS = ".parts"  # in a build's spill folder: the parts' files while they are linked in, re-drawn or split out
 # the config fields that act after tokenizing: a build differing only in them re-plans from the same tokens
 AFTER_TOKENIZING = frozenset({
     "max_len", "pack", "batch_size", "max_tokens", "overlong", "seed", "epochs", "world_size", "balance", "cp_size",
     "cp_layout", "pad_to_multiple_of", "format_version", "compression", "shard_size_mb"})
+# the config fields a part's own record replaces (its source, recipe, split, files, fields), or that decide only
+# how many of a part's records a build takes (the mix's weights and counts, --limit): not a part's identity
+_NOT_A_PARTS = frozenset({"source", "recipe", "split", "mix", "limit", "chat_template", *mix.FIELDS})
 
 
-def identity(config: BuildConfig, tokenizer: dict[str, Any], source: dict[str, Any], encoder: MixEncoder
-             ) -> dict[str, Any]:
-    """What the tokens of a build depend on: every recorded config field not in ``AFTER_TOKENIZING`` (so a
-    field added later counts until it is known not to), the seed for a mix (its draws decide which record
-    comes where), each part's format as resolved (``FormatSpec``: the options, the recipe and the columns
-    decide it, and so can ``--pack``: wrap reads a ``text`` column where another mode reads a prompt/completion
-    pair beside it), the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer
-    by content (its name is where it lies), the source by content (``source``: the manifest's record of it)."""
-    fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING and k != "chat_template"}
-    if config.mix is not None:
-        fields["seed"] = config.seed
-    formats = [dataclasses.asdict(getattr(e, "spec", None) or e.formatter.spec) for e in encoder.encoders]
-    return {"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
-            "config": fields, "formats": formats, "tokenizer": {k: v for k, v in tokenizer.items() if k != "name_or_path"},
-            "source": source}
+def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict[str, Any], ...],
+               source: dict[str, Any], encoder: MixEncoder) -> list[dict[str, Any]]:
+    """What each part's tokens depend on (one part for a one-source build): every recorded config field
+    that acts before planning and is no part's own (so a field added later counts until it is known not
+    to), the part as the config gives it but for its weight or count (its source, recipe, split, files,
+    fields), its format as resolved (``FormatSpec``: the options, the recipe and the columns decide it, and so
+    can ``--pack``: wrap reads a ``text`` column where another mode reads a prompt/completion pair beside it),
+    the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer by content (its
+    name is where it lies), the part's source by content (its record in the manifest's ``source``). Not the
+    weights, seed, ``--limit`` nor the other parts: those decide how many of the part's records a build takes,
+    which the entry's counts answer (:mod:`packer.building.redraw`)."""
+    fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING | _NOT_A_PARTS}
+    out = []
+    for k, (part, enc) in enumerate(zip(parts, encoder.encoders, strict=True)):
+        record = source if config.mix is None else {f: v for f, v in source["parts"][k].items() if f != "source"}
+        out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
+                    "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
+                    "format": dataclasses.asdict(getattr(enc, "spec", None) or enc.formatter.spec),
+                    "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record})
+    return out
 
 
 def _canonical(value: Any) -> str:
@@ -106,52 +117,89 @@ def _open_existing(store: cache.Cache, name: str, check) -> cache.Entry | None:
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """How a lookup went: the spill restored from an entry (``hit``), or why not (``note``: damage found)."""
+    """How a lookup went: the spill restored from the parts' entries (``hit``), or why not (``note``: damage
+    found)."""
 
     hit: bool
     note: str | None = None
 
 
-def restore(ident: dict[str, Any], into: Path, spill_identity: dict[str, Any]) -> Restored:
-    """Put the entry of ``ident``, if the store holds a sound one, into ``into`` as a finished spill of
-    ``spill_identity`` (the build's own): its files linked (copied across filesystems) under the entry's shared
-    lock, then checked there against the entry's sizes and sha256s. A damaged or foreign entry is removed
-    (``note`` says what was found) and nothing is restored; ``into`` is then left empty for the build to
-    tokenize into."""
+def restore(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: int, limit: int | None,
+            into: Path, spill_identity: dict[str, Any]) -> Restored:
+    """Put the build's spill into ``into`` as a finished spill of ``spill_identity`` (the build's own), re-drawn
+    from its parts' entries (``idents[k]``: part k's), when the store holds a sound one for every part and each
+    covers the records the build's draws take from it (:func:`packer.building.redraw.drawn`) with their skips
+    known: the entries' files linked (copied across filesystems) under their shared locks, checked there
+    against the entries' sizes and sha256s, then assembled in mix order (one part taken whole: its files are
+    the spill as they are). A damaged or foreign entry is removed (``note`` says what was found) and nothing is
+    restored; ``into`` is then left empty for the build to tokenize into."""
     try:
         store = cache.Cache(KIND)
     except cache.CacheError:  # an unusable cache folder: tokenize; saving says why, once
         return Restored(False)
-    name = key(ident)
-    found: list[str] = []
-
-    def check(path: Path, full: bool) -> str | None:
-        problem = _meta_problem(path, ident)
-        if problem is not None:
-            found.append(problem)
-        return problem
-
+    names = [key(ident) for ident in idents]
+    metas: dict[str, dict[str, Any]] = {}
+    held: dict[str, cache.Entry] = {}
     try:
-        entry = _open_existing(store, name, check)
-        if entry is None:
-            if not found:
-                return Restored(False)
-            _remove(store, name)
-            return Restored(False, _damaged(name, found[0]))
-        with entry:
-            meta = json.loads((entry.path / META).read_text())
-            _empty(into)
-            for file in spill.FILES:
-                _link_or_copy(entry.path / file, into / file)
-        problem = _hash_problem(into, meta)
-    except OSError as e:
-        problem = f"it cannot be read ({e.strerror or e})"
-    if problem is not None:
-        _remove(store, name)
+        for name, ident in zip(names, idents, strict=True):
+            if name in held:  # two parts of one identity: one entry
+                continue
+            found: list[str] = []
+
+            def check(path: Path, full: bool, ident=ident, found=found) -> str | None:
+                problem = _meta_problem(path, ident)
+                if problem is not None:
+                    found.append(problem)
+                return problem
+
+            entry = _open_existing(store, name, check)
+            if entry is None:
+                if not found:
+                    return Restored(False)
+                _remove(store, name)
+                return Restored(False, _damaged(name, found[0]))
+            held[name] = entry
+            metas[name] = json.loads((entry.path / META).read_text())
+        src = redraw.drawn(list(parts), seed, limit, [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"])
+                                                     for n in names])
+        if src is None:
+            return Restored(False)
+        taken = np.bincount(src, minlength=len(parts))
+        skipped = [redraw.skipped(metas[n]["skips"], int(m)) for n, m in zip(names, taken, strict=True)]
+        if any(s is None for s in skipped):
+            return Restored(False)
+        whole = len(parts) == 1 and int(taken[0]) == metas[names[0]]["counts"]["records"]
         _empty(into)
-        return Restored(False, _damaged(name, problem))
-    spill.mark_finished(into, spill_identity, meta["counts"])
+        for name, entry in held.items():
+            where = into if whole else into / PARTS / name
+            where.mkdir(parents=True, exist_ok=True)
+            for file in spill.FILES:
+                _link_or_copy(entry.path / file, where / file)
+    except OSError as e:
+        return _undo(store, into, next(iter(held), names[0]), f"it cannot be read ({e.strerror or e})")
+    finally:
+        for entry in held.values():
+            entry.close()
+    for name in held:
+        problem = _hash_problem(into if whole else into / PARTS / name, metas[name])
+        if problem is not None:
+            return _undo(store, into, name, problem)
+    if whole:
+        counts = metas[names[0]]["counts"]
+        examples, tokens = counts["examples"], counts["tokens"]
+    else:
+        examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
+                                                  metas[n]["counts"]["tokens"]) for n in names], into)
+        shutil.rmtree(into / PARTS)
+    spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
+                                               "skipped": skipped})
     return Restored(True)
+
+
+def _undo(store: cache.Cache, into: Path, name: str, problem: str) -> Restored:
+    _remove(store, name)
+    _empty(into)
+    return Restored(False, _damaged(name, problem))
 
 
 def _damaged(name: str, problem: str) -> str:
@@ -165,6 +213,10 @@ def _remove(store: cache.Cache, name: str) -> None:
         store._evict(store.path(name))
 
 
+_WIDTHS = {"ids.bin": ("tokens", 4), "trained.bin": ("tokens", 1), "lengths.bin": ("examples", 4),
+           "example_ids.bin": ("examples", 8)}
+
+
 def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
     """What is wrong with entry ``path`` as its meta.json and file sizes show (None: nothing). Its hashes are
     checked on the copies a build links (:func:`_hash_problem`), where they cannot change under it."""
@@ -176,14 +228,17 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
         return "its meta.json is not an entry's"
     if _canonical(meta.get("identity")) != _canonical(ident):
         return "it was made from another source, tokenizer or config"
-    files, counts = meta.get("files"), meta.get("counts")
+    files, counts, skips = meta.get("files"), meta.get("counts"), meta.get("skips")
     if (not isinstance(files, dict) or set(files) != set(spill.FILES) or not isinstance(counts, dict)
+            or not all(isinstance(counts.get(c), int) for c in ("records", "examples", "tokens"))
+            or not isinstance(meta.get("complete"), bool) or not isinstance(skips, dict)
+            or not isinstance(skips.get("at"), list) or not isinstance(skips.get("reasons"), dict)
+            or sum(skips["reasons"].values()) != len(skips["at"])
             or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
                        for f in files.values())):
-        return "its meta.json does not list its files and counts"
-    for name, (count, width) in {"ids.bin": ("tokens", 4), "trained.bin": ("tokens", 1), "lengths.bin": ("examples", 4),
-                                 "example_ids.bin": ("examples", 8)}.items():
-        if files[name]["bytes"] != counts.get(count, -1) * width:
+        return "its meta.json does not list its files, counts and skips"
+    for name, (count, width) in _WIDTHS.items():
+        if files[name]["bytes"] != counts[count] * width:
             return f"its meta.json's counts do not match {name}"
         try:
             size = (path / name).stat().st_size
@@ -228,35 +283,100 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def save(ident: dict[str, Any], tokens: spill.Spill, about: dict[str, Any]) -> str | None:
-    """Keep a finished spill as the entry of ``ident`` (nothing to do if a sound one is there; past the cache's
-    limit, the least recently used entries are evicted first). Returns None, or the one warning that the store
-    was skipped and why (a full disk): the build goes on unharmed either way. A spill larger than the whole
-    limit is not kept."""
-    name = key(ident)
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What a build's spill holds of one part: its first ``records`` records (all it has: ``complete``) and
+    the indices of those skipped with their counts by reason."""
 
-    def make(temp: Path) -> None:
-        temp.mkdir()
-        files = {}
-        for file in spill.FILES:
-            _link_or_copy(tokens.folder / file, temp / file)
-            files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
-        meta = {"identity": ident, "counts": spill.counts(tokens), "files": files, "about": about,
-                "created": time.time()}
-        (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
+    records: int
+    complete: bool
+    skipped_at: list[int]
+    reasons: dict[str, int]
 
+
+def _covers(path: Path, part: _Part) -> bool:
+    """Whether the entry at ``path`` (sound) holds at least what ``part`` would: then it is kept as it is."""
+    meta = json.loads((path / META).read_text())
+    return meta["complete"] or (meta["counts"]["records"] >= part.records and not part.complete)
+
+
+def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: int, limit: int | None,
+         tokens: spill.Spill, abouts: list[dict[str, Any]]) -> str | None:
+    """Keep what a build's finished spill holds of each part as that part's entry (``idents[k]``), unless a
+    sound entry there holds as much already (an entry holding fewer records is replaced; past the cache's
+    limit, the least recently used entries are evicted first). One part: the spill's files are its entry
+    (linked, no copy); several: each part's examples are split out of the spill (:func:`redraw.split`).
+    Returns None, or the one warning that the store was skipped and why (a full disk): the build goes on
+    unharmed either way. A part larger than the whole limit is not kept."""
+    parts = list(parts)
+    src = mix.positions_sources(parts, seed, tokens.records)
+    taken = np.bincount(src, minlength=len(parts))
+    if len(parts) == 1:  # a one-part mix read to the end, unless it stopped at its limit
+        complete = [limit is None or tokens.records < limit]
+    else:
+        gone = mix.ran_out(parts, seed, limit, tokens.records)  # the part that ended a weighted mix: all read
+        complete = [k == gone for k in range(len(parts))]
+    ex = np.asarray(tokens.example_ids)
+    part_ids = [ex] if len(parts) == 1 else None
+    if part_ids is None:
+        rank = redraw.rank(src, len(parts))  # the record index in its part of each position
+        part_ids = [rank[ex[src[ex] == k]] for k in range(len(parts))]
+    mine = [_Part(int(taken[k]), complete[k], redraw.skipped_at(part_ids[k], int(taken[k])).tolist(),
+                  dict(tokens.skipped.by_part[k])) for k in range(len(parts))]
+    names = [key(ident) for ident in idents]
+    # of parts of one identity (a source given twice), the one that read furthest is kept
+    kept = {name: max((k for k in range(len(parts)) if names[k] == name), key=lambda k: (mine[k].complete,
+                                                                                         mine[k].records))
+            for name in names}
+    split_at = tokens.folder / PARTS
     try:
         store = cache.Cache(KIND)
-        size = sum((tokens.folder / file).stat().st_size for file in spill.FILES)
-        if store.limit is not None and size > store.limit:
-            return None
-        with store.open(name, make, lambda path, full: _entry_problem(path, ident, full), full=True, size_hint=size):
-            pass
+        for k, (name, ident) in enumerate(zip(names, idents, strict=True)):
+            if kept[name] != k or not mine[k].records:
+                continue
+            where = tokens.folder if len(parts) == 1 else split_at / str(k)
+
+            def make(temp: Path, k=k, ident=ident, where=where) -> None:
+                if not where.is_dir():  # split out once a part needs keeping
+                    redraw.split(tokens.folder, tokens.lengths, ex, src,
+                                 [split_at / str(j) if kept[names[j]] == j else None for j in range(len(parts))])
+                temp.mkdir()
+                files = {}
+                for file in spill.FILES:
+                    _link_or_copy(where / file, temp / file)
+                    files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
+                counts = {"records": mine[k].records, "examples": files["lengths.bin"]["bytes"] // 4,
+                          "tokens": files["ids.bin"]["bytes"] // 4}
+                meta = {"identity": ident, "counts": counts, "complete": mine[k].complete,
+                        "skips": {"at": mine[k].skipped_at, "reasons": mine[k].reasons}, "files": files,
+                        "about": abouts[k], "created": time.time()}
+                (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
+
+            def check(path: Path, full: bool, ident=ident, k=k) -> str | None:
+                problem = _entry_problem(path, ident, full)
+                if problem is None and not _covers(path, mine[k]):
+                    return "it holds fewer records than this build's"
+                return problem
+
+            size = (sum((tokens.folder / file).stat().st_size for file in spill.FILES) if len(parts) == 1 else
+                    _part_bytes(tokens, ex, src, k))
+            if store.limit is not None and size > store.limit:
+                continue
+            with store.open(name, make, check, full=True, size_hint=size):
+                pass
     except (OSError, cache.CacheError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return (f"the token store was skipped ({why}): the build is complete, but a build that differs only in "
                 f"packing will tokenize again; free space in {folder()} or pass --no-cache")
+    finally:
+        shutil.rmtree(split_at, ignore_errors=True)
     return None
+
+
+def _part_bytes(tokens: spill.Spill, example_ids: np.ndarray, src: np.ndarray, k: int) -> int:
+    """The bytes part ``k``'s entry takes: 5 a token, 12 an example."""
+    mine = src[example_ids] == k
+    return 5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
 
 
 # -- tokenizers met before -----------------------------------------------------------------------------------
@@ -357,7 +477,7 @@ def entries() -> list[Entry]:
             continue
         try:
             meta = json.loads((path / META).read_text())
-            about, sound = {**meta["about"], **meta["counts"]}, True
+            about, sound = {**meta["about"], **meta["counts"], "complete": meta["complete"]}, True
         except (OSError, ValueError, KeyError, TypeError):
             about, sound = {}, False
         try:
