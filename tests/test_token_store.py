@@ -87,10 +87,14 @@ def test_replan_is_byte_identical_verifies_and_says_so(tmp_path):
     assert digest(tmp_path / "replan") == cold(**changed)
     report = verify(str(tmp_path / "replan"), source="flan", progress=False)
     assert report.ok, report.problems
-    # what acts before planning is keyed: another --limit or --train-on tokenizes again
+    # what acts before planning is keyed: another --train-on tokenizes again, and so does a --limit beyond the
+    # records the entry holds (its entry, of more records, replaces the one of fewer); a --limit within them
+    # re-plans from their first records
     assert not build(config(tmp_path / "limit", limit=LIMITS[1])).replanned
     assert not build(config(tmp_path / "train-on", limit=LIMITS[0], train_on="all")).replanned
-    assert len(entry_dirs()) == 3
+    assert len(entry_dirs()) == 2
+    assert build(config(tmp_path / "fewer", **changed)).replanned
+    assert digest(tmp_path / "fewer") == cold(**changed)
 
 
 def test_the_cache_limit_evicts_the_least_recently_used_entry(tmp_path, monkeypatch):
@@ -98,13 +102,12 @@ def test_the_cache_limit_evicts_the_least_recently_used_entry(tmp_path, monkeypa
     (first,) = entry_dirs()
     everything = sum(f.stat().st_size for f in cache.root().rglob("*") if f.is_file())
     monkeypatch.setenv("PACKER_CACHE_LIMIT", str(int(everything * 1.2)))  # room for one of the two entries
-    build(config(tmp_path / "b", limit=LIMITS[1]))
+    build(config(tmp_path / "b", limit=LIMITS[1], train_on="all"))
     assert [p.name for p in entry_dirs()] != [first.name] and len(entry_dirs()) == 1  # the older one went
     assert not build(config(tmp_path / "a2", limit=LIMITS[0], seed=1)).replanned
     monkeypatch.setenv("PACKER_CACHE_LIMIT", "1kB")  # less than one entry: none is kept, the build is whole
-    assert not build(config(tmp_path / "c", limit=LIMITS[0], train_on="all")).warnings
-    assert all(json.loads((p / "meta.json").read_text())["about"]["limit"] != LIMITS[0] or
-               json.loads((p / "meta.json").read_text())["identity"]["config"].get("train_on") != "all"
+    assert not build(config(tmp_path / "c", limit=LIMITS[0], on_error="skip")).warnings
+    assert all(json.loads((p / "meta.json").read_text())["identity"]["config"].get("on_error") != "skip"
                for p in entry_dirs())
 
 
@@ -208,7 +211,7 @@ def _damage(kind: str, pick: int, out: Path) -> str | None:
         (entry / "meta.json").write_text(text[: len(text) // 2])
     elif kind == "foreign":  # the meta of another identity under this key: never used
         meta = json.loads((entry / "meta.json").read_text())
-        meta["identity"]["config"]["limit"] = 12345
+        meta["identity"]["config"]["train_on"] = "another"
         (entry / "meta.json").write_text(json.dumps(meta))
     return entry.name
 
@@ -219,28 +222,29 @@ def _damage(kind: str, pick: int, out: Path) -> str | None:
 def test_builds_damage_and_kills_against_cold_builds(tmp_path, steps):
     with own_cache():
         out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
-        stored: set[tuple] = set()  # the token identities the store holds sound
+        stored: dict[str, int] = {}  # the records the store holds sound, by --train-on (the key without --limit)
         damaged: set[str] = set()  # entries damaged since their last use
-        names: dict[tuple, str] = {}
+        names: dict[str, str] = {}
         for step in steps:
             if step[0] == "damage":
                 name = _damage(step[1], step[2], out)
                 if name is not None:
                     damaged.add(name)
-                    stored -= {k for k, v in names.items() if v == name}
+                    stored = {k: n for k, n in stored.items() if names[k] != name}
                 continue
             _, tokens, planning = step
-            k = tuple(sorted(tokens.items()))
+            k = tokens.get("train_on", "assistant")
             before = {p.name for p in entry_dirs()}
             result = build(config(out, **tokens, **planning))
-            assert result.replanned == (k in stored), (step, stored)
+            # a --limit within the records held re-plans from their first ones; beyond them, it tokenizes
+            assert result.replanned == (stored.get(k, 0) >= tokens["limit"]), (step, stored)
             assert digest(out) == cold(**tokens, **planning), step
             if k not in names:  # an entry's name is its identity's key: the same whenever it is made again
                 names[k] = ({p.name for p in entry_dirs()} - before).pop()
             if names.get(k) in damaged:
                 assert any("was not used" in w for w in result.warnings), result.warnings
                 damaged.discard(names[k])
-            stored.add(k)
+            stored[k] = max(stored.get(k, 0), tokens["limit"])
             entry = token_store.folder() / names[k]
             assert token_store._meta_problem(entry, json.loads((entry / "meta.json").read_text())["identity"]) is None
 
