@@ -352,7 +352,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
               if config.cache and config.processor is None else None)
     # an interrupted run's finished spill is there already: reused as it is (a resume), else re-drawn from the
     # parts' entries in the store when they hold every record the draws take
-    restored = (token_store.restore(stored, parts, config.seed, config.limit, staging / schema.TOKENS_DIR, identity)
+    restored = (token_store.restore(stored, opened.stream, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
     # tokens from the store are no resume and no tokenizing: no bar, no "resuming" line (the summary says it)
@@ -361,7 +361,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     check_unchanged(opened)
     warnings = () if restored.note is None else (restored.note,)
     if stored is not None and not restored.hit and len(tokens.lengths):
-        skipped_store = token_store.save(stored, parts, config.seed, config.limit, tokens,
+        skipped_store = token_store.save(stored, opened.stream, opened.encoder, tokens,
                                          [_about(part, identity) for part in parts])
         warnings += () if skipped_store is None else (skipped_store,)
     lengths, skipped = tokens.lengths, tokens.skipped

@@ -9,7 +9,7 @@ k-th draw of a part taking the part's k-th record, so the records a part gives a
 any mix whose every part's prefix is held is a re-draw of spills already made: its examples are the parts'
 examples of those prefixes, their ids mapped from record index to mix position, merged in position order.
 Records skipped under ``--on-error skip`` take a position and leave no example, as in a cold build; a
-part's spill lists their indices and reasons, so the re-drawn build counts them exactly.
+part's spill lists their indices and each one's reason, so the re-drawn build counts them exactly.
 
 Everything here is numpy over memory-mapped files, in blocks of examples: memory stays O(block + 12 bytes an
 example), as in planning.
@@ -65,19 +65,14 @@ def drawn(parts: list[dict[str, Any]], seed: int, limit: int | None, held: list[
     return np.concatenate(out).astype(mix.PART) if out else np.zeros(0, mix.PART)
 
 
-def skipped(skips: dict[str, Any], records: int) -> dict[str, int] | None:
+def skipped(skips: dict[str, Any], records: int) -> dict[str, int]:
     """A part's skip counts by reason over its first ``records`` records, from its spill's ``skips`` (the
-    skipped records' indices, and the counts by reason of all of them); None when they cannot be known (the
-    prefix holds some but not all of them, under more than one reason: then the build tokenizes)."""
-    at, reasons = np.asarray(skips["at"], np.int64), skips["reasons"]
-    n = int(np.count_nonzero(at < records))
-    if n == 0:
-        return {}
-    if n == at.size:
-        return dict(reasons)
-    if len(reasons) == 1:
-        return {next(iter(reasons)): n}
-    return None
+    skipped records' indices, ascending, and each one's reason)."""
+    n = int(np.searchsorted(np.asarray(skips["at"], np.int64), records))
+    out: dict[str, int] = {}
+    for reason in skips["reasons"][:n]:
+        out[reason] = out.get(reason, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def skipped_at(example_ids: np.ndarray, records: int) -> np.ndarray:

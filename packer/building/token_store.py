@@ -46,7 +46,7 @@ from .. import __version__, cache
 from ..contract.config import ROW_LIMIT, BuildConfig
 from ..fs import file_sha256
 from . import mix, redraw, spill
-from .mix import MixEncoder
+from .mix import MixEncoder, MixStream
 
 STORE_VERSION = 2  # bump when what an entry holds or means changes: entries of another version are never used
 KIND = "tokens"  # the store's folder in the cache root
@@ -124,10 +124,9 @@ class Restored:
     note: str | None = None
 
 
-def restore(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: int, limit: int | None,
-            into: Path, spill_identity: dict[str, Any]) -> Restored:
+def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_identity: dict[str, Any]) -> Restored:
     """Put the build's spill into ``into`` as a finished spill of ``spill_identity`` (the build's own), re-drawn
-    from its parts' entries (``idents[k]``: part k's), when the store holds a sound one for every part and each
+    from its parts' entries (``idents[k]``: part k's of ``stream``'s), when the store holds a sound one for every part and each
     covers the records the build's draws take from it (:func:`packer.building.redraw.drawn`) with their skips
     known: the entries' files linked (copied across filesystems) under their shared locks, checked there
     against the entries' sizes and sha256s, then assembled in mix order (one part taken whole: its files are
@@ -137,6 +136,7 @@ def restore(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], see
         store = cache.Cache(KIND)
     except cache.CacheError:  # an unusable cache folder: tokenize; saving says why, once
         return Restored(False)
+    parts = stream.parts
     names = [key(ident) for ident in idents]
     metas: dict[str, dict[str, Any]] = {}
     held: dict[str, cache.Entry] = {}
@@ -160,14 +160,12 @@ def restore(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], see
                 return Restored(False, _damaged(name, found[0]))
             held[name] = entry
             metas[name] = json.loads((entry.path / META).read_text())
-        src = redraw.drawn(list(parts), seed, limit, [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"])
+        src = redraw.drawn(list(parts), stream.seed, stream.limit, [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"])
                                                      for n in names])
         if src is None:
             return Restored(False)
         taken = np.bincount(src, minlength=len(parts))
         skipped = [redraw.skipped(metas[n]["skips"], int(m)) for n, m in zip(names, taken, strict=True)]
-        if any(s is None for s in skipped):
-            return Restored(False)
         whole = len(parts) == 1 and int(taken[0]) == metas[names[0]]["counts"]["records"]
         _empty(into)
         for name, entry in held.items():
@@ -232,8 +230,8 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
     if (not isinstance(files, dict) or set(files) != set(spill.FILES) or not isinstance(counts, dict)
             or not all(isinstance(counts.get(c), int) for c in ("records", "examples", "tokens"))
             or not isinstance(meta.get("complete"), bool) or not isinstance(skips, dict)
-            or not isinstance(skips.get("at"), list) or not isinstance(skips.get("reasons"), dict)
-            or sum(skips["reasons"].values()) != len(skips["at"])
+            or not isinstance(skips.get("at"), list) or not isinstance(skips.get("reasons"), list)
+            or len(skips["reasons"]) != len(skips["at"])
             or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
                        for f in files.values())):
         return "its meta.json does not list its files, counts and skips"
@@ -286,12 +284,12 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 @dataclass(frozen=True, slots=True)
 class _Part:
     """What a build's spill holds of one part: its first ``records`` records (all it has: ``complete``) and
-    the indices of those skipped with their counts by reason."""
+    the indices of those skipped, each with its reason (None: not known yet, :func:`_reasons`)."""
 
     records: int
     complete: bool
     skipped_at: list[int]
-    reasons: dict[str, int]
+    reasons: list[str] | None
 
 
 def _covers(path: Path, part: _Part) -> bool:
@@ -300,15 +298,15 @@ def _covers(path: Path, part: _Part) -> bool:
     return meta["complete"] or (meta["counts"]["records"] >= part.records and not part.complete)
 
 
-def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: int, limit: int | None,
-         tokens: spill.Spill, abouts: list[dict[str, Any]]) -> str | None:
-    """Keep what a build's finished spill holds of each part as that part's entry (``idents[k]``), unless a
+def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, tokens: spill.Spill,
+         abouts: list[dict[str, Any]]) -> str | None:
+    """Keep what a build's finished spill holds of each part of ``stream`` as that part's entry (``idents[k]``), unless a
     sound entry there holds as much already (an entry holding fewer records is replaced; past the cache's
     limit, the least recently used entries are evicted first). One part: the spill's files are its entry
     (linked, no copy); several: each part's examples are split out of the spill (:func:`redraw.split`).
     Returns None, or the one warning that the store was skipped and why (a full disk): the build goes on
     unharmed either way. A part larger than the whole limit is not kept."""
-    parts = list(parts)
+    parts, seed, limit = list(stream.parts), stream.seed, stream.limit
     src = mix.positions_sources(parts, seed, tokens.records)
     taken = np.bincount(src, minlength=len(parts))
     if len(parts) == 1:  # a one-part mix read to the end, unless it stopped at its limit
@@ -321,14 +319,20 @@ def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: 
     if part_ids is None:
         rank = redraw.rank(src, len(parts))  # the record index in its part of each position
         part_ids = [rank[ex[src[ex] == k]] for k in range(len(parts))]
-    mine = [_Part(int(taken[k]), complete[k], redraw.skipped_at(part_ids[k], int(taken[k])).tolist(),
-                  dict(tokens.skipped.by_part[k])) for k in range(len(parts))]
+    mine = []
+    for k in range(len(parts)):
+        at = redraw.skipped_at(part_ids[k], int(taken[k])).tolist()
+        by_reason = tokens.skipped.by_part[k]
+        # one reason: every skipped record's; several: each record's is found when the part is kept (_reasons)
+        mine.append(_Part(int(taken[k]), complete[k], at, [next(iter(by_reason))] * len(at) if len(by_reason) == 1
+                          else None if at else []))
     names = [key(ident) for ident in idents]
     # of parts of one identity (a source given twice), the one that read furthest is kept
     kept = {name: max((k for k in range(len(parts)) if names[k] == name), key=lambda k: (mine[k].complete,
                                                                                          mine[k].records))
             for name in names}
     split_at = tokens.folder / PARTS
+    shutil.rmtree(split_at, ignore_errors=True)  # what a build killed while splitting left: never taken for a part
     try:
         store = cache.Cache(KIND)
         for k, (name, ident) in enumerate(zip(names, idents, strict=True)):
@@ -337,6 +341,11 @@ def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: 
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
 
             def make(temp: Path, k=k, ident=ident, where=where) -> None:
+                reasons = mine[k].reasons
+                if reasons is None:  # read only when the part is kept
+                    reasons = _reasons(stream.streams[k], encoder.encoders[k], encoder.wheres[k], mine[k].skipped_at)
+                    if sorted(reasons) != sorted(r for r, n in tokens.skipped.by_part[k].items() for _ in range(n)):
+                        raise cache.CacheError(f"part {k + 1}'s skipped records read again give other reasons")
                 if not where.is_dir():  # split out once a part needs keeping
                     redraw.split(tokens.folder, tokens.lengths, ex, src,
                                  [split_at / str(j) if kept[names[j]] == j else None for j in range(len(parts))])
@@ -348,7 +357,7 @@ def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: 
                 counts = {"records": mine[k].records, "examples": files["lengths.bin"]["bytes"] // 4,
                           "tokens": files["ids.bin"]["bytes"] // 4}
                 meta = {"identity": ident, "counts": counts, "complete": mine[k].complete,
-                        "skips": {"at": mine[k].skipped_at, "reasons": mine[k].reasons}, "files": files,
+                        "skips": {"at": mine[k].skipped_at, "reasons": reasons}, "files": files,
                         "about": abouts[k], "created": time.time()}
                 (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
 
@@ -371,6 +380,22 @@ def save(idents: list[dict[str, Any]], parts: tuple[dict[str, Any], ...], seed: 
     finally:
         shutil.rmtree(split_at, ignore_errors=True)
     return None
+
+
+def _reasons(stream, encoder, where: str, at: list[int]) -> list[str]:
+    """The reason each record of ``stream`` at indices ``at`` (ascending) is skipped for: those records read
+    again and each encoded alone by the part's ``encoder``, which says why it skips it (the spill counts a
+    part's skips by reason only). Reads the part up to its last skipped record; tokenizes none."""
+    found: dict[int, str] = {}
+    want = set(at)
+    for first, batch in stream.chunks(0, spill.CHUNK):
+        n = len(next(iter(batch.values()))) if batch else 0
+        for i in sorted(want.intersection(range(first, first + n))):
+            encoded = encoder.encode({c: v[i - first:i - first + 1] for c, v in batch.items()}, i, where=where)
+            found[i] = next(iter(encoded.skipped), "")
+        if first + n > at[-1]:
+            break
+    return [found.get(i, "") for i in at]
 
 
 def _part_bytes(tokens: spill.Spill, example_ids: np.ndarray, src: np.ndarray, k: int) -> int:

@@ -1,0 +1,263 @@
+"""A mix re-planned from its parts' entries in the token store (packer.building.token_store, .redraw): another
+weight, seed or --limit re-plans when every part's entry holds the records the draws take, byte-identical to a
+``--no-cache`` build, with its skips counted exactly; else it tokenizes. Never a wrong build.
+
+The property test runs sequences of mix builds with changed weights, seeds, limits and packing, damaged entries
+and what kills leave, each build checked against a ``--no-cache`` build of the same config, and whether it
+re-planned against a model of what the store holds (each part's records held, and whether they are all it has).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import ROOT
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from packer import BuildConfig, build
+from packer.building import mix, token_store
+from packer.checking.verify import verify
+from packer.cli import main
+from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
+
+A_BAD = {7: None, 30: None}  # part A's records with a null completion (skipped: null_field)
+B_BAD = {3: None, 11: []}  # part B's: null messages (null_field), no turns (wrong_type): two reasons
+A_RECORDS, B_RECORDS = 48, 20
+
+
+def _chat(i: int) -> dict:
+    if i in B_BAD:
+        return {"messages": B_BAD[i]}
+    return {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i} " * (i % 4 + 1)}]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Part A: prompt/completion, part B: chat, each with records --on-error skip drops; C and D: preference pairs."""
+    d = tmp_path_factory.mktemp("mixdata")
+    (d / "a.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} " * (i % 5 + 1), "completion": A_BAD.get(i, f"a{i}")})
+                                       + "\n" for i in range(A_RECORDS)))
+    (d / "b.jsonl").write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(B_RECORDS)))
+    for name, n in (("c", 30), ("d", 12)):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name} p{i} " * (i % 3 + 1), "chosen": f"yes {i}",
+                                                             "rejected": f"no {i} " * (i % 2 + 1)}) + "\n"
+                                                 for i in range(n)))
+    return d
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def mixed(data: Path, weights=(0.5, 0.5), names=("a", "b"), records=None, **options) -> dict:
+    key = "weight" if records is None else "records"
+    parts = tuple({"source": str(data / f"{n}.jsonl"), key: w} for n, w in zip(names, records or weights, strict=True))
+    return dict(source="+".join(p["source"] for p in parts), mix=parts, num_proc=1, overwrite=True, on_error="skip", **options)
+
+
+_COLD: dict[str, tuple[dict[str, str], list[int]]] = {}
+
+
+def cold(options: dict) -> tuple[dict[str, str], list[int]]:
+    """A --no-cache build of ``options``: its files' sha256s and each part's records read; made once."""
+    k = json.dumps(options, sort_keys=True, default=str)
+    if k not in _COLD:
+        out = Path(tempfile.mkdtemp(prefix="packer-cold-"))
+        try:
+            result = build(BuildConfig(out=str(out / "b"), cache=False, **options))
+            _COLD[k] = digest(out / "b"), [s["records_read"] for s in result.manifest.stats.sources or ()]
+        finally:
+            shutil.rmtree(out)
+    return _COLD[k]
+
+
+def entry_dirs() -> list[Path]:
+    root = token_store.folder()
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+
+
+def test_other_weights_seed_and_limit_re_plan_byte_identical(data, tmp_path):
+    first = build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
+    assert not first.replanned and len(entry_dirs()) == 2  # one entry a part
+    # B ran out (a weighted mix ends there): its entry holds all of it; A's, the records drawn from it
+    metas = sorted((json.loads((p / "meta.json").read_text()) for p in entry_dirs()), key=lambda m: m["about"]["sources"])
+    assert [m["complete"] for m in metas] == [False, True] and metas[1]["counts"]["records"] == B_RECORDS
+    assert metas[1]["skips"] == {"at": [3, 11], "reasons": ["null_field", "wrong_type"]}  # each record's, read again
+    for options in (mixed(data, (0.3, 0.7)), mixed(data, (0.3, 0.7), limit=9, pack="bfd", max_len=64),
+                    mixed(data, limit=25, seed=0), mixed(data, (0.4, 0.6), limit=30, seed=2)):
+        result = build(BuildConfig(out=str(tmp_path / "replan"), **options))
+        assert result.replanned and not result.warnings, options
+        assert digest(tmp_path / "replan") == cold(options)[0], options
+    report = verify(str(tmp_path / "replan"), progress=False)
+    assert report.ok, report.problems
+    # more of A than its entry holds: tokenized, and A's entry then holds the more
+    more = mixed(data, (0.8, 0.2))
+    assert not build(BuildConfig(out=str(tmp_path / "more"), **more)).replanned
+    assert digest(tmp_path / "more") == cold(more)[0]
+    assert build(BuildConfig(out=str(tmp_path / "again"), **mixed(data, (0.7, 0.3)))).replanned
+    assert len(entry_dirs()) == 2
+
+
+def test_the_cli_says_it_re_planned_and_lists_the_parts(data, tmp_path):
+    runner = CliRunner()
+    args = ["build", str(data / "a.jsonl"), str(data / "b.jsonl"), "-j", "1", "-q", "--on-error", "skip"]
+    assert runner.invoke(main, [*args, "--mix", "0.5,0.5", "--out", str(tmp_path / "a")]).exit_code == 0
+    done = runner.invoke(main, [*args, "--mix", "0.2,0.8", "--out", str(tmp_path / "b")])
+    assert done.exit_code == 0 and "re-planned from cached tokens" in done.output, done.output
+    listed = runner.invoke(main, ["cache"])
+    assert "2 entries" in listed.output and f"all its {B_RECORDS} records" in listed.output, listed.output
+    assert sorted(e["sources"][0] for e in json.loads(runner.invoke(main, ["cache", "list", "--json"]).output)["entries"]
+                  ) == [str(data / "a.jsonl"), str(data / "b.jsonl")]
+
+
+def test_skips_under_two_reasons_are_counted_exactly(data, tmp_path):
+    """B's entry lists its skipped records 3 (null_field) and 11 (wrong_type), each with its reason (the spill
+    counts them by reason only: the two records are read again and encoded alone when the entry is made), so a
+    build taking B's first 5 records counts one null_field, as a cold build does."""
+    one = dict(source=str(data / "b.jsonl"), num_proc=1, overwrite=True, on_error="skip")
+    build(BuildConfig(out=str(tmp_path / "whole"), **one))
+    for limit in (2, 5, 15):
+        options = {**one, "limit": limit}
+        result = build(BuildConfig(out=str(tmp_path / f"l{limit}"), **options))
+        assert result.replanned and digest(tmp_path / f"l{limit}") == cold(options)[0]
+        assert result.manifest.stats.dropped_by_reason == {2: {}, 5: {"null_field": 1},
+                                                           15: {"null_field": 1, "wrong_type": 1}}[limit]
+
+
+def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
+    """Two examples a record (one id): a pair mix's re-draw keeps each pair whole; a mix by records counts takes
+    each part's first records, so counts within those held re-plan and counts beyond them tokenize."""
+    pairs = mixed(data, names=("c", "d"), pack="bfd", max_len=128)
+    build(BuildConfig(out=str(tmp_path / "p"), **pairs))
+    for options in ({**pairs, "mix": tuple({**p, "weight": w} for p, w in zip(pairs["mix"], (0.2, 0.8), strict=True))},
+                    {**pairs, "limit": 7, "seed": 4}):
+        result = build(BuildConfig(out=str(tmp_path / "p2"), **options))
+        assert result.replanned and digest(tmp_path / "p2") == cold(options)[0], options
+    counts = mixed(data, records=(20, 12))
+    assert not build(BuildConfig(out=str(tmp_path / "r"), **counts)).replanned
+    fewer = mixed(data, records=(9, 12), seed=5)
+    assert build(BuildConfig(out=str(tmp_path / "r2"), **fewer)).replanned
+    assert digest(tmp_path / "r2") == cold(fewer)[0]
+    beyond = mixed(data, records=(25, 12))
+    assert not build(BuildConfig(out=str(tmp_path / "r3"), **beyond)).replanned
+    assert digest(tmp_path / "r3") == cold(beyond)[0]
+
+
+# -- the property: sequences of builds, damage and kills, against cold builds and a model of the store ------------
+
+WEIGHTS = st.sampled_from([(0.5, 0.5), (0.2, 0.8), (0.8, 0.2)])
+OPTIONS = st.sampled_from([{}, {"seed": 1}, {"limit": 12}, {"limit": 30, "seed": 1}, {"pack": "bfd", "max_len": 64}])
+DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "foreign", "killed_writer", "killed_split", "killed_restore"])
+STEP = st.one_of(st.tuples(st.just("build"), WEIGHTS, OPTIONS), st.tuples(st.just("damage"), DAMAGE, st.integers(0, 3)))
+
+
+@contextmanager
+def own_cache():
+    before = os.environ["PACKER_CACHE"]
+    os.environ["PACKER_CACHE"] = tempfile.mkdtemp(prefix="packer-cache-")
+    try:
+        yield
+    finally:
+        shutil.rmtree(os.environ["PACKER_CACHE"], ignore_errors=True)
+        os.environ["PACKER_CACHE"] = before
+
+
+def _damage(kind: str, pick: int, out: Path) -> int | None:
+    """Damage an entry as a disk, a person or a kill would; returns the part whose entry must not be used."""
+    tokens = out / STAGING / "tokens"
+    if kind == "killed_writer":  # a writer killed before its rename: a temporary folder, half made
+        temp = token_store.folder() / f".tmp-{'0' * 32}.{os.getpid()}.deadbeef"
+        temp.mkdir(parents=True, exist_ok=True)
+        (temp / "ids.bin").write_bytes(b"\x01\x02\x03")
+        return None
+    if kind in ("killed_split", "killed_restore"):  # a build killed while it split or re-drew its parts' files
+        (tokens / token_store.PARTS / "0").mkdir(parents=True, exist_ok=True)
+        (out / STAGING / LOCK).write_bytes(LOCK_BYTES)
+        for name in ("ids.bin", "lengths.bin"):
+            (tokens / token_store.PARTS / "0" / name).write_bytes(b"\x07" * 12)
+        if kind == "killed_restore":
+            (tokens / "ids.bin").write_bytes(b"\x01" * 8)
+        return None
+    entries = entry_dirs()
+    if not entries:
+        return None
+    entry = entries[pick % len(entries)]
+    part = 0 if json.loads((entry / "meta.json").read_text())["about"]["sources"][0].endswith("a.jsonl") else 1
+    if kind == "truncate":
+        with open(entry / "ids.bin", "r+b") as f:
+            f.truncate(max(0, (entry / "ids.bin").stat().st_size - 4))
+    elif kind == "flip":
+        data = bytearray((entry / "trained.bin").read_bytes())
+        data[len(data) // 2] ^= 1
+        (entry / "trained.bin").write_bytes(bytes(data))
+    elif kind == "no_meta":
+        (entry / "meta.json").unlink()
+    elif kind == "foreign":  # the meta of another identity under this key: never used
+        meta = json.loads((entry / "meta.json").read_text())
+        meta["identity"]["config"]["train_on"] = "another"
+        (entry / "meta.json").write_text(json.dumps(meta))
+    return part
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(st.lists(STEP, min_size=2, max_size=4))
+def test_mix_builds_damage_and_kills_against_cold_builds(data, tmp_path, steps):
+    with own_cache():
+        out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
+        held: dict[int, tuple[int, bool]] = {}  # part -> (records its sound entry holds, whether all it has)
+        for step in steps:
+            if step[0] == "damage":
+                part = _damage(step[1], step[2], out)
+                held.pop(part, None)
+                continue
+            _, weights, extra = step
+            options = mixed(data, weights, **extra)
+            expected_digest, read = cold(options)
+            parts, seed, limit = list(options["mix"]), options.get("seed", 0), options.get("limit")
+            gone = mix.ran_out(parts, seed, limit, sum(read))  # the part whose end ended the mix
+            expected = all(k in held and read[k] <= held[k][0] and (gone != k or held[k][1]) for k in range(2))
+            result = build(BuildConfig(out=str(out), **options))
+            assert result.replanned == expected, (step, held, read, gone)
+            assert digest(out) == expected_digest, step
+            if not result.replanned:  # each part's entry replaced unless it holds as much already
+                for k in range(2):
+                    if read[k] and not (k in held and (held[k][1] or (held[k][0] >= read[k] and gone != k))):
+                        held[k] = (read[k], gone == k)
+            for entry in entry_dirs():  # every entry there is sound
+                meta = json.loads((entry / "meta.json").read_text())
+                assert token_store._entry_problem(entry, meta["identity"], True) is None
+
+
+def test_killed_while_splitting_a_mix_into_the_store_then_rebuilt(data, tmp_path):
+    """SIGKILL as the third file under the spill's .parts is opened (test_crash's audit hook): no entry; the
+    rerun resumes its finished spill, splits again (the leftover ignored), keeps both entries and is
+    byte-identical; another weight then re-plans."""
+    from test_crash import _AT
+
+    cache, stamp, out = tmp_path / "cache", tmp_path / "moment", tmp_path / "killed"
+    args = [str(data / "a.jsonl"), str(data / "b.jsonl"), "--mix", "0.5,0.5", "--on-error", "skip", "-j", "1", "-q",
+            "--out", str(out)]
+    env = {**os.environ, "PACKER_CACHE": str(cache), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _AT, "open", str(out / STAGING / "tokens" / token_store.PARTS), "3",
+                           "kill", str(stamp), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert stamp.exists() and done.returncode == -9, done.stderr
+    os.environ["PACKER_CACHE"] = str(cache)  # the fixture restores it
+    assert not entry_dirs()
+    again = build(BuildConfig(out=str(out), **mixed(data)))
+    assert not again.replanned and again.resumed is not None and digest(out) == cold(mixed(data))[0]
+    assert len(entry_dirs()) == 2
+    other = mixed(data, (0.3, 0.7))
+    assert build(BuildConfig(out=str(tmp_path / "other"), **other)).replanned
+    assert digest(tmp_path / "other") == cold(other)[0]
