@@ -157,9 +157,11 @@ def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
 # -- the property: sequences of builds, damage and kills, against cold builds and a model of the store ------------
 
 WEIGHTS = st.sampled_from([(0.5, 0.5), (0.2, 0.8), (0.8, 0.2)])
-OPTIONS = st.sampled_from([{}, {"seed": 1}, {"limit": 12}, {"limit": 30, "seed": 1}, {"pack": "bfd", "max_len": 64}])
+OPTIONS = st.sampled_from([{}, {"seed": 1}, {"limit": 12}, {"limit": 30, "seed": 1}, {"pack": "bfd", "max_len": 64},
+                           {"limit": 20, "pack": "wrap", "max_tokens": 64}])
 DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "foreign", "killed_writer", "killed_split", "killed_restore"])
-STEP = st.one_of(st.tuples(st.just("build"), WEIGHTS, OPTIONS), st.tuples(st.just("damage"), DAMAGE, st.integers(0, 3)))
+STEP = st.one_of(st.tuples(st.just("build"), WEIGHTS, OPTIONS), st.tuples(st.just("build"), WEIGHTS, OPTIONS),
+                 st.tuples(st.just("damage"), DAMAGE, st.integers(0, 3)))  # builds twice as often
 
 
 @contextmanager
@@ -212,8 +214,9 @@ def _damage(kind: str, pick: int, out: Path) -> int | None:
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
-@given(st.lists(STEP, min_size=2, max_size=4))
-def test_mix_builds_damage_and_kills_against_cold_builds(data, tmp_path, steps):
+@given(st.tuples(WEIGHTS, OPTIONS), st.lists(STEP, min_size=3, max_size=6))
+def test_mix_builds_damage_and_kills_against_cold_builds(data, tmp_path, first, steps):
+    steps = [("build", *first), *steps]
     with own_cache():
         out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
         held: dict[int, tuple[int, bool]] = {}  # part -> (records its sound entry holds, whether all it has)
