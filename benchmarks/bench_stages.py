@@ -102,9 +102,11 @@ def main() -> None:
                                   pairs=False)
         t("write the shards (Arrow, sha256 of each), 1 thread", write_shards, plan, tokens.store(), staging,
           shard_bytes=256 << 20, threads=1, row_format=fmt)
-        stored = token_store.identity(config, info, opened.source, opened.encoder)
-        t("token store: keep the spill (link, sha256)", token_store.save, stored, tokens, {})
-        t("token store: restore (link, check sha256)", token_store.restore, stored, tmp / "restored", identity)
+        stored = token_store.identities(config, info, pipeline.source_parts(config), opened.source, opened.encoder)
+        t("token store: keep the spill (link, sha256)", token_store.save, stored, opened.stream, opened.encoder, tokens,
+          [{}])
+        t("token store: restore (link, check sha256)", token_store.restore, stored, opened.stream, tmp / "restored",
+          identity)
         total_tokens = tokens.tokens
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
