@@ -9,6 +9,11 @@ Llama 2 tokenizer (../shared/data/llama2-tokenizer), ``--pack bfd``. The first b
 checked byte-identical (every file of the folder) to the same build made with ``--no-cache``, which is timed
 too: a re-plan's time is shown beside the cold build it replaces. ``--runs`` repeats the first build and
 the re-plans, interleaved; each figure is the best.
+
+A mix is timed the same way: the sample repeated ``5/8`` and ``3/8`` of ``--repeat`` times as two files,
+mixed by a mix file with weights 0.5, 0.5 (it ends where the smaller part runs out: that part's entry holds all of it, the
+other's the records drawn from it), then other weights, seed and ``--limit``, each re-drawn from the parts'
+entries. ``--only`` names rows of either table.
 """
 
 from __future__ import annotations
@@ -45,6 +50,24 @@ CHANGES = {  # each option a re-plan may change, as one build's flags
     "--compression zstd": ["--compression", "zstd"],
     "--shard-size 16": ["--shard-size", "16"],
 }
+
+
+def mix_file(tmp: Path, parts: list[Path], weights: tuple[float, float]) -> str:
+    """A mix file of the two parts (each FLAN-style: --recipe is given per part in a mix) with these weights."""
+    path = tmp / f"mix_{weights[0]}_{weights[1]}.json"
+    path.write_text(json.dumps([{"source": str(p), "recipe": "flan", "weight": w}
+                                for p, w in zip(parts, weights, strict=True)]))
+    return str(path)
+
+
+def mix_changes(repeat: int, tmp: Path, parts: list[Path]) -> tuple[list[str], dict[str, list[str]]]:
+    """The mix's first build (weights 0.5, 0.5), and each change re-drawn from its parts' entries: what it takes
+    of each part lies within them (half the records under another seed: about a quarter of each part, where the
+    first build holds over a third of the larger one and all of the smaller)."""
+    half = str(repeat * 3000)
+    first = ["--mix", mix_file(tmp, parts, (0.5, 0.5))]
+    return first, {"mix: weights 0.4,0.6": ["--mix", mix_file(tmp, parts, (0.4, 0.6))],
+                   f"mix: --seed 7 --limit {half}": [*first, "--seed", "7", "--limit", half]}
 
 
 def children_cpu() -> float:
@@ -84,44 +107,59 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.llama2 / "tokenizer.json").is_file():
         raise SystemExit(f"{args.llama2} is absent")
-    load = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench_replan-"))
     try:
         source = tmp / f"flan_x{args.repeat}.jsonl"
         source.write_bytes(gzip.decompress(SAMPLE.read_bytes()) * args.repeat)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PACKER_CACHE": str(tmp / "cache")}
         common = [str(source), *BASE, "-t", str(args.llama2)]
-        changes = {k: v for k, v in CHANGES.items() if not args.only or k in args.only}
-        first, replans, colds, cpu = float("inf"), {}, {}, {}
-        for _ in range(args.runs):
-            shutil.rmtree(tmp / "cache", ignore_errors=True)
-            seconds, result = run([*common, "--out", str(tmp / "first")], env)
-            assert not result["replanned"]
-            if seconds < first:
-                first, cpu["first"] = seconds, CPU[-1]
-            for name, flags in changes.items():
-                seconds, result = run([*common, *flags, "--out", str(tmp / "replan"), "--overwrite"], env)
-                assert result["replanned"], name
-                if seconds < replans.get(name, float("inf")):
-                    replans[name], cpu[name] = seconds, CPU[-1]
-                if args.no_cold:
-                    continue
-                seconds, _ = run([*common, *flags, "--out", str(tmp / "cold"), "--overwrite", "--no-cache"], env)
-                colds[name] = min(colds.get(name, float("inf")), seconds)
-                if not same_folder(tmp / "replan", tmp / "cold"):
-                    raise SystemExit(f"{name}: the re-planned folder differs from the --no-cache build")
-        tokens = sum(1 for _ in source.open())
-        print(f"cores {os.cpu_count()}, {tokens:,} records, Llama 2 tokenizer, {' '.join(BASE)}; best of {args.runs}"
-              + ("" if args.no_cold else "; each re-planned folder byte-identical to its --no-cache build"))
-        print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f} (1 minute)")
-        print(f"first build (tokenizes, keeps the tokens): {first:.2f} s wall, {cpu['first']:.1f} s CPU")
-        print(f"{'change':<36} {'re-plan':>8} {'/ first':>8} {'CPU':>6} {'/ first':>8} {'--no-cache':>11}")
-        for name in changes:
-            cold = f"{colds[name]:>10.2f}s" if name in colds else f"{'-':>11}"
-            print(f"{name:<36} {replans[name]:>7.2f}s {replans[name] / first:>8.1%} {cpu[name]:>5.2f}s "
-                  f"{cpu[name] / cpu['first']:>8.1%} {cold}")
+        parts = [tmp / "flan_a.jsonl", tmp / "flan_b.jsonl"]
+        for path, copies in zip(parts, (args.repeat * 5 // 8, args.repeat - args.repeat * 5 // 8), strict=True):
+            path.write_bytes(gzip.decompress(SAMPLE.read_bytes()) * max(1, copies))
+        mixed = [*BASE[2:], "-t", str(args.llama2)]
+        mix_first, mixes = mix_changes(args.repeat, tmp, parts)
+        tables = [(common, [], {k: v for k, v in CHANGES.items() if not args.only or k in args.only}),
+                  (mixed, mix_first, {k: v for k, v in mixes.items() if not args.only or k in args.only})]
+        for base, first_flags, changes in tables:
+            if changes:
+                _table(args, env, tmp, base, first_flags, changes, parts if first_flags else [source])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _table(args, env: dict[str, str], tmp: Path, common: list[str], first_flags: list[str],
+           changes: dict[str, list[str]], sources: list[Path]) -> None:
+    """The first build of ``common + first_flags`` against a re-plan of each change, printed as a table."""
+    load = os.getloadavg()
+    first, replans, colds, cpu = float("inf"), {}, {}, {}
+    for _ in range(args.runs):
+        shutil.rmtree(tmp / "cache", ignore_errors=True)
+        seconds, result = run([*common, *first_flags, "--out", str(tmp / "first"), "--overwrite"], env)
+        assert not result["replanned"]
+        if seconds < first:
+            first, cpu["first"] = seconds, CPU[-1]
+        for name, flags in changes.items():
+            seconds, result = run([*common, *flags, "--out", str(tmp / "replan"), "--overwrite"], env)
+            assert result["replanned"], name
+            if seconds < replans.get(name, float("inf")):
+                replans[name], cpu[name] = seconds, CPU[-1]
+            if args.no_cold:
+                continue
+            seconds, _ = run([*common, *flags, "--out", str(tmp / "cold"), "--overwrite", "--no-cache"], env)
+            colds[name] = min(colds.get(name, float("inf")), seconds)
+            if not same_folder(tmp / "replan", tmp / "cold"):
+                raise SystemExit(f"{name}: the re-planned folder differs from the --no-cache build")
+    records = sum(1 for source in sources for _ in source.open())
+    what = "" if not first_flags else " in two parts (5/8 and 3/8 of them), weights 0.5, 0.5"
+    print(f"cores {os.cpu_count()}, {records:,} records{what}, Llama 2 tokenizer, {' '.join(BASE)}; best of "
+          f"{args.runs}" + ("" if args.no_cold else "; each re-planned folder byte-identical to its --no-cache build"))
+    print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f} (1 minute)")
+    print(f"first build (tokenizes, keeps the tokens): {first:.2f} s wall, {cpu['first']:.1f} s CPU")
+    print(f"{'change':<44} {'re-plan':>8} {'/ first':>8} {'CPU':>6} {'/ first':>8} {'--no-cache':>11}")
+    for name in changes:
+        cold = f"{colds[name]:>10.2f}s" if name in colds else f"{'-':>11}"
+        print(f"{name:<44} {replans[name]:>7.2f}s {replans[name] / first:>8.1%} {cpu[name]:>5.2f}s "
+              f"{cpu[name] / cpu['first']:>8.1%} {cold}")
 
 
 if __name__ == "__main__":
