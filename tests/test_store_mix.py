@@ -99,8 +99,8 @@ def test_other_weights_seed_and_limit_re_plan_byte_identical(data, tmp_path):
         result = build(BuildConfig(out=str(tmp_path / "replan"), **options))
         assert result.replanned and not result.warnings, options
         assert digest(tmp_path / "replan") == cold(options)[0], options
-    report = verify(str(tmp_path / "replan"), progress=False)
-    assert report.ok, report.problems
+    report = verify(str(tmp_path / "replan"), source=f"{data / 'a.jsonl'},{data / 'b.jsonl'}", progress=False)
+    assert report.ok and report.checked, report.problems
     # more of A than its entry holds: tokenized, and A's entry then holds the more
     more = mixed(data, (0.8, 0.2))
     assert not build(BuildConfig(out=str(tmp_path / "more"), **more)).replanned
