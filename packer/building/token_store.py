@@ -1,18 +1,26 @@
 """The token store: a build's tokenized examples kept in the cache, so a build that differs only in what acts
-after tokenizing (the pack mode, row sizes, seed, epochs, ranks, padding, format, shards) re-plans from them
-instead of reading and tokenizing the source again.
+after tokenizing (the pack mode, row sizes, seed, epochs, ranks, padding, format, shards), or in how many of
+each source's records it draws (``--limit``, a mix's weights, counts and seed) within those kept, re-plans
+from them instead of reading and tokenizing the source again.
 
-An entry is what a finished token spill holds (:mod:`packer.building.spill`: ids, trained flags, lengths,
-example ids, and the records and skips counted) in ``<cache root>/tokens/<key>/``::
+An entry is one mix part's tokens (a one-source build is a mix of one part): what the part's first records
+tokenize to alone, in the part's order, as a finished token spill holds them (:mod:`packer.building.spill`:
+ids, trained flags, lengths, example ids, here the records' indices in the part), in
+``<cache root>/tokens/<key>/``::
 
-    meta.json         the identity the tokens were made from, the counts, each file's size and sha256
+    meta.json         the identity the tokens were made from; the records, examples and tokens held, whether
+                      the records are all the part has (``complete``), each skipped record's index and reason,
+                      each file's size and sha256
     ids.bin trained.bin lengths.bin example_ids.bin
 
-keyed by everything the tokens depend on (:func:`identity`): the source's content (the sha256s, or the
-Hub revision, the manifest records), the tokenizer's fingerprint and special tokens, the chat template's
-sha256, every config field that acts before planning (fields, recipe, ``--train-on``, tools, ``--limit``,
-``--on-error``; a mix's parts and seed, which decide its draws), packer's version and the store's. The key
-names a folder; the identity in ``meta.json`` must equal the build's whole, or the entry is not used.
+keyed by everything the part's tokens depend on (:func:`identities`): its source's content (the sha256s, or
+the Hub revision, the manifest records), the tokenizer's fingerprint and special tokens, the chat template's
+sha256, the part's format and every config field that acts before planning (fields, recipe, ``--train-on``,
+tools, ``--on-error``), packer's version and the store's; not the weights, seed or ``--limit``, which decide
+only how many of the part's records a build takes (:mod:`packer.building.redraw` re-draws a build from its
+parts' entries when each holds those records). The key names a folder; the identity in ``meta.json`` must
+equal the part's whole, or the entry is not used. A build that tokenized keeps each part's records as its
+entry unless the entry there holds as many already (one of fewer records is replaced).
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -126,9 +134,9 @@ class Restored:
 
 def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_identity: dict[str, Any]) -> Restored:
     """Put the build's spill into ``into`` as a finished spill of ``spill_identity`` (the build's own), re-drawn
-    from its parts' entries (``idents[k]``: part k's of ``stream``'s), when the store holds a sound one for every part and each
-    covers the records the build's draws take from it (:func:`packer.building.redraw.drawn`) with their skips
-    known: the entries' files linked (copied across filesystems) under their shared locks, checked there
+    from its parts' entries (``idents[k]``: that of ``stream``'s part k), when the store holds a sound one for
+    every part and each covers the records the build's draws take from it (:func:`packer.building.redraw.drawn`;
+    their skips are counted from each entry's list): the entries' files linked (copied across filesystems) under their shared locks, checked there
     against the entries' sizes and sha256s, then assembled in mix order (one part taken whole: its files are
     the spill as they are). A damaged or foreign entry is removed (``note`` says what was found) and nothing is
     restored; ``into`` is then left empty for the build to tokenize into."""
@@ -160,8 +168,8 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
                 return Restored(False, _damaged(name, found[0]))
             held[name] = entry
             metas[name] = json.loads((entry.path / META).read_text())
-        src = redraw.drawn(list(parts), stream.seed, stream.limit, [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"])
-                                                     for n in names])
+        held_records = [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"]) for n in names]
+        src = redraw.drawn(list(parts), stream.seed, stream.limit, held_records)
         if src is None:
             return Restored(False)
         taken = np.bincount(src, minlength=len(parts))
@@ -173,8 +181,9 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
             where.mkdir(parents=True, exist_ok=True)
             for file in spill.FILES:
                 _link_or_copy(entry.path / file, where / file)
-    except OSError as e:
-        return _undo(store, into, next(iter(held), names[0]), f"it cannot be read ({e.strerror or e})")
+    except (OSError, ValueError, KeyError) as e:  # an entry replaced meanwhile by a build keeping more records
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return _undo(store, into, next(iter(held), names[0]), f"it cannot be read ({why})")
     finally:
         for entry in held.values():
             entry.close()
