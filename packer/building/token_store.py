@@ -341,7 +341,7 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
                                                                                          mine[k].records))
             for name in names}
     split_at = tokens.folder / PARTS
-    shutil.rmtree(split_at, ignore_errors=True)  # what a build killed while splitting left: never taken for a part
+    _clear(split_at)  # what a build killed while splitting left: never taken for a part
     try:
         store = cache.Cache(KIND)
         for k, (name, ident) in enumerate(zip(names, idents, strict=True)):
@@ -387,8 +387,13 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
         return (f"the token store was skipped ({why}): the build is complete, but a build that differs only in "
                 f"packing will tokenize again; free space in {folder()} or pass --no-cache")
     finally:
-        shutil.rmtree(split_at, ignore_errors=True)
+        _clear(split_at)
     return None
+
+
+def _clear(folder: Path) -> None:
+    if folder.exists():  # a one-part build never makes it
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _reasons(stream, encoder, where: str, at: list[int]) -> list[str]:
