@@ -19,6 +19,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packer import BuildConfig, build
-from packer.building import mix, token_store
+from packer.building import mix, redraw, token_store
 from packer.checking.verify import verify
 from packer.cli import main
 from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
@@ -152,6 +153,37 @@ def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
     beyond = mixed(data, records=(25, 12))
     assert not build(BuildConfig(out=str(tmp_path / "r3"), **beyond)).replanned
     assert digest(tmp_path / "r3") == cold(beyond)[0]
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_split_then_assembled_by_the_same_draws_is_the_spill_itself(tmp_path, pairs):
+    """redraw.split then redraw.assemble with the same draws give the spill back byte for byte: three parts,
+    skipped positions (no example), a preference spill's two examples a record, blocks smaller than the spill."""
+    rng = np.random.default_rng(3)
+    parts = [{"source": s, "weight": w} for s, w in (("a", 0.5), ("b", 0.3), ("c", 0.2))]
+    src = mix.positions_sources(parts, 0, 500)
+    kept = np.flatnonzero(rng.random(src.size) > 0.1)  # a tenth of the records skipped
+    ids = np.repeat(kept, 2) if pairs else kept
+    lengths = rng.integers(1, 40, ids.size).astype(np.int32)
+    folder = tmp_path / "spill"
+    folder.mkdir()
+    rng.integers(0, 1000, int(lengths.sum()), dtype=np.int32).tofile(folder / "ids.bin")
+    rng.integers(0, 2, int(lengths.sum()), dtype=np.uint8).tofile(folder / "trained.bin")
+    lengths.tofile(folder / "lengths.bin")
+    ids.astype(np.int64).tofile(folder / "example_ids.bin")
+    into = [tmp_path / str(k) for k in range(3)]
+    block, redraw.BLOCK = redraw.BLOCK, 97
+    try:
+        redraw.split(folder, lengths, ids, src, into)
+        held = [(p, (p / "lengths.bin").stat().st_size // 4, (p / "ids.bin").stat().st_size // 4) for p in into]
+        assert redraw.assemble(src, held, tmp_path / "back") == (ids.size, int(lengths.sum()))
+    finally:
+        redraw.BLOCK = block
+    for name in ("ids.bin", "trained.bin", "lengths.bin", "example_ids.bin"):
+        assert (tmp_path / "back" / name).read_bytes() == (folder / name).read_bytes(), name
+    for k, p in enumerate(into):  # each part's example ids are its records' own indices
+        part_ids = np.fromfile(p / "example_ids.bin", np.int64)
+        assert np.array_equal(np.unique(part_ids), np.flatnonzero(np.isin(np.flatnonzero(src == k), kept)))
 
 
 # -- the property: sequences of builds, damage and kills, against cold builds and a model of the store ------------
