@@ -516,7 +516,8 @@ def entries() -> list[Entry]:
             continue
         try:
             meta = json.loads((path / META).read_text())
-            about, sound = {**meta["about"], **meta["counts"], "complete": meta["complete"]}, True
+            # an entry of an earlier store version (never used, evicted as any) is listed as it says
+            about, sound = {**meta["about"], **meta["counts"], "complete": meta.get("complete", False)}, True
         except (OSError, ValueError, KeyError, TypeError):
             about, sound = {}, False
         try:
