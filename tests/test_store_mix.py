@@ -155,6 +155,23 @@ def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
     assert digest(tmp_path / "r3") == cold(beyond)[0]
 
 
+def test_a_source_of_several_files_is_keyed_by_the_files_read(data, tmp_path):
+    """Under --limit the manifest records only the files that hold the records read, and so does an entry's key:
+    a build reading both files never takes an entry made from the first alone, and one within a whole entry's
+    records re-plans from it."""
+    folder = tmp_path / "two"
+    folder.mkdir()
+    lines = (data / "a.jsonl").read_text().splitlines(keepends=True)
+    (folder / "x1.jsonl").write_text("".join(lines[:10]))
+    (folder / "x2.jsonl").write_text("".join(lines[10:20]))
+    one = dict(source=str(folder / "*.jsonl"), num_proc=1, overwrite=True, on_error="skip")
+    for limit, replanned in ((5, False), (None, False), (8, False), (15, True), (3, True)):
+        options = {**one, "limit": limit}
+        result = build(BuildConfig(out=str(tmp_path / "out"), **options))
+        assert result.replanned == replanned and digest(tmp_path / "out") == cold(options)[0], limit
+    assert len(entry_dirs()) == 2  # the first file's (8 records), both files' (all 20)
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_split_then_assembled_by_the_same_draws_is_the_spill_itself(tmp_path, pairs):
     """redraw.split then redraw.assemble with the same draws give the spill back byte for byte: three parts,
