@@ -132,8 +132,9 @@ def test_cli_summary_no_cache_and_the_cache_command(tmp_path):
     assert runner.invoke(main, [*args, "--out", str(tmp_path / "a"), "--no-cache"]).exit_code == 0
     assert not token_store.folder().exists() or not entry_dirs()  # --no-cache keeps nothing
     assert runner.invoke(main, [*args, "--out", str(tmp_path / "b")]).exit_code == 0
-    done = runner.invoke(main, [*args, "--out", str(tmp_path / "c"), "--pack", "bfd"])
+    done = runner.invoke(main, [*args[:-1], "--out", str(tmp_path / "c"), "--pack", "bfd"])  # its bars shown
     assert done.exit_code == 0 and "re-planned from cached tokens" in done.output
+    assert "write:" in done.stderr and "tokenize:" not in done.stderr and "resuming" not in done.stderr  # nothing was
     as_json = runner.invoke(main, [*args, "--out", str(tmp_path / "d"), "--seed", "2", "--json"])
     assert json.loads(as_json.output)["replanned"] is True
     listed = runner.invoke(main, ["cache"])
