@@ -13,7 +13,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from click.testing import CliRunner
 from conftest import make_build, one_line
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_crash import HOLD, Moment, _stamp, acted, at
+from test_crash import HOLD, Moment, acted, at, killed_at
 
 from packer import BuildConfig, build
 from packer.building import output
@@ -111,43 +110,6 @@ REBUILD_MOMENTS = [
 NEW = ["flan", "--limit", "300", "--shard-size", "1", "--batch-size", "2", "--format", "1", "-q", "--overwrite"]
 
 
-def _killed_at(moment: Moment, out: Path, args: list[str]) -> int:
-    """``packer build ARGS --out OUT`` through the console entry in a forked child (a real process to kill,
-    without a new interpreter's start-up), SIGKILLed at ``moment`` as test_crash's ``at`` kills its fresh one (the
-    same match, the same stamp for ``acted``). Its exit code."""
-    match = f"={out}" if moment.match == "=" else (str(out / moment.match) if moment.match else "")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 70
-        try:
-            from packer.__main__ import main as entry
-
-            me, seen, done = os.getpid(), [0], [False]
-
-            def hook(name, args):
-                if name != moment.event or done[0] or os.getpid() != me:
-                    return
-                first = str(args[0]) if args else ""
-                if not (first == match[1:] if match.startswith("=") else match in first):
-                    return
-                seen[0] += 1
-                if seen[0] == moment.nth:
-                    done[0] = True
-                    _stamp(out).write_text(repr(time.monotonic()))
-                    os.kill(me, signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            sys.argv = ["packer", "build", *args, "--out", str(out)]
-            code = entry() or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
 @pytest.mark.parametrize(("action", "moment"), [
     *(("kill", m) for m in REBUILD_MOMENTS),
     *(("ctrl_c", m) for m in REBUILD_MOMENTS[::2]),  # Ctrl-C runs the same roll-back as the next build's
@@ -158,7 +120,7 @@ def test_a_rebuild_stopped_before_its_commit_point_leaves_the_build_it_found(out
     itself back at once."""
     before = tree(out)
     if action == "kill":  # a forked child: SIGKILL ends it wherever it is, whatever process it is
-        code, err = _killed_at(moment, out, NEW), ""
+        code, err = killed_at(moment, out, NEW)[1], ""
     else:  # Ctrl-C through a fresh interpreter's own handling of it, as a terminal sends it
         proc = at(moment, action, out, NEW)
         err = proc.communicate(timeout=HOLD)[1]
@@ -175,11 +137,11 @@ def test_a_rebuild_stopped_before_its_commit_point_leaves_the_build_it_found(out
 
 def test_a_rebuild_killed_while_its_commit_is_rolled_back_is_rolled_back_by_the_next(out):
     before = tree(out)
-    assert _killed_at(REBUILD_MOMENTS[4], out, NEW) == -signal.SIGKILL  # new files being moved in
+    assert killed_at(REBUILD_MOMENTS[4], out, NEW)[1] == -signal.SIGKILL  # new files being moved in
     assert acted(out) is not None
     # the next build takes the lock and rolls back: killed as it moves an old file back in
     rolling_back = Moment("rolling back", "os.rename", f"{STAGING}/{output.REPLACING}/{SHARD}")
-    assert _killed_at(rolling_back, out, NEW) == -signal.SIGKILL
+    assert killed_at(rolling_back, out, NEW)[1] == -signal.SIGKILL
     assert acted(out) is not None
     one_line(CliRunner().invoke(main, ["build", *OLD[:-1], "--max-len", "8", "--overlong", "drop", "--overwrite",
                                        "-q", "--out", str(out)]))
