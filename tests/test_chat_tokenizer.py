@@ -79,7 +79,8 @@ def test_tokens_equal_autotokenizers_on_a_byte_level_folder_that_names_llama(tmp
 @pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
 def test_a_chat_build_with_a_model_specific_tokenizer_class_imports_no_torch(tmp_path, name):
     """The tokenizer's class (Qwen2Tokenizer, ...) is taken from transformers' namespace, not AutoTokenizer's
-    module, which imports torch."""
+    module, which imports torch; and the build renders each conversation with transformers' renderer (the chat
+    template's ``render``), which imports none either."""
     import subprocess
     import sys
 

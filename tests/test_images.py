@@ -233,26 +233,40 @@ def _bomb(path: Path, size: int = 20_000) -> None:
                      + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
 
 
-@pytest.mark.parametrize("case", ["missing", "undecodable", "count", "bomb"])
-def test_a_bad_image_names_its_record_and_image_or_is_skipped_and_counted(case, data, processor_dir, tmp_path):
-    good = _record(0, ["hopper.jpg"])
+BAD_IMAGES = {"missing": "image_missing", "undecodable": "image_undecodable", "count": "image_count",
+              "bomb": "image_too_large"}  # case: the reason a skipped record is counted under
+
+
+def _bad_image_source(tmp_path: Path, data: Path, cases: list[str]) -> dict:
+    """A good record, one bad record for each of ``cases`` (records 2, 3, ...), and a good one after them."""
     bad = {"missing": _record(2, ["nowhere.png"]), "count": {**_record(2, ["gray.png"]), "images": []},
-           "undecodable": _record(2, ["broken.jpg"]), "bomb": _record(2, ["bomb.png"])}[case]
-    if case == "bomb":
+           "undecodable": _record(2, ["broken.jpg"]), "bomb": _record(2, ["bomb.png"])}
+    if "bomb" in cases:
         _bomb(tmp_path / "bomb.png")
     shutil.copy(data / "hopper.jpg", tmp_path / "hopper.jpg")
     shutil.copy(data / "gray.png", tmp_path / "gray.png")
     (tmp_path / "broken.jpg").write_bytes((data / "hopper.jpg").read_bytes()[:2000])
-    (tmp_path / "data.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    config = dict(source=str(tmp_path / "data.jsonl"), processor=str(processor_dir), num_proc=1)
-    reason = {"missing": "image_missing", "undecodable": "image_undecodable", "count": "image_count",
-              "bomb": "image_too_large"}[case]
+    lines = [_record(0, ["hopper.jpg"]), *(bad[case] for case in cases), _record(3, ["gray.png"])]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return dict(source=str(tmp_path / "data.jsonl"), num_proc=1)
+
+
+@pytest.mark.parametrize("case", list(BAD_IMAGES))
+def test_a_bad_image_names_its_record_and_image(case, data, processor_dir, tmp_path):
+    config = {**_bad_image_source(tmp_path, data, [case]), "processor": str(processor_dir)}
     with pytest.raises(RecordError) as e:
         build(BuildConfig(out=str(tmp_path / "a"), **config))
-    assert "record 2" in str(e.value) and e.value.reason == reason and "\n" not in str(e.value)
+    assert "record 2" in str(e.value) and e.value.reason == BAD_IMAGES[case] and "\n" not in str(e.value)
     assert case == "count" or "image 1 of 1" in str(e.value)
+
+
+def test_bad_images_are_skipped_and_counted_each_under_its_reason(data, processor_dir, tmp_path):
+    """One build over every kind of bad image (a skip build per kind before: each proved here, and that the
+    records after a skipped one are read as they are)."""
+    config = {**_bad_image_source(tmp_path, data, list(BAD_IMAGES)), "processor": str(processor_dir)}
     result = build(BuildConfig(out=str(tmp_path / "b"), on_error="skip", **config))
-    assert result.manifest.stats.dropped_by_reason == {reason: 1} and result.manifest.stats.examples_packed == 1
+    stats = result.manifest.stats
+    assert stats.dropped_by_reason == dict.fromkeys(BAD_IMAGES.values(), 1) and stats.examples_packed == 2
 
 
 def test_the_cli_refuses_a_bad_image_in_one_line(data, processor_dir, tmp_path):

@@ -6,6 +6,7 @@ the training side never imports the build)."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,10 +24,13 @@ ALLOWED = {
 SHARED = {"cache", "errors", "fs", "remote/cached", "remote/fetch", "remote/prefetch", "remote/publish"}
 
 
-def modules() -> list[str]:
+# The sources do not change during a run: each is listed and parsed once (imports() is asked for every module by
+# two tests, and each call listed the package again).
+@functools.cache
+def modules() -> tuple[str, ...]:
     """Every module of the package as a path under packer/ without .py: `cli`, `building/pipeline`."""
-    return sorted(p.relative_to(PACKAGE).with_suffix("").as_posix() for p in PACKAGE.rglob("*.py")
-                  if p.name != "__init__.py" and "data" not in p.relative_to(PACKAGE).parts)
+    return tuple(sorted(p.relative_to(PACKAGE).with_suffix("").as_posix() for p in PACKAGE.rglob("*.py")
+                  if p.name != "__init__.py" and "data" not in p.relative_to(PACKAGE).parts))
 
 
 def tour() -> list[str]:
@@ -44,7 +48,8 @@ def _resolve(module: str, level: int, name: str | None) -> str:
     return ".".join([*base, *(name.split(".") if name else [])])
 
 
-def imports(module: str) -> set[str]:
+@functools.cache
+def imports(module: str) -> frozenset[str]:
     """The packer modules that ``module`` imports, at any depth of its code, as tour names."""
     known = set(modules())
     found = set()
@@ -59,7 +64,7 @@ def imports(module: str) -> set[str]:
         elif isinstance(node, ast.Import):
             targets = [a.name.removeprefix("packer.") for a in node.names if a.name.startswith("packer.")]
         found.update(t.replace(".", "/") for t in targets if t.replace(".", "/") in known)
-    return found - {module}
+    return frozenset(found - {module})
 
 
 def stage(module: str) -> str | None:
@@ -68,7 +73,7 @@ def stage(module: str) -> str | None:
 
 
 def test_the_tour_lists_every_module():
-    assert sorted(tour()) == modules()
+    assert sorted(tour()) == list(modules())
 
 
 def test_no_module_imports_one_above_it():

@@ -72,11 +72,15 @@ def tiny_llama(vocab: int, seed: int):
     return LlamaForCausalLM(config).float()
 
 
-def trl_trainer(tmp_path, kind: str, model, ref):
-    from datasets import Dataset
+def trl_trainer(tmp_path, kind: str, model, ref, monkeypatch):
+    from datasets import Dataset, arrow_dataset, fingerprint
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
     tok = AutoTokenizer.from_pretrained(str(tokenizer_for(kind)))
+    # DPOTrainer's Dataset.map hashes its function for the dataset's cache fingerprint, which pickles the whole
+    # tokenizer (its vocabulary and merges: most of this test's time). An in-memory dataset has no cache files, so
+    # the fingerprint only names the result: a random one (what datasets itself falls back to) maps the same rows.
+    monkeypatch.setattr(arrow_dataset, "update_fingerprint", lambda *_: fingerprint.generate_random_fingerprint())
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(QUESTIONS), beta=0.1,
                      max_length=None, report_to=[], use_cpu=True, bf16=False, dataset_num_proc=None,
                      gradient_checkpointing=False)
@@ -85,7 +89,7 @@ def trl_trainer(tmp_path, kind: str, model, ref):
 
 
 @pytest.mark.parametrize("kind", ["standard", "conversational"])
-def test_tokens_are_trls_and_the_step_is_trls(tmp_path, kind):
+def test_tokens_are_trls_and_the_step_is_trls(tmp_path, kind, monkeypatch):
     from packer import prepare
     from packer.training.loader import PackedDataset
     from packer.training.preference import dpo_step
@@ -94,7 +98,7 @@ def test_tokens_are_trls_and_the_step_is_trls(tmp_path, kind):
     vocab = schema.read_manifest(out).tokenizer["vocab_size"]
     policy, reference = tiny_llama(vocab, 0), tiny_llama(vocab, 1)
     ours, our_ref = copy.deepcopy(policy), copy.deepcopy(reference)
-    trainer = trl_trainer(tmp_path, kind, policy, reference)
+    trainer = trl_trainer(tmp_path, kind, policy, reference, monkeypatch)
 
     # 1. tokens: each pair's two segments are TRL's prompt + chosen and prompt + rejected, labels its completion
     theirs = trainer.train_dataset
