@@ -218,10 +218,11 @@ def tokenize(
     pending, committed = 0, time.monotonic()  # records since the last commit, and when it was
     try:
         for chunk in chunks:
-            files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
-            files["trained"].write(chunk.trained.astype(np.uint8, copy=False).tobytes())
-            files["lengths"].write(chunk.lengths.astype(np.int32).tobytes())
-            files["example_ids"].write(chunk.example_ids.astype(np.int64, copy=False).tobytes())
+            # the arrays' own buffers written (no bytes copy of each: 2.4 MB a chunk of FLAN records)
+            files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=np.int32))
+            files["trained"].write(np.ascontiguousarray(chunk.trained, dtype=np.uint8))
+            files["lengths"].write(np.ascontiguousarray(chunk.lengths, dtype=np.int32))
+            files["example_ids"].write(np.ascontiguousarray(chunk.example_ids, dtype=np.int64))
             images.append(chunk, done)
             # records, not examples: a preference record is two examples with one id (adjacent)
             ids = chunk.example_ids
