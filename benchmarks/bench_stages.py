@@ -100,7 +100,7 @@ def main() -> None:
         staging.mkdir()
         fmt = schema.RowFormat.of(2, id_bound=len(tokenizer), longest_segment=config.longest_segment(), padded=False,
                                   pairs=False)
-        t("write the shards (Arrow, each hashed as written), 1 thread", write_shards, plan, tokens.store(), staging,
+        t("write the shards (Arrow, hashed as written), 1 thread", write_shards, plan, tokens.store(), staging,
           shard_bytes=256 << 20, threads=1, row_format=fmt)
         stored = token_store.identity(config, info, opened.source, opened.encoder)
         t("token store: keep the spill (link, sha256)", token_store.save, stored, tokens, {})

@@ -303,6 +303,11 @@ def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    # Results are sent from a thread of their own: a result outgrows the pipe's buffer, so its send waits
+    # until the parent reads it, and the parent is now and then busy a few ms (parsing the next chunk,
+    # fsyncing the spill); this thread meanwhile encodes the next task (encode_batch releases the GIL).
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_send_results, args=(conn, results), daemon=True).start()
     while True:
         try:
             chunk = conn.recv()
@@ -312,7 +317,18 @@ def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
             result = (True, encoder.encode(chunk))
         except Exception as e:  # the parent raises it (a RecordError names the record)
             result = (False, _portable(e))
-        conn.send(result)
+        results.put(result)
+
+
+def _send_results(conn, results: queue.SimpleQueue) -> None:
+    """Send a worker's results, in order. A result that cannot be sent ends the worker at once, so the parent
+    reads the end of its pipe (a WorkerError there) rather than waiting for a result that never comes."""
+    while True:
+        result = results.get()
+        try:
+            conn.send(result)
+        except BaseException:
+            os._exit(1)
 
 
 def _portable(e: Exception) -> Exception:
