@@ -131,7 +131,7 @@ def main() -> None:
         out = folder / "out"
         cmd = [sys.executable, "-m", "packer.cli", "build", str(data), "--recipe", "flan", "-t", str(args.llama2),
                "--pack", "bfd", "--out", str(out), "-q"]
-        print("command: " + " ".join(cmd[1:]) + f"  (PACKER_CACHE={folder / 'packer-cache'})", flush=True)
+        print("command: python " + " ".join(cmd[1:]) + f"  (PACKER_CACHE={folder / 'packer-cache'})", flush=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env_for(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
