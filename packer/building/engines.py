@@ -97,7 +97,7 @@ def for_config(config: BuildConfig) -> Engine:
 
 # Records a worker is sent at a time: a quarter of a spill chunk, so that the workers end together (the one
 # that finishes first idles at most about a task's time at the end of a build, where with whole chunks it
-# was up to a chunk's: ~0.7 s of one core for 1,000 FLAN records, a third of the bundled build's
+# was up to a chunk's: ~0.6 s of one core for 1,000 FLAN records, a third of the bundled build's
 # tokenizing), and large enough that a task's pipe round trip and encode_batch call cost nothing beside
 # its tokenizing.
 TASK = 250
