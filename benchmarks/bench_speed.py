@@ -1,6 +1,6 @@
 """`packer build` against the raw Rust tokenizer on the same texts and cores (a script, not a test).
 
-    python benchmarks/bench_speed.py [--repeat 8] [--runs 3] [--no-peers]
+    python benchmarks/bench_speed.py [--repeat 8] [--runs 3] [--no-peers] [--source-only]
 
 The physical limit of a build here is the tokenizer: ``tokenizers.Tokenizer.encode_batch`` over the
 same formatted texts, batches of 1,000, its Rust threads on every core. Data: the bundled FLAN-style
@@ -27,6 +27,12 @@ one EOS per example and truncates at --max-len, which would only flatter it). Th
 ``packer build flan`` with every default (bundled tokenizer, 6,000 records), wall time from the shell
 with a cold cache, best of ``--runs``, beside its floor: the bundled tokenizer's ``encode_batch`` calls
 over the sample's texts, and a bare ``python -c pass`` (the interpreter's own start).
+
+packer's modules run compiled, as an installed package's are (pip compiles them when it installs): the
+untimed first builds write their bytecode into the run's temporary folder (``PYTHONPYCACHEPREFIX``), which
+the timed ones read. An editable checkout in an environment that sets ``PYTHONDONTWRITEBYTECODE`` (this
+project's) compiles every module at every start instead, ~0.15 s of a build's start-up here;
+``--source-only`` times that. The figures end as a Markdown table, ready for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -95,15 +101,23 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     return seconds, children_cpu() - cpu, done.stdout
 
 
+SOURCE_ONLY = False  # --source-only: packer's modules compiled at every start (no bytecode kept)
+
+
 def cold_env(tmp: Path) -> dict[str, str]:
     """A cold `datasets` cache, and packer's cache (``$PACKER_CACHE``) without tokens: what a first build of
     new data finds. The tokenizer's kept parts stay (``packer.building.token_store.TOKENIZERS``: a tokenizer
-    met before, as on any machine after its first build); ``--no-cache`` runs show the build without them."""
+    met before, as on any machine after its first build); ``--no-cache`` runs show the build without them.
+    packer's bytecode is kept in ``tmp`` (an installed package's modules are compiled), unless --source-only."""
     cache = tmp / "hf-datasets-cache"
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(tmp / "packer-cache" / "tokens", ignore_errors=True)
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(cache),
-            "PACKER_CACHE": str(tmp / "packer-cache")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(cache),
+           "PACKER_CACHE": str(tmp / "packer-cache")}
+    if not SOURCE_ONLY:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+    return env
 
 
 def main() -> None:
@@ -112,7 +126,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds; each figure is the best")
     ap.add_argument("--no-peers", action="store_true", help="skip datasets.map + TRL pack_dataset")
     ap.add_argument("--llama2", type=Path, default=LLAMA2, help="the Llama 2 tokenizer folder (default: ../shared/data)")
+    ap.add_argument("--source-only", action="store_true", help="packer's modules compiled at every start, as in an "
+                    "editable checkout under PYTHONDONTWRITEBYTECODE (default: compiled once, as installed)")
     args = ap.parse_args()
+    global SOURCE_ONLY
+    SOURCE_ONLY = args.source_only
     llama2 = args.llama2
     if not (llama2 / "tokenizer.json").is_file():
         raise SystemExit(f"{llama2} is absent")
@@ -180,8 +198,28 @@ def main() -> None:
               f"{', '.join(f'{w:.2f}' for w in small_cold)}")
         print(f"  its floor: the bundled tokenizer's encode_batch over the same texts, both cores: best "
               f"{min(floor):.2f} s of {', '.join(f'{w:.2f}' for w in floor)}; python start-up {min(start):.2f} s")
+        table(best, cpu, tokens, n, args, (min(small), min(small_cold), min(floor), min(start)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def table(best: dict[str, float], cpu: dict[str, float], tokens: int, n: int, args, small: tuple[float, ...]) -> None:
+    """The run's figures as the Markdown table docs/benchmarks.md shows."""
+    load = os.getloadavg()[0]
+    print(f"\n| {n:,} records, {tokens / 1e6:.1f}M tokens, Llama 2, `--pack bfd`, best of {args.runs} "
+          f"(load average {load:.1f} at the end{', modules from source' if args.source_only else ''}) "
+          "| wall s | tokens/s | of raw | CPU s |")
+    print("|---|---|---|---|---|")
+    for name, key in (("raw `encode_batch` (both cores)", "raw"), ("`packer build` (whole process)", "packer"),
+                      ("`packer build --no-cache`", "packer --no-cache"), ("`datasets.map` + TRL `pack_dataset`", "peers")):
+        if key in best:
+            print(f"| {name} | {best[key]:.2f} | {tokens / best[key] / 1e6:.2f}M | {best['raw'] / best[key]:.1%} "
+                  f"| {cpu[key]:.1f} |")
+    if "peers" in best:
+        print(f"| packer vs `datasets.map` + TRL | | | **{best['peers'] / best['packer']:.2f}x** | |")
+    build, cold, floor, start = small
+    print(f"| `packer build flan` (6,000 records, bundled tokenizer, every default) | {build:.2f} "
+          f"(`--no-cache` {cold:.2f}) | | floor: `encode_batch` {floor:.2f} s, python {start:.2f} s | |")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def main() -> None:
         staging.mkdir()
         fmt = schema.RowFormat.of(2, id_bound=len(tokenizer), longest_segment=config.longest_segment(), padded=False,
                                   pairs=False)
-        t("write the shards (Arrow, sha256 of each), 1 thread", write_shards, plan, tokens.store(), staging,
+        t("write the shards (Arrow, hashed as written), 1 thread", write_shards, plan, tokens.store(), staging,
           shard_bytes=256 << 20, threads=1, row_format=fmt)
         stored = token_store.identities(config, info, pipeline.source_parts(config), opened.source, opened.encoder)
         t("token store: keep the spill (link, sha256)", token_store.save, stored, opened.stream, opened.encoder, tokens,
@@ -117,6 +117,11 @@ def main() -> None:
     print(f"{'imports (packer, numpy, pyarrow)':<56} {imports:>7.2f} {'':>7} {imports / floor:>15.1%}")
     for name, cpu, wall in t.rows:
         print(f"{name:<56} {cpu:>7.2f} {wall:>7.2f} {cpu / floor:>15.1%}")
+    print("\nAs Markdown (docs/benchmarks.md):\n\n| stage | CPU s | / `encode_batch` |\n|---|---|---|")
+    print(f"| imports (packer, numpy, pyarrow) | {imports:.2f} | {imports / floor:.1%} |")
+    for name, cpu, _ in t.rows:
+        bold = "**" if name.startswith("encode_batch") else ""
+        print(f"| {bold}{name}{bold} | {bold}{cpu:.2f}{bold} | {cpu / floor:.1%} |")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ Local parallelism: ``num_proc == 1`` tokenizes in this process and lets the Rust
 (fork where the platform has it, so no worker re-imports transformers; spawn elsewhere), each with
 ``TOKENIZERS_PARALLELISM=false`` so N processes use N cores. This process reads the stream (one
 reader: a file or Hub stream cannot be split by position) and sends each chunk's records to a worker,
-at most ``_AHEAD`` chunks in hand per worker, each to the one with the fewest; workers return flat
-numpy arrays, taken from whichever is ready and handed on in source order. Workers ignore Ctrl-C and
+each chunk cut into tasks of ``TASK`` records (a text encoder's results concatenate: the same
+arrays as the whole chunk's), at most ``_AHEAD`` tasks in hand per worker, each to the one with the
+fewest; workers return flat numpy arrays, taken from whichever is ready and handed on, joined into
+their chunk, in source order. Workers ignore Ctrl-C and
 die with the parent; the parent kills them whenever the tokenize step ends, so an interrupt or an
 error never waits on them.
 """
@@ -43,6 +45,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from tqdm import tqdm
 
 from ..contract.config import BuildConfig
@@ -72,9 +75,11 @@ class LocalEngine:
     def encode_chunks(self, stream: MixStream, encoder: MixEncoder, start: int) -> Iterator[Encoded]:
         chunks: Iterator[MixChunk] = (chunk for _, chunk in stream.chunks(start, spill_.CHUNK))
         if self.num_proc > 1:
-            first = list(itertools.islice(chunks, 2))
+            first = list(itertools.islice(chunks, 1))
             chunks = itertools.chain(first, chunks)
-            if len(first) > 1:  # more than one chunk: a pool pays for its start-up
+            # a full chunk: a pool pays for its start-up (its tasks keep both workers busy). Started once the
+            # first chunk is read, not the second: the workers tokenize while this process parses the rest
+            if first and first[0].size >= spill_.CHUNK:
                 return _pool_chunks(chunks, encoder, self.num_proc)
         return map(encoder.encode, chunks)
 
@@ -90,16 +95,64 @@ def for_config(config: BuildConfig) -> Engine:
     return RayEngine() if config.engine == "ray" else LocalEngine(config.num_proc or os.cpu_count() or 1)
 
 
+# Records a worker is sent at a time: a quarter of a spill chunk, so that the workers end together (the one
+# that finishes first idles at most about a task's time at the end of a build, where with whole chunks it
+# was up to a chunk's: ~0.6 s of one core for 1,000 FLAN records, a third of the bundled build's
+# tokenizing), and large enough that a task's pipe round trip and encode_batch call cost nothing beside
+# its tokenizing.
+TASK = 250
+
+
+def _splittable(encoder: MixEncoder) -> bool:
+    """Whether ``encoder``'s chunks may be encoded in parts and the parts' results concatenated: the text
+    and pair encoders' own ``encode`` (one example or pair per record, each tokenized alone). An encoder
+    that is another class's (images: their own arrays beside the tokens) gets whole chunks."""
+    from .preference import PairEncoder
+    from .tokenization import Encoder
+
+    return all(type(e).encode in (Encoder.encode, PairEncoder.encode) for e in encoder.encoders)
+
+
+def _tasks(chunk: MixChunk, size: int) -> list[MixChunk]:
+    """``chunk`` cut into runs of at most ``size`` consecutive mix positions, each a chunk of its own: a
+    part's records in a run are a slice of its records (its positions increase), first index moved on."""
+    if chunk.size <= size:
+        return [chunk]
+    base = min(int(positions[0]) for _, _, _, positions in chunk.pieces if positions.size)
+    out = []
+    for lo in range(base, base + chunk.size, size):
+        hi = min(lo + size, base + chunk.size)
+        pieces = []
+        for k, first, records, positions in chunk.pieces:
+            a, b = (int(i) for i in np.searchsorted(positions, [lo, hi]))
+            if b > a:
+                pieces.append((k, first + a, {c: v[a:b] for c, v in records.items()}, positions[a:b]))
+        out.append(MixChunk(tuple(pieces), hi - lo))
+    return out
+
+
+def _joined(parts: list[Encoded]) -> Encoded:
+    """A chunk's tasks' results as the chunk's own: its examples are theirs in order."""
+    if len(parts) == 1:
+        return parts[0]
+    skipped = parts[0].skipped
+    for part in parts[1:]:
+        skipped = skipped + part.skipped
+    return Encoded(np.concatenate([p.ids for p in parts]), np.concatenate([p.trained for p in parts]),
+                   np.concatenate([p.lengths for p in parts]), np.concatenate([p.example_ids for p in parts]), skipped)
+
+
 def _pool_chunks(chunks: Iterator[MixChunk], encoder: MixEncoder, num_proc: int) -> Iterator[Encoded]:
     """The chunks, read here from the stream (so an error reading it is raised
     here, as it is), encoded by ``num_proc`` worker processes and yielded in source order.
 
-    Each chunk goes to the worker with the fewest in hand (at most ``_AHEAD`` each), and results are
-    taken from whichever worker has one ready, then handed out in source order: a worker that runs
-    faster (the other shares its core with this process) is never held back waiting for the slower
-    one's results to be taken, which in lock-step left a core idle for ~7% of the 48k build. At most
-    ``num_proc * (_AHEAD + 1)`` chunks are out at once, so memory stays bounded. A record error is
-    raised when its chunk's turn comes, as in a single process.
+    Each chunk is cut into tasks (``TASK`` records each, where the encoder allows: :func:`_splittable`).
+    Each task goes to the worker with the fewest in hand (at most ``_AHEAD`` each), and results are
+    taken from whichever worker has one ready, then handed out in source order, a chunk's tasks joined:
+    a worker that runs faster (the other shares its core with this process) is never held back waiting
+    for the slower one's results to be taken, which in lock-step left a core idle for ~7% of the 48k
+    build. At most ``num_proc * (_AHEAD + 1)`` tasks are out at once, so memory stays bounded. A record
+    error is raised when its chunk's turn comes, the first in source order, as in a single process.
 
     Our own few lines instead of ``multiprocessing.Pool``: a Pool can hang in ``terminate()`` when a
     worker dies holding its task queue's lock (Ctrl-C reaches every process of the terminal's group),
@@ -109,38 +162,50 @@ def _pool_chunks(chunks: Iterator[MixChunk], encoder: MixEncoder, num_proc: int)
     """
     workers = _Workers(num_proc, encoder)
     chunks = iter(chunks)
-    ready: dict[int, tuple[bool, object]] = {}  # chunk index -> (ok, result or exception), not yet handed out
+    size = TASK if _splittable(encoder) else None
+    unsent: deque[MixChunk] = deque()  # tasks of the chunks read, not yet sent
+    cut: deque[int] = deque()  # per chunk read and not yet handed out: its tasks
+    ready: dict[int, tuple[bool, object]] = {}  # task index -> (ok, result or exception), not yet handed out
     sent = done = 0
     more = True
 
     def feed() -> None:  # every worker topped up, as far as the stream and the bound allow
         nonlocal sent, more
-        while more and sent - done < num_proc * (_AHEAD + 1) and (w := workers.idlest()) is not None:
-            chunk = next(chunks, None)
-            if chunk is None:
-                more = False
-                return
-            workers.send(w, sent, chunk)
+        while sent - done < num_proc * (_AHEAD + 1) and (w := workers.idlest()) is not None:
+            if not unsent:
+                chunk = next(chunks, None) if more else None
+                if chunk is None:
+                    more = False
+                    return
+                tasks = _tasks(chunk, size) if size else [chunk]
+                cut.append(len(tasks))
+                unsent.extend(tasks)
+            workers.send(w, sent, unsent.popleft())
             sent += 1
 
     try:
         feed()
-        while done < sent:
-            while done not in ready:
-                k, outcome = workers.receive_any()
-                ready[k] = outcome
-                feed()
-            ok, value = ready.pop(done)
-            if not ok:
-                raise value
-            done += 1
-            yield value
+        while cut:
+            parts = []
+            for _ in range(cut[0]):
+                while done not in ready:
+                    k, outcome = workers.receive_any()
+                    ready[k] = outcome
+                    feed()
+                ok, value = ready.pop(done)
+                if not ok:
+                    raise value
+                done += 1
+                parts.append(value)
+            cut.popleft()
+            feed()
+            yield _joined(parts)
             feed()
     finally:
         workers.kill()
 
 
-_AHEAD = 2  # chunks in hand per worker: one being encoded, one waiting, so no worker idles
+_AHEAD = 2  # tasks in hand per worker: one being encoded, one waiting, so no worker idles
 
 
 class _Workers:
@@ -238,6 +303,11 @@ def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    # Results are sent from a thread of their own: a result outgrows the pipe's buffer, so its send waits
+    # until the parent reads it, and the parent is now and then busy a few ms (parsing the next chunk,
+    # fsyncing the spill); this thread meanwhile encodes the next task (encode_batch releases the GIL).
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_send_results, args=(conn, results), daemon=True).start()
     while True:
         try:
             chunk = conn.recv()
@@ -247,7 +317,18 @@ def _worker_main(conn, parent: int, encoder: MixEncoder) -> None:
             result = (True, encoder.encode(chunk))
         except Exception as e:  # the parent raises it (a RecordError names the record)
             result = (False, _portable(e))
-        conn.send(result)
+        results.put(result)
+
+
+def _send_results(conn, results: queue.SimpleQueue) -> None:
+    """Send a worker's results, in order. A result that cannot be sent ends the worker at once, so the parent
+    reads the end of its pipe (a WorkerError there) rather than waiting for a result that never comes."""
+    while True:
+        result = results.get()
+        try:
+            conn.send(result)
+        except BaseException:
+            os._exit(1)
 
 
 def _portable(e: Exception) -> Exception:

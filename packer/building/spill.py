@@ -206,8 +206,11 @@ def tokenize(
     skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
     chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
     # the records the source holds where it knows them cheaply (metadata, line breaks within a budget, else
-    # estimated), --limit if it is given: counted only for a bar that shows, and not again for a finished spill
-    total = None if not progress else start if done.get("finished") else stream.total()
+    # estimated), --limit if it is given: counted only for a bar that shows, and not again for a finished spill;
+    # once the first chunk is in, not before the first record is read: the workers tokenize meanwhile (counting
+    # the bundled sample's line breaks took 0.05-0.1 s of the build's start)
+    total = start if progress and done.get("finished") else None
+    count = progress and not done.get("finished")  # the total is still to be counted
     bar = tqdm(total=total, initial=start, desc="tokenize", unit="rec", disable=not progress, dynamic_ncols=True)
     if earlier and progress:  # a rerun after Ctrl-C or a crash says it picks up, not silently (0 too)
         bar.write(f"resuming: {start:,} records already tokenized"
@@ -218,10 +221,11 @@ def tokenize(
     pending, committed = 0, time.monotonic()  # records since the last commit, and when it was
     try:
         for chunk in chunks:
-            files["ids"].write(chunk.ids.astype(np.int32, copy=False).tobytes())
-            files["trained"].write(chunk.trained.astype(np.uint8, copy=False).tobytes())
-            files["lengths"].write(chunk.lengths.astype(np.int32).tobytes())
-            files["example_ids"].write(chunk.example_ids.astype(np.int64, copy=False).tobytes())
+            # the arrays' own buffers written (no bytes copy of each: 2.4 MB a chunk of FLAN records)
+            files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=np.int32))
+            files["trained"].write(np.ascontiguousarray(chunk.trained, dtype=np.uint8))
+            files["lengths"].write(np.ascontiguousarray(chunk.lengths, dtype=np.int32))
+            files["example_ids"].write(np.ascontiguousarray(chunk.example_ids, dtype=np.int64))
             images.append(chunk, done)
             # records, not examples: a preference record is two examples with one id (adjacent)
             ids = chunk.example_ids
@@ -231,6 +235,8 @@ def tokenize(
             done["tokens"] += len(chunk.ids)
             skipped += chunk.skipped
             done["skipped"] = list(skipped.by_part)
+            if count:
+                bar.total, count = stream.total(), False
             bar.update(consumed)
             pending += consumed
             if pending >= COMMIT_RECORDS or time.monotonic() - committed >= COMMIT_SECONDS:
@@ -238,7 +244,9 @@ def tokenize(
                 pending, committed = 0, time.monotonic()
         done["finished"] = True
         _commit(folder, {**files, **images.files}, done)
-        if bar.total is not None and bar.n != bar.total:  # the total was an estimate: end the bar at 100%
+        # the total was an estimate, or never counted (no chunk came): end the bar at 100%. A count that found
+        # none (a JSON document's items) leaves the bar as it was, without a total
+        if progress and (bar.total is not None or count) and bar.n != bar.total:
             bar.total = bar.n
             bar.refresh()
     finally:

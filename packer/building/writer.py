@@ -11,6 +11,7 @@ top, so narrowing costs one cast of the ids and a bit-packing of the mask).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import deque
@@ -185,23 +186,53 @@ def batch_bounds(plan: Plan, lo: int, hi: int) -> Iterator[tuple[int, int]]:
 
 def write_shard(plan: Plan, store: TokenStore, path: Path, lo: int, hi: int,
                 on_rows: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None, *,
-                row_format: schema.RowFormat | None = None, compression: str | None = None) -> dict[str, int]:
+                row_format: schema.RowFormat | None = None, compression: str | None = None) -> dict:
     """Write rows [lo, hi) as one Arrow stream file in ``row_format`` (version 1 when None), its
     buffers compressed by ``compression`` (None or "zstd"); returns its counts (rows, tokens, loss
     tokens and segments that hold no trained token, which a truncated completion-only example
-    becomes). When ``stop`` is set it ends after the batch it is writing (the build failed elsewhere)."""
+    becomes) and its ``sha256``, hashed as it is written (not read back once written). When ``stop``
+    is set it ends after the batch it is writing (the build failed elsewhere)."""
     counts = {"rows": 0, "tokens": 0, "loss_tokens": 0, "segments_without_loss": 0}
     fmt = row_format or _version_1(plan)
     options = pa.ipc.IpcWriteOptions(compression=compression)
-    with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool,
-          pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, fmt.schema(), options=options) as writer):
+    with (ThreadPoolExecutor(1, thread_name_prefix="packer-assemble") as pool, _Hashed(path) as file,
+          pa.PythonFile(file, mode="w") as sink, pa.ipc.new_stream(sink, fmt.schema(), options=options) as writer):
         for batch, rows in _assembled_ahead(pool, plan, store, batch_bounds(plan, lo, hi), counts, fmt):
             if stop is not None and stop.is_set():
                 break
             writer.write_batch(batch)
             del batch  # before the one after next is assembled: two batches in memory at most
             on_rows(rows)
-    return counts
+    return {**counts, "sha256": file.digest.hexdigest()}
+
+
+class _Hashed:
+    """A file opened for writing that hashes what is written to it: a shard's sha256 without reading the shard
+    back (hashlib and the write release the GIL, so it runs beside the thread assembling the next batch)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "wb")  # noqa: SIM115 (closed with this)
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> _Hashed:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _assembled_ahead(pool: ThreadPoolExecutor, plan: Plan, store: TokenStore, bounds: Iterator[tuple[int, int]],
@@ -223,10 +254,10 @@ def _take(ahead: deque) -> tuple[pa.RecordBatch, int]:
     return future.result(), rows
 
 
-def shard_entry(path: Path, counts: dict[str, int]) -> schema.ShardEntry:
-    """The manifest's record of one written shard."""
+def shard_entry(path: Path, counts: dict) -> schema.ShardEntry:
+    """The manifest's record of one written shard (its sha256 as :func:`write_shard` hashed it, else read)."""
     return schema.ShardEntry(file=path.name, rows=counts["rows"], tokens=counts["tokens"],
-                             bytes=path.stat().st_size, sha256=fs.file_sha256(path))
+                             bytes=path.stat().st_size, sha256=counts.get("sha256") or fs.file_sha256(path))
 
 
 @dataclass(frozen=True, slots=True)
