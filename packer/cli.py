@@ -16,6 +16,8 @@ from . import __version__, cli_cache, cli_push, interrupt, render, terminal
 from .building import output, pipeline
 from .building.mix import parts_from_cli
 from .building.tokenization import load_tokenizer
+from .checking import inspect_
+from .checking.verify import verify as run_verify
 from .contract import config as cfg
 from .contract import schema
 from .contract.config import BuildConfig
@@ -172,9 +174,6 @@ def inspect(directory: str, row_index: int | None, example_id: int | None, plot_
     _note_staging(directory)
     if (full or show_ids) and row_index is None:
         raise click.UsageError("--full and --ids apply to --row")
-    # imported here, not at the top: `packer build` does not import it (nor pyarrow.compute)
-    from .checking import inspect_
-
     with cli_push.readable(directory) as local:
         out: dict = {}
         if plot_path is not None:
@@ -237,8 +236,6 @@ def verify(ctx: click.Context, directory: str, tokenizer: str | None, source: st
     packer verify shards/ --source data.jsonl      is every source record accounted for?
     """
     _note_staging(directory)
-    from .checking.verify import verify as run_verify  # here, not at the top: `packer build` needs none of it
-
     report = run_verify(directory, tokenizer=tokenizer, source=source, quick=quick, progress=not quiet and not as_json)
     for note in report.notes:
         click.echo(f"packer: note: {note}", err=True)
