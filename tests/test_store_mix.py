@@ -389,3 +389,37 @@ def test_killed_while_extending_then_rebuilt(data, tmp_path, monkeypatch):
     assert again.extended == (2, 0) and digest(out) == cold(mixed(data, seed=1))[0]
     assert meta_of("a.jsonl")["counts"]["records"] == 20 and not (out / STAGING).exists()
     assert build(BuildConfig(out=str(tmp_path / "after"), **mixed(data, seed=1))).extended is None
+
+
+class Stopped(BaseException):
+    """A build stopped mid-way (as by a kill: no handler of packer's catches it)."""
+
+
+def test_an_interrupted_extension_resumes_where_it_stopped(data, tmp_path, monkeypatch):
+    """The records beyond the entries are tokenized in chunks committed one by one (here 3 records a chunk): a
+    build interrupted in its third chunk resumes at the third, reading none of the first six records again, and
+    is byte-identical to a cold build."""
+    from packer.building import spill
+
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))  # A's entry: its first 18 records
+    options = mixed(data, (0.9, 0.1))
+    expected = cold(options)[0]
+    monkeypatch.setattr(spill, "CHUNK", 3)
+    monkeypatch.setattr(spill, "COMMIT_RECORDS", 1)
+    firsts, real, once = [], mix.MixEncoder.encode, [True]
+
+    def encode(self, chunk):
+        firsts.append([piece[1] for piece in chunk.pieces])  # each part's first record index in the chunk
+        if len(firsts) == 3 and once:
+            once.clear()
+            raise Stopped  # as a kill would, mid-chunk
+        return real(self, chunk)
+
+    monkeypatch.setattr(mix.MixEncoder, "encode", encode)
+    with pytest.raises(Stopped):
+        build(BuildConfig(out=str(tmp_path / "out"), **options))
+    assert firsts == [[18], [21], [24]] and meta_of("a.jsonl")["counts"]["records"] == 18
+    firsts.clear()
+    result = build(BuildConfig(out=str(tmp_path / "out"), **options))
+    assert firsts[0] == [24] and result.extended == (A_RECORDS - 18, 0) and digest(tmp_path / "out") == expected
+    assert meta_of("a.jsonl")["complete"]
