@@ -48,11 +48,14 @@ def _chat(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """Part A: prompt/completion, part B: chat, each with records --on-error skip drops; C and D: preference pairs."""
+    """Part A: prompt/completion, part B: chat, each with records --on-error skip drops; E: prompt/completion; C and
+    D: preference pairs."""
     d = tmp_path_factory.mktemp("mixdata")
     (d / "a.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} " * (i % 5 + 1), "completion": A_BAD.get(i, f"a{i}")})
                                        + "\n" for i in range(A_RECORDS)))
     (d / "b.jsonl").write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(B_RECORDS)))
+    (d / "e.jsonl").write_text("".join(json.dumps({"prompt": f"e{i} " * (i % 3 + 1), "completion": f"f{i}"}) + "\n"
+                                       for i in range(16)))
     for name, n in (("c", 30), ("d", 12)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name} p{i} " * (i % 3 + 1), "chosen": f"yes {i}",
                                                              "rejected": f"no {i} " * (i % 2 + 1)}) + "\n"
@@ -131,6 +134,18 @@ def test_records_beyond_an_entry_are_the_only_ones_tokenized(data, tmp_path):
     assert len(entry_dirs()) == 2
     report = verify(str(tmp_path / "out"), source=f"{data / 'a.jsonl'},{data / 'b.jsonl'}", progress=False)
     assert report.ok and report.checked, report.problems
+
+
+def test_a_part_without_an_entry_is_tokenized_alone(data, tmp_path):
+    """A source added to a mix built before: its records alone are read and tokenized (and those the draws take
+    beyond the others' entries), the rest re-drawn from the entries, byte-identical; its entry is then kept."""
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
+    three = mixed(data, (0.4, 0.4, 0.2), names=("a", "b", "e"))
+    expected, read = cold(three)
+    result = build(BuildConfig(out=str(tmp_path / "three"), **three))
+    assert result.replanned and result.extended == (max(0, read[0] - 18), 0, read[2]) and read[2] > 0
+    assert digest(tmp_path / "three") == expected and meta_of("e.jsonl")["counts"]["records"] == read[2]
+    assert build(BuildConfig(out=str(tmp_path / "again"), **{**three, "limit": 20})).extended is None
 
 
 def test_the_cli_says_it_re_planned_and_lists_the_parts(data, tmp_path):
@@ -313,30 +328,36 @@ def test_mix_builds_damage_and_kills_against_cold_builds(data, tmp_path, first, 
     with own_cache():
         out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
         held: dict[int, tuple[int, bool]] = {}  # part -> (records its sound entry holds, whether all it has)
+        damaged: set[int] = set()  # parts whose entry is damaged: found by the next build, which tokenizes
         for step in steps:
             if step[0] == "damage":
                 part = _damage(step[1], step[2], out)
-                held.pop(part, None)
+                if part is not None:
+                    held.pop(part, None)
+                    damaged.add(part)
                 continue
             _, weights, extra = step
             options = mixed(data, weights, **extra)
             expected_digest, read = cold(options)
             parts, seed, limit = list(options["mix"]), options.get("seed", 0), options.get("limit")
             gone = mix.ran_out(parts, seed, limit, sum(read))  # the part whose end ended the mix
-            # every part's entry there: re-planned, tokenizing the records the draws take beyond an entry's
-            replanned = all(k in held for k in range(2))
-            beyond = [k for k in range(2) if k in held and (read[k] > held[k][0] or (gone == k and not held[k][1]))]
+            # an entry there and none damaged: re-planned, tokenizing the records the draws take beyond the
+            # entries (all those of a part without one)
+            replanned = bool(held) and not damaged
+            has = [held.get(k, (0, False)) for k in range(2)]
+            beyond = [k for k in range(2) if read[k] > has[k][0] or (gone == k and not has[k][1])]
             result = build(BuildConfig(out=str(out), **options))
             assert result.replanned == replanned, (step, held, read, gone)
             if replanned:
-                assert result.extended == (tuple(max(0, read[k] - held[k][0]) for k in range(2)) if beyond else None)
+                assert result.extended == (tuple(max(0, read[k] - has[k][0]) for k in range(2)) if beyond else None)
+            damaged.clear()  # found, and replaced by the entry of the records this build read
             assert digest(out) == expected_digest, step
             if not result.replanned:  # each part's entry replaced unless it holds as much already
                 for k in range(2):
                     if read[k] and not (k in held and (held[k][1] or (held[k][0] >= read[k] and gone != k))):
                         held[k] = (read[k], gone == k)
             for k in beyond if result.replanned else ():  # an extended entry holds the records read, and says
-                held[k] = (max(read[k], held[k][0]), held[k][1] or gone == k)  # whether they are all its part has
+                held[k] = (max(read[k], has[k][0]), has[k][1] or gone == k)  # whether they are all its part has
             for entry in entry_dirs():  # every entry there is sound
                 meta = json.loads((entry / "meta.json").read_text())
                 assert token_store._entry_problem(entry, meta["identity"], True) is None

@@ -22,8 +22,9 @@ parts' entries when each holds those records). The key names a folder; the ident
 equal the part's whole, or the entry is not used. A build that tokenized keeps each part's records as its
 entry unless the entry there holds as many already (one of fewer records is replaced).
 
-When every part has an entry but the draws take more of some part than its entry holds (another seed, more
-weight, a larger ``--limit``), only the records beyond the entries are read and tokenized
+When a part has an entry but the draws take more of some part than its entry holds (another seed, more
+weight, a larger ``--limit``; a part without an entry holds none), only the records beyond the entries are
+read and tokenized
 (:mod:`packer.building.extension`), each such entry replaced by one holding its records and those after
 them, and the build re-drawn from the entries as before. The key covers what that reads: a local source's
 record names the files the build reads and their sha256s (under ``--limit``, the files that hold the records
@@ -145,14 +146,17 @@ class Restored:
 
 @dataclass(frozen=True, slots=True)
 class Rest:
-    """Every part's sound entry, linked into ``into / PARTS / name`` and checked, one of them holding fewer
-    records than the draws take from it: what :func:`extend` starts from."""
+    """Every part's sound entry (or, for a part without one, empty files), linked into ``into / PARTS / name``
+    and checked, one of them holding fewer records than the draws take from it: what :func:`extend` starts
+    from."""
 
     names: list[str]
     metas: dict[str, dict[str, Any]]
 
 
 REST = ".rest"  # in a build's spill folder: the spill of the records read beyond the parts' entries
+# what a part without an entry holds: nothing (its records are all read and tokenized, its entry made)
+_NONE = {"counts": {"records": 0, "examples": 0, "tokens": 0}, "complete": False, "skips": {"at": [], "reasons": []}}
 
 
 def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_identity: dict[str, Any]) -> Restored:
@@ -162,10 +166,10 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
     their skips are counted from each entry's list): the entries' files linked (copied across filesystems) under their shared locks, checked there
     against the entries' sizes and sha256s, then assembled in mix order (one part taken whole: its files are
     the spill as they are). When an entry holds fewer records than the draws take (and they are not all its
-    part has), the entries are linked and checked all the same and ``rest`` says so: :func:`extend` reads and
-    tokenizes the records beyond them (not for a source given as two parts: tokenized whole). A damaged or
-    foreign entry is removed (``note`` says what was found) and nothing is restored; ``into`` is then left
-    empty for the build to tokenize into."""
+    part has), or a part has none (another part has one), the entries are linked and checked all the same and
+    ``rest`` says so: :func:`extend` reads and tokenizes the records beyond them (not for a source given as two
+    parts: tokenized whole). A damaged or foreign entry is removed (``note`` says what was found) and nothing is
+    restored; ``into`` is then left empty for the build to tokenize into."""
     try:
         store = cache.Cache(KIND)
     except cache.CacheError:  # an unusable cache folder: tokenize; saving says why, once
@@ -176,7 +180,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
     held: dict[str, cache.Entry] = {}
     try:
         for name, ident in zip(names, idents, strict=True):
-            if name in held:  # two parts of one identity: one entry
+            if name in metas:  # two parts of one identity: one entry
                 continue
             found: list[str] = []
 
@@ -188,15 +192,18 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
 
             entry = _open_existing(store, name, check)
             if entry is None:
-                if not found:
-                    return Restored(False)
-                _remove(store, name)
-                return Restored(False, _damaged(name, found[0]))
+                if found:
+                    _remove(store, name)
+                    return Restored(False, _damaged(name, found[0]))
+                metas[name] = _NONE  # a part without an entry: its records are all beyond it
+                continue
             held[name] = entry
             metas[name] = json.loads((entry.path / META).read_text())
+        if not held:  # no part has an entry: the build tokenizes, as a first one
+            return Restored(False)
         held_records = [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"]) for n in names]
         src = redraw.drawn(list(parts), stream.seed, stream.limit, held_records)
-        if src is None and len(held) < len(names):  # a source given twice would be read twice beyond its entry
+        if src is None and len(set(names)) < len(names):  # a source given twice would be read twice beyond its entry
             return Restored(False)
         whole = src is not None and len(parts) == 1 and int(src.size) == metas[names[0]]["counts"]["records"]
         _empty(into, keep=REST if src is None else None)  # an interrupted extension's spill is resumed
@@ -205,6 +212,10 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
             where.mkdir(parents=True, exist_ok=True)
             for file in spill.FILES:
                 _link_or_copy(entry.path / file, where / file)
+        for name in set(metas) - set(held):  # a part without an entry holds no records
+            (into / PARTS / name).mkdir(parents=True, exist_ok=True)
+            for file in spill.FILES:
+                (into / PARTS / name / file).write_bytes(b"")
     except (OSError, ValueError, KeyError) as e:  # an entry replaced meanwhile by a build keeping more records
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return _undo(store, into, next(iter(held), names[0]), f"it cannot be read ({why})")
@@ -216,7 +227,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         if problem is not None:
             return _undo(store, into, name, problem)
     if src is None:
-        return Restored(False, rest=Rest(names, metas))
+        return Restored(False, rest=Rest(names, {n: dict(m) for n, m in metas.items()}))
     _finish(into, spill_identity, src, names, metas, whole)
     _clear(into / PARTS)
     return Restored(True)
@@ -301,7 +312,8 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
                 os.replace(where / f"{file}.tmp", where / file)
         meta = metas[k]
         skips = {"at": meta["skips"]["at"] + at, "reasons": meta["skips"]["reasons"] + reasons}
-        kept[k] = _Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"]) if sure else None
+        kept[k] = (_Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"])
+                   if sure and held[k] + more[k] else None)
         meta["counts"] = {"records": held[k] + more[k], "examples": (where / "lengths.bin").stat().st_size // 4,
                           "tokens": (where / "ids.bin").stat().st_size // 4}
         meta["skips"] = skips
