@@ -78,21 +78,21 @@ class _Nothing:
 
 @dataclass(frozen=True, slots=True)
 class Rest:
-    """The records of ``mix`` (the build's stream) at its new positions, in mix order, a chunk at a time: what
+    """The records of ``stream`` (the build's mix) at its new positions, in mix order, a chunk at a time: what
     a :class:`packer.building.mix.MixStream` gives :func:`packer.building.spill.tokenize`, here only the
     records no entry holds (``held[k]``: part k's entry's records, ``complete[k]``: all the part has)."""
 
-    mix: mix.MixStream
+    stream: mix.MixStream
     held: tuple[int, ...]
     complete: tuple[bool, ...]
 
     @property
     def parts(self) -> tuple[dict[str, Any], ...]:
-        return self.mix.parts
+        return self.stream.parts
 
     @property
     def name(self) -> str:
-        return self.mix.name
+        return self.stream.name
 
     def total(self) -> int | None:
         """Not known before the parts are read (where a weighted mix ends): a bar of counts only."""
@@ -101,12 +101,12 @@ class Rest:
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
         """``(first new record, chunk)`` of ``size`` new records each, from new record ``start`` (a chunk
         boundary: an interrupted spill commits whole chunks), the chunks before it passed over unread."""
-        parts = list(self.mix.parts)
+        parts = list(self.stream.parts)
         n = len(parts)
         mix._room_for_files(n)
         nexts = list(self.held)  # each part's next record index
         readers: list[Any] = [None] * n
-        blocks = _new(parts, self.mix.seed, self.mix.limit, list(self.held))
+        blocks = _new(parts, self.stream.seed, self.stream.limit, list(self.held))
         pending_pos, pending_part = np.zeros(0, np.int64), np.zeros(0, mix.PART)
         lo = 0
         while True:
@@ -128,7 +128,7 @@ class Rest:
             for k in range(n):
                 want = int((chunk == k).sum())
                 if want and readers[k] is None:  # opened at its first new record
-                    stream = _Nothing() if self.complete[k] else _From(self.mix.streams[k], nexts[k])
+                    stream = _Nothing() if self.complete[k] else _From(self.stream.streams[k], nexts[k])
                     readers[k] = mix._Reader(stream, size)
                 records = readers[k].take(want) if want else {}
                 m = len(next(iter(records.values()))) if records else 0
