@@ -148,6 +148,19 @@ def test_a_part_without_an_entry_is_tokenized_alone(data, tmp_path):
     assert build(BuildConfig(out=str(tmp_path / "again"), **{**three, "limit": 20})).extended is None
 
 
+def test_an_entry_of_all_the_records_not_known_to_be_all(tmp_path, data):
+    """--limit 16 of a 16-record source: its entry cannot know it holds them all; a build without --limit reads on
+    from its end, finds none, says so and marks the entry complete (the next build reads nothing)."""
+    args = ["build", str(data / "e.jsonl"), "-j", "1", "-q"]
+    assert CliRunner().invoke(main, [*args, "--limit", "16", "--out", str(tmp_path / "a")]).exit_code == 0
+    assert not meta_of("e.jsonl")["complete"]
+    done = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "b")])
+    assert "re-planned from cached tokens; the source holds no records beyond them (nothing tokenized)" in done.output
+    assert digest(tmp_path / "b") == cold(dict(source=str(data / "e.jsonl"), num_proc=1, overwrite=True))[0]
+    assert meta_of("e.jsonl")["complete"]
+    assert build(BuildConfig(out=str(tmp_path / "c"), source=str(data / "e.jsonl"), num_proc=1)).extended is None
+
+
 def test_the_cli_says_it_re_planned_and_lists_the_parts(data, tmp_path):
     runner = CliRunner()
     args = ["build", str(data / "a.jsonl"), str(data / "b.jsonl"), "-j", "1", "-q", "--on-error", "skip"]
