@@ -110,15 +110,29 @@ def build_lines(result: BuildResult) -> list[str]:
                  + (f"; {disk_cost_text(s.epochs, size)})" if s.epochs else ")"))
     lines.append(f"time      {result.seconds:.1f} s" + (f" (resumed: {result.resumed:,} of the {s.examples_read:,} records "
                  "were tokenized by the interrupted run)" if result.resumed is not None else "")
-                 + (" (re-planned from cached tokens: the source was not read nor tokenized)" if result.replanned
-                    else ""))
+                 + (f" ({replanned_text(result.extended)})" if result.replanned else ""))
     lines += [f"warning   {w}" for w in result.warnings]
     return lines
 
 
+def replanned_text(extended: tuple[int, ...] | None) -> str:
+    """A build re-planned from the token store, and the records it tokenized beyond the entries (per part)."""
+    if extended is None:
+        return "re-planned from cached tokens: the source was not read nor tokenized"
+    if not sum(extended):
+        return "re-planned from cached tokens; the source holds no records beyond them (nothing tokenized)"
+    if len(extended) == 1:
+        return f"re-planned from cached tokens; tokenized {extended[0]:,} more records"
+    more = [f"{n:,} {'more records ' if not said else ''}of part {k + 1}"
+            for said, (k, n) in enumerate((k, n) for k, n in enumerate(extended) if n)]
+    return f"re-planned from cached tokens; tokenized {', '.join(more)}"
+
+
 def build_notes(result: BuildResult) -> dict:
-    """What ``packer build --json`` adds beside the stats: whether it re-planned from cached tokens, its warnings."""
-    return {"replanned": result.replanned, "warnings": list(result.warnings)}
+    """What ``packer build --json`` adds beside the stats: whether it re-planned from cached tokens, the records
+    it tokenized beyond the cached ones (per source; null when none were read), its warnings."""
+    return {"replanned": result.replanned, "extended": None if result.extended is None else list(result.extended),
+            "warnings": list(result.warnings)}
 
 
 def cache_lines(folder, entries) -> list[str]:

@@ -1,10 +1,12 @@
-"""A mix re-planned from its parts' entries in the token store (packer.building.token_store, .redraw): another
-weight, seed or --limit re-plans when every part's entry holds the records the draws take, byte-identical to a
-``--no-cache`` build, with its skips counted exactly; else it tokenizes. Never a wrong build.
+"""A mix re-planned from its parts' entries in the token store (packer.building.token_store, .redraw,
+.extension): another weight, seed or --limit re-plans when every part has an entry, tokenizing only the records
+the draws take beyond an entry's (which then holds them too), byte-identical to a ``--no-cache`` build, with
+its skips counted exactly. Never a wrong build.
 
 The property test runs sequences of mix builds with changed weights, seeds, limits and packing, damaged entries
 and what kills leave, each build checked against a ``--no-cache`` build of the same config, and whether it
-re-planned against a model of what the store holds (each part's records held, and whether they are all it has).
+re-planned, and how many records of each part it tokenized, against a model of what the store holds (each
+part's records held, and whether they are all it has).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packer import BuildConfig, build
-from packer.building import mix, redraw, token_store
+from packer.building import extension, mix, redraw, token_store
 from packer.checking.verify import verify
 from packer.cli import main
 from packer.contract.schema import LOCK, LOCK_BYTES, STAGING
+from packer.errors import SourceError
 
 A_BAD = {7: None, 30: None}  # part A's records with a null completion (skipped: null_field)
 B_BAD = {3: None, 11: []}  # part B's: null messages (null_field), no turns (wrong_type): two reasons
@@ -45,11 +48,14 @@ def _chat(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """Part A: prompt/completion, part B: chat, each with records --on-error skip drops; C and D: preference pairs."""
+    """Part A: prompt/completion, part B: chat, each with records --on-error skip drops; E: prompt/completion; C and
+    D: preference pairs."""
     d = tmp_path_factory.mktemp("mixdata")
     (d / "a.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} " * (i % 5 + 1), "completion": A_BAD.get(i, f"a{i}")})
                                        + "\n" for i in range(A_RECORDS)))
     (d / "b.jsonl").write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(B_RECORDS)))
+    (d / "e.jsonl").write_text("".join(json.dumps({"prompt": f"e{i} " * (i % 3 + 1), "completion": f"f{i}"}) + "\n"
+                                       for i in range(16)))
     for name, n in (("c", 30), ("d", 12)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name} p{i} " * (i % 3 + 1), "chosen": f"yes {i}",
                                                              "rejected": f"no {i} " * (i % 2 + 1)}) + "\n"
@@ -88,6 +94,13 @@ def entry_dirs() -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
 
 
+def meta_of(name: str) -> dict:
+    """The meta.json of the entry of the source whose file is ``name``."""
+    (meta,) = [m for m in (json.loads((p / "meta.json").read_text()) for p in entry_dirs())
+               if Path(m["about"]["sources"][0]).name == name]
+    return meta
+
+
 def test_other_weights_seed_and_limit_re_plan_byte_identical(data, tmp_path):
     first = build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
     assert not first.replanned and len(entry_dirs()) == 2  # one entry a part
@@ -102,12 +115,50 @@ def test_other_weights_seed_and_limit_re_plan_byte_identical(data, tmp_path):
         assert digest(tmp_path / "replan") == cold(options)[0], options
     report = verify(str(tmp_path / "replan"), source=f"{data / 'a.jsonl'},{data / 'b.jsonl'}", progress=False)
     assert report.ok and report.checked, report.problems
-    # more of A than its entry holds: tokenized, and A's entry then holds the more
-    more = mixed(data, (0.8, 0.2))
-    assert not build(BuildConfig(out=str(tmp_path / "more"), **more)).replanned
-    assert digest(tmp_path / "more") == cold(more)[0]
-    assert build(BuildConfig(out=str(tmp_path / "again"), **mixed(data, (0.7, 0.3)))).replanned
+    assert build(BuildConfig(out=str(tmp_path / "pure"), **mixed(data, (0.3, 0.7)))).extended is None
+
+
+def test_records_beyond_an_entry_are_the_only_ones_tokenized(data, tmp_path):
+    """Another seed draws 2 more of A than its entry holds: only those are read and tokenized, and A's entry
+    then holds 20; more weight on A reads it to its end (A's 28 more; A then ends the mix, as in a cold build),
+    and A's entry says it holds all; a build within both then tokenizes nothing. Each byte-identical."""
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
+    for options, more, held in ((mixed(data, seed=1), (2, 0), 20), (mixed(data, (0.8, 0.2)), (28, 0), A_RECORDS),
+                                (mixed(data, (0.7, 0.3), seed=3), None, A_RECORDS)):
+        result = build(BuildConfig(out=str(tmp_path / "out"), **options))
+        assert result.replanned and result.extended == more and not result.warnings, options
+        assert digest(tmp_path / "out") == cold(options)[0], options
+        a = meta_of("a.jsonl")
+        assert a["counts"]["records"] == held and a["complete"] == (held == A_RECORDS)
+        assert a["skips"] == {"at": [i for i in A_BAD if i < held], "reasons": ["null_field"] * sum(i < held for i in A_BAD)}
     assert len(entry_dirs()) == 2
+    report = verify(str(tmp_path / "out"), source=f"{data / 'a.jsonl'},{data / 'b.jsonl'}", progress=False)
+    assert report.ok and report.checked, report.problems
+
+
+def test_a_part_without_an_entry_is_tokenized_alone(data, tmp_path):
+    """A source added to a mix built before: its records alone are read and tokenized (and those the draws take
+    beyond the others' entries), the rest re-drawn from the entries, byte-identical; its entry is then kept."""
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
+    three = mixed(data, (0.4, 0.4, 0.2), names=("a", "b", "e"))
+    expected, read = cold(three)
+    result = build(BuildConfig(out=str(tmp_path / "three"), **three))
+    assert result.replanned and result.extended == (max(0, read[0] - 18), 0, read[2]) and read[2] > 0
+    assert digest(tmp_path / "three") == expected and meta_of("e.jsonl")["counts"]["records"] == read[2]
+    assert build(BuildConfig(out=str(tmp_path / "again"), **{**three, "limit": 20})).extended is None
+
+
+def test_an_entry_of_all_the_records_not_known_to_be_all(tmp_path, data):
+    """--limit 16 of a 16-record source: its entry cannot know it holds them all; a build without --limit reads on
+    from its end, finds none, says so and marks the entry complete (the next build reads nothing)."""
+    args = ["build", str(data / "e.jsonl"), "-j", "1", "-q"]
+    assert CliRunner().invoke(main, [*args, "--limit", "16", "--out", str(tmp_path / "a")]).exit_code == 0
+    assert not meta_of("e.jsonl")["complete"]
+    done = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "b")])
+    assert "re-planned from cached tokens; the source holds no records beyond them (nothing tokenized)" in done.output
+    assert digest(tmp_path / "b") == cold(dict(source=str(data / "e.jsonl"), num_proc=1, overwrite=True))[0]
+    assert meta_of("e.jsonl")["complete"]
+    assert build(BuildConfig(out=str(tmp_path / "c"), source=str(data / "e.jsonl"), num_proc=1)).extended is None
 
 
 def test_the_cli_says_it_re_planned_and_lists_the_parts(data, tmp_path):
@@ -115,7 +166,11 @@ def test_the_cli_says_it_re_planned_and_lists_the_parts(data, tmp_path):
     args = ["build", str(data / "a.jsonl"), str(data / "b.jsonl"), "-j", "1", "-q", "--on-error", "skip"]
     assert runner.invoke(main, [*args, "--mix", "0.5,0.5", "--out", str(tmp_path / "a")]).exit_code == 0
     done = runner.invoke(main, [*args, "--mix", "0.2,0.8", "--out", str(tmp_path / "b")])
-    assert done.exit_code == 0 and "re-planned from cached tokens" in done.output, done.output
+    assert done.exit_code == 0 and "re-planned from cached tokens: the source was not read" in done.output, done.output
+    done = runner.invoke(main, [*args, "--mix", "0.5,0.5", "--seed", "1", "--out", str(tmp_path / "c")])
+    assert "re-planned from cached tokens; tokenized 2 more records of part 1)" in done.output, done.output
+    done = runner.invoke(main, [*args, "--mix", "0.9,0.1", "--out", str(tmp_path / "d"), "--json"])
+    assert json.loads(done.output)["replanned"] is True and json.loads(done.output)["extended"] == [A_RECORDS - 20, 0]
     listed = runner.invoke(main, ["cache"])
     assert "2 entries" in listed.output and f"all its {B_RECORDS} records" in listed.output, listed.output
     assert sorted(e["sources"][0] for e in json.loads(runner.invoke(main, ["cache", "list", "--json"]).output)["entries"]
@@ -138,7 +193,8 @@ def test_skips_under_two_reasons_are_counted_exactly(data, tmp_path):
 
 def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
     """Two examples a record (one id): a pair mix's re-draw keeps each pair whole; a mix by records counts takes
-    each part's first records, so counts within those held re-plan and counts beyond them tokenize."""
+    each part's first records, so counts within those held re-plan and counts beyond them tokenize those beyond
+    (beyond the part's records: the cold build's error)."""
     pairs = mixed(data, names=("c", "d"), pack="bfd", max_len=128)
     build(BuildConfig(out=str(tmp_path / "p"), **pairs))
     for options in ({**pairs, "mix": tuple({**p, "weight": w} for p, w in zip(pairs["mix"], (0.2, 0.8), strict=True))},
@@ -151,25 +207,31 @@ def test_preference_pairs_and_records_counts_re_plan(data, tmp_path):
     assert build(BuildConfig(out=str(tmp_path / "r2"), **fewer)).replanned
     assert digest(tmp_path / "r2") == cold(fewer)[0]
     beyond = mixed(data, records=(25, 12))
-    assert not build(BuildConfig(out=str(tmp_path / "r3"), **beyond)).replanned
+    assert build(BuildConfig(out=str(tmp_path / "r3"), **beyond)).extended == (5, 0)
     assert digest(tmp_path / "r3") == cold(beyond)[0]
+    with pytest.raises(SourceError, match=f"a.jsonl: ended after {A_RECORDS} records, the mix asks for 50;"):
+        build(BuildConfig(out=str(tmp_path / "r4"), **mixed(data, records=(50, 12))))
 
 
 def test_a_source_of_several_files_is_keyed_by_the_files_read(data, tmp_path):
     """Under --limit the manifest records only the files that hold the records read, and so does an entry's key:
-    a build reading both files never takes an entry made from the first alone, and one within a whole entry's
-    records re-plans from it."""
+    a build reading both files never takes an entry made from the first alone (not even to read on from its
+    end: the second file is no part of its key), one reading the first alone extends that one's, and a build
+    reading both extends the entry of both files to their end."""
     folder = tmp_path / "two"
     folder.mkdir()
     lines = (data / "a.jsonl").read_text().splitlines(keepends=True)
     (folder / "x1.jsonl").write_text("".join(lines[:10]))
     (folder / "x2.jsonl").write_text("".join(lines[10:20]))
     one = dict(source=str(folder / "*.jsonl"), num_proc=1, overwrite=True, on_error="skip")
-    for limit, replanned in ((5, False), (None, False), (8, False), (15, True), (3, True)):
+    for limit, extended in ((5, False), (8, (3,)), (15, False), (None, (5,)), (12, None), (3, None)):
         options = {**one, "limit": limit}
         result = build(BuildConfig(out=str(tmp_path / "out"), **options))
-        assert result.replanned == replanned and digest(tmp_path / "out") == cold(options)[0], limit
-    assert len(entry_dirs()) == 2  # the first file's (8 records), both files' (all 20)
+        assert result.replanned == (extended is not False) and digest(tmp_path / "out") == cold(options)[0], limit
+        assert result.extended == (extended or None), limit
+    # the first file's (8 records), both files' (all 20)
+    assert sorted((m["counts"]["records"], m["complete"]) for m in (json.loads((p / "meta.json").read_text())
+                                                                     for p in entry_dirs())) == [(8, False), (20, True)]
 
 
 @pytest.mark.parametrize("pairs", [False, True])
@@ -208,7 +270,8 @@ def test_split_then_assembled_by_the_same_draws_is_the_spill_itself(tmp_path, pa
 WEIGHTS = st.sampled_from([(0.5, 0.5), (0.2, 0.8), (0.8, 0.2)])
 OPTIONS = st.sampled_from([{}, {"seed": 1}, {"limit": 12}, {"limit": 30, "seed": 1}, {"pack": "bfd", "max_len": 64},
                            {"limit": 20, "max_len": 32, "overlong": "split", "epochs": 2}])
-DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "foreign", "killed_writer", "killed_split", "killed_restore"])
+DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "foreign", "killed_writer", "killed_split", "killed_restore",
+                          "killed_extend"])
 STEP = st.one_of(st.tuples(st.just("build"), WEIGHTS, OPTIONS), st.tuples(st.just("build"), WEIGHTS, OPTIONS),
                  st.tuples(st.just("damage"), DAMAGE, st.integers(0, 3)))  # builds twice as often
 
@@ -231,6 +294,15 @@ def _damage(kind: str, pick: int, out: Path) -> int | None:
         temp = token_store.folder() / f".tmp-{'0' * 32}.{os.getpid()}.deadbeef"
         temp.mkdir(parents=True, exist_ok=True)
         (temp / "ids.bin").write_bytes(b"\x01\x02\x03")
+        return None
+    if kind == "killed_extend":  # an extension's spill of another build's draws, killed: never taken for this one's
+        (tokens / token_store.REST).mkdir(parents=True, exist_ok=True)
+        (out / STAGING / LOCK).write_bytes(LOCK_BYTES)
+        (tokens / token_store.REST / "identity.json").write_text("{}")
+        (tokens / token_store.REST / "progress.json").write_text('{"records": 3, "examples": 3, "tokens": 3, '
+                                                                 '"skipped": [{}, {}], "finished": true}')
+        for name in ("ids.bin", "lengths.bin", "trained.bin", "example_ids.bin"):
+            (tokens / token_store.REST / name).write_bytes(b"\x01" * 24)
         return None
     if kind in ("killed_split", "killed_restore"):  # a build killed while it split or re-drew its parts' files
         (tokens / token_store.PARTS / "0").mkdir(parents=True, exist_ok=True)
@@ -269,24 +341,36 @@ def test_mix_builds_damage_and_kills_against_cold_builds(data, tmp_path, first, 
     with own_cache():
         out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
         held: dict[int, tuple[int, bool]] = {}  # part -> (records its sound entry holds, whether all it has)
+        damaged: set[int] = set()  # parts whose entry is damaged: found by the next build, which tokenizes
         for step in steps:
             if step[0] == "damage":
                 part = _damage(step[1], step[2], out)
-                held.pop(part, None)
+                if part is not None:
+                    held.pop(part, None)
+                    damaged.add(part)
                 continue
             _, weights, extra = step
             options = mixed(data, weights, **extra)
             expected_digest, read = cold(options)
             parts, seed, limit = list(options["mix"]), options.get("seed", 0), options.get("limit")
             gone = mix.ran_out(parts, seed, limit, sum(read))  # the part whose end ended the mix
-            expected = all(k in held and read[k] <= held[k][0] and (gone != k or held[k][1]) for k in range(2))
+            # an entry there and none damaged: re-planned, tokenizing the records the draws take beyond the
+            # entries (all those of a part without one)
+            replanned = bool(held) and not damaged
+            has = [held.get(k, (0, False)) for k in range(2)]
+            beyond = [k for k in range(2) if read[k] > has[k][0] or (gone == k and not has[k][1])]
             result = build(BuildConfig(out=str(out), **options))
-            assert result.replanned == expected, (step, held, read, gone)
+            assert result.replanned == replanned, (step, held, read, gone)
+            if replanned:
+                assert result.extended == (tuple(max(0, read[k] - has[k][0]) for k in range(2)) if beyond else None)
+            damaged.clear()  # found, and replaced by the entry of the records this build read
             assert digest(out) == expected_digest, step
             if not result.replanned:  # each part's entry replaced unless it holds as much already
                 for k in range(2):
                     if read[k] and not (k in held and (held[k][1] or (held[k][0] >= read[k] and gone != k))):
                         held[k] = (read[k], gone == k)
+            for k in beyond if result.replanned else ():  # an extended entry holds the records read, and says
+                held[k] = (max(read[k], has[k][0]), has[k][1] or gone == k)  # whether they are all its part has
             for entry in entry_dirs():  # every entry there is sound
                 meta = json.loads((entry / "meta.json").read_text())
                 assert token_store._entry_problem(entry, meta["identity"], True) is None
@@ -315,3 +399,61 @@ def test_killed_while_tokenizing_or_splitting_a_mix_then_rebuilt(data, tmp_path,
     other = mixed(data, (0.3, 0.7))
     assert build(BuildConfig(out=str(tmp_path / "other"), **other)).replanned
     assert digest(tmp_path / "other") == cold(other)[0]
+
+
+def test_killed_while_extending_then_rebuilt(data, tmp_path, monkeypatch):
+    """SIGKILL as the first extended entry's files are put together (the records beyond it read and tokenized,
+    their spill finished): the entry is untouched; the rerun takes that spill as it is, extends the entry and is
+    byte-identical to a cold build; then the same draws re-plan without tokenizing."""
+    from test_crash import _AT
+
+    cache, stamp, out = tmp_path / "cache", tmp_path / "moment", tmp_path / "killed"
+    os.environ["PACKER_CACHE"] = str(cache)  # the fixture restores it
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))
+    args = [str(data / "a.jsonl"), str(data / "b.jsonl"), "--mix", "0.5,0.5", "--seed", "1", "--on-error", "skip",
+            "-j", "1", "-q", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _AT, "open", "ids.bin.tmp", "1", "kill", str(stamp), *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert stamp.exists() and done.returncode == -9, done.stderr
+    rest = out / STAGING / "tokens" / token_store.REST
+    assert json.loads((rest / "progress.json").read_text())["finished"] and meta_of("a.jsonl")["counts"]["records"] == 18
+    monkeypatch.setattr(extension.Rest, "chunks", lambda *_: pytest.fail("the finished extension was read again"))
+    again = build(BuildConfig(out=str(out), **mixed(data, seed=1)))
+    assert again.extended == (2, 0) and digest(out) == cold(mixed(data, seed=1))[0]
+    assert meta_of("a.jsonl")["counts"]["records"] == 20 and not (out / STAGING).exists()
+    assert build(BuildConfig(out=str(tmp_path / "after"), **mixed(data, seed=1))).extended is None
+
+
+class Stopped(BaseException):
+    """A build stopped mid-way (as by a kill: no handler of packer's catches it)."""
+
+
+def test_an_interrupted_extension_resumes_where_it_stopped(data, tmp_path, monkeypatch):
+    """The records beyond the entries are tokenized in chunks committed one by one (here 3 records a chunk): a
+    build interrupted in its third chunk resumes at the third, reading none of the first six records again, and
+    is byte-identical to a cold build."""
+    from packer.building import spill
+
+    build(BuildConfig(out=str(tmp_path / "first"), **mixed(data)))  # A's entry: its first 18 records
+    options = mixed(data, (0.9, 0.1))
+    expected = cold(options)[0]
+    monkeypatch.setattr(spill, "CHUNK", 3)
+    monkeypatch.setattr(spill, "COMMIT_RECORDS", 1)
+    firsts, real, once = [], mix.MixEncoder.encode, [True]
+
+    def encode(self, chunk):
+        firsts.append([piece[1] for piece in chunk.pieces])  # each part's first record index in the chunk
+        if len(firsts) == 3 and once:
+            once.clear()
+            raise Stopped  # as a kill would, mid-chunk
+        return real(self, chunk)
+
+    monkeypatch.setattr(mix.MixEncoder, "encode", encode)
+    with pytest.raises(Stopped):
+        build(BuildConfig(out=str(tmp_path / "out"), **options))
+    assert firsts == [[18], [21], [24]] and meta_of("a.jsonl")["counts"]["records"] == 18
+    firsts.clear()
+    result = build(BuildConfig(out=str(tmp_path / "out"), **options))
+    assert firsts[0] == [24] and result.extended == (A_RECORDS - 18, 0) and digest(tmp_path / "out") == expected
+    assert meta_of("a.jsonl")["complete"]

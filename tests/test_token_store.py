@@ -87,10 +87,13 @@ def test_replan_is_byte_identical_verifies_and_says_so(tmp_path):
     assert digest(tmp_path / "replan") == cold(**changed)
     report = verify(str(tmp_path / "replan"), source="flan", progress=False)
     assert report.ok, report.problems
-    # what acts before planning is keyed: another --train-on tokenizes again, and so does a --limit beyond the
-    # records the entry holds (its entry, of more records, replaces the one of fewer); a --limit within them
-    # re-plans from their first records
-    assert not build(config(tmp_path / "limit", limit=LIMITS[1])).replanned
+    # what acts before planning is keyed: another --train-on tokenizes again; a --limit beyond the records the
+    # entry holds tokenizes only the records beyond them (its entry, of more records, replaces the one of
+    # fewer); a --limit within them re-plans from their first records
+    beyond = build(config(tmp_path / "limit", limit=LIMITS[1]))
+    assert beyond.replanned and beyond.extended == (LIMITS[1] - LIMITS[0],) and not beyond.warnings
+    assert digest(tmp_path / "limit") == cold(limit=LIMITS[1])
+    assert verify(str(tmp_path / "limit"), source="flan", progress=False).ok
     assert not build(config(tmp_path / "train-on", limit=LIMITS[0], train_on="all")).replanned
     assert len(entry_dirs()) == 2
     assert build(config(tmp_path / "fewer", **changed)).replanned
@@ -237,8 +240,10 @@ def test_builds_damage_and_kills_against_cold_builds(tmp_path, steps):
             k = tokens.get("train_on", "assistant")
             before = {p.name for p in entry_dirs()}
             result = build(config(out, **tokens, **planning))
-            # a --limit within the records held re-plans from their first ones; beyond them, it tokenizes
-            assert result.replanned == (stored.get(k, 0) >= tokens["limit"]), (step, stored)
+            # a --limit within the records held re-plans from their first ones; beyond them, it tokenizes those beyond
+            assert result.replanned == (k in stored), (step, stored)
+            assert result.extended == (None if not result.replanned or stored[k] >= tokens["limit"] else
+                                       (tokens["limit"] - stored[k],)), (step, stored)
             assert digest(out) == cold(**tokens, **planning), step
             if k not in names:  # an entry's name is its identity's key: the same whenever it is made again
                 names[k] = ({p.name for p in entry_dirs()} - before).pop()

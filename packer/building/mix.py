@@ -339,9 +339,7 @@ class MixStream:
                 got.append(records)
                 if n < want:  # this part ran out at its (n+1)-th draw in the chunk
                     if "records" in self.parts[k]:
-                        raise SourceError(
-                            f"{self.parts[k]['source']}: ended after {firsts[k] + n:,} records, the mix asks for "
-                            f"{self.parts[k]['records']:,}; lower its records count or check the source")
+                        raise short(self.parts[k], firsts[k] + n)
                     cut = min(cut, int(np.flatnonzero(chunk == k)[n]))
             ended = cut < chunk.size  # a weighted part ran out: the mix ends here
             chunk = chunk[:cut]
@@ -355,6 +353,12 @@ class MixStream:
             lo += int(chunk.size)
             if ended:
                 return
+
+
+def short(part: dict[str, Any], records: int) -> SourceError:
+    """The error of a mix by records counts whose ``part`` ended after ``records`` records, fewer than its count."""
+    return SourceError(f"{part['source']}: ended after {records:,} records, the mix asks for {part['records']:,}; "
+                       "lower its records count or check the source")
 
 
 class MixEncoder:

@@ -45,8 +45,10 @@ class BuildResult:
     reused: bool  # the folder already held this exact build; nothing was done
     seconds: float
     resumed: int | None = None  # records an interrupted earlier run had tokenized (its spill reused); None: no such run
-    replanned: bool = False  # the tokens came from the token store: nothing was read from the source nor tokenized
+    replanned: bool = False  # the tokens came from the token store (but for the records `extended` counts)
     warnings: tuple[str, ...] = ()  # what went wrong beside the build, which is complete (the token store skipped)
+    # records read and tokenized beyond the token store's entries, per part (None: none were, or no entry was used)
+    extended: tuple[int, ...] | None = None
 
 
 def tokenizer_path(name: str | None) -> str:
@@ -355,14 +357,21 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     restored = (token_store.restore(stored, opened.stream, staging / schema.TOKENS_DIR, identity)
                 if stored is not None and not spill.finished(staging / schema.TOKENS_DIR, identity)
                 else token_store.Restored(False))
+    # an entry holding fewer records than the draws take from it: only the records beyond it are tokenized
+    extended = (None if restored.rest is None else
+                token_store.extend(restored.rest, opened.stream, opened.encoder, staging / schema.TOKENS_DIR,
+                                   identity, engine=engine, progress=progress))
     # tokens from the store are no resume and no tokenizing: no bar, no "resuming" line (the summary says it)
     tokens = spill.tokenize(opened.stream, opened.encoder, staging / schema.TOKENS_DIR, identity,
-                            engine=engine, progress=progress and not restored.hit)
+                            engine=engine, progress=progress and not restored.hit and extended is None)
     check_unchanged(opened)
     warnings = () if restored.note is None else (restored.note,)
-    if stored is not None and not restored.hit and len(tokens.lengths):
-        skipped_store = token_store.save(stored, opened.stream, opened.encoder, tokens,
-                                         [_about(part, identity) for part in parts])
+    abouts = [_about(part, identity) for part in parts]
+    if extended is not None:  # the source read as the entries' keys say: the extended entries kept
+        skipped_store = token_store.keep(extended, stored, abouts, staging / schema.TOKENS_DIR)
+        warnings += () if skipped_store is None else (skipped_store,)
+    elif stored is not None and not restored.hit and len(tokens.lengths):
+        skipped_store = token_store.save(stored, opened.stream, opened.encoder, tokens, abouts)
         warnings += () if skipped_store is None else (skipped_store,)
     lengths, skipped = tokens.lengths, tokens.skipped
     if len(lengths) == 0:
@@ -401,8 +410,10 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         columns=row_format.columns(),
     )
     output.commit(out, staging, manifest)
+    from_store = restored.hit or extended is not None
     return BuildResult(out, manifest, False, time.perf_counter() - started,
-                       None if restored.hit else tokens.reused_records, restored.hit, warnings)
+                       None if from_store else tokens.reused_records, from_store, warnings,
+                       None if extended is None else extended.more)
 
 
 def _about(part: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:

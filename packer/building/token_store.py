@@ -22,6 +22,16 @@ parts' entries when each holds those records). The key names a folder; the ident
 equal the part's whole, or the entry is not used. A build that tokenized keeps each part's records as its
 entry unless the entry there holds as many already (one of fewer records is replaced).
 
+When a part has an entry but the draws take more of some part than its entry holds (another seed, more
+weight, a larger ``--limit``; a part without an entry holds none), only the records beyond the entries are
+read and tokenized
+(:mod:`packer.building.extension`), each such entry replaced by one holding its records and those after
+them, and the build re-drawn from the entries as before. The key covers what that reads: a local source's
+record names the files the build reads and their sha256s (under ``--limit``, the files that hold the records
+it reads), so an entry is found only by a build reading the very files it was made from, and reading on
+from its end stays in them; a build reading another file (a larger ``--limit`` reaching a source's next
+file) has another key and tokenizes.
+
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
 the first's); it is used by linking its files into the build's staging folder and checking those links'
@@ -53,7 +63,7 @@ import numpy as np
 from .. import __version__, cache
 from ..contract.config import ROW_LIMIT, BuildConfig
 from ..fs import file_sha256
-from . import mix, redraw, spill
+from . import extension, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
 STORE_VERSION = 2  # bump when what an entry holds or means changes: entries of another version are never used
@@ -125,11 +135,28 @@ def _open_existing(store: cache.Cache, name: str, check) -> cache.Entry | None:
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """How a lookup went: the spill restored from the parts' entries (``hit``), or why not (``note``: damage
-    found)."""
+    """How a lookup went: the spill restored from the parts' entries (``hit``); or the entries linked in and
+    some part's records to be read beyond its entry's (``rest``: :func:`extend` does it); or neither, and why
+    (``note``: damage found)."""
 
     hit: bool
     note: str | None = None
+    rest: Rest | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rest:
+    """Every part's sound entry (or, for a part without one, empty files), linked into ``into / PARTS / name``
+    and checked, one of them holding fewer records than the draws take from it: what :func:`extend` starts
+    from."""
+
+    names: list[str]
+    metas: dict[str, dict[str, Any]]
+
+
+REST = ".rest"  # in a build's spill folder: the spill of the records read beyond the parts' entries
+# what a part without an entry holds: nothing (its records are all read and tokenized, its entry made)
+_NONE = {"counts": {"records": 0, "examples": 0, "tokens": 0}, "complete": False, "skips": {"at": [], "reasons": []}}
 
 
 def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_identity: dict[str, Any]) -> Restored:
@@ -138,7 +165,10 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
     every part and each covers the records the build's draws take from it (:func:`packer.building.redraw.drawn`;
     their skips are counted from each entry's list): the entries' files linked (copied across filesystems) under their shared locks, checked there
     against the entries' sizes and sha256s, then assembled in mix order (one part taken whole: its files are
-    the spill as they are). A damaged or foreign entry is removed (``note`` says what was found) and nothing is
+    the spill as they are). When an entry holds fewer records than the draws take (and they are not all its
+    part has), or a part has none (another part has one), the entries are linked and checked all the same and
+    ``rest`` says so: :func:`extend` reads and tokenizes the records beyond them (not for a source given as two
+    parts: tokenized whole). A damaged or foreign entry is removed (``note`` says what was found) and nothing is
     restored; ``into`` is then left empty for the build to tokenize into."""
     try:
         store = cache.Cache(KIND)
@@ -150,7 +180,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
     held: dict[str, cache.Entry] = {}
     try:
         for name, ident in zip(names, idents, strict=True):
-            if name in held:  # two parts of one identity: one entry
+            if name in metas:  # two parts of one identity: one entry
                 continue
             found: list[str] = []
 
@@ -162,25 +192,30 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
 
             entry = _open_existing(store, name, check)
             if entry is None:
-                if not found:
-                    return Restored(False)
-                _remove(store, name)
-                return Restored(False, _damaged(name, found[0]))
+                if found:
+                    _remove(store, name)
+                    return Restored(False, _damaged(name, found[0]))
+                metas[name] = _NONE  # a part without an entry: its records are all beyond it
+                continue
             held[name] = entry
             metas[name] = json.loads((entry.path / META).read_text())
+        if not held:  # no part has an entry: the build tokenizes, as a first one
+            return Restored(False)
         held_records = [redraw.Held(metas[n]["counts"]["records"], metas[n]["complete"]) for n in names]
         src = redraw.drawn(list(parts), stream.seed, stream.limit, held_records)
-        if src is None:
+        if src is None and len(set(names)) < len(names):  # a source given twice would be read twice beyond its entry
             return Restored(False)
-        taken = np.bincount(src, minlength=len(parts))
-        skipped = [redraw.skipped(metas[n]["skips"], int(m)) for n, m in zip(names, taken, strict=True)]
-        whole = len(parts) == 1 and int(taken[0]) == metas[names[0]]["counts"]["records"]
-        _empty(into)
+        whole = src is not None and len(parts) == 1 and int(src.size) == metas[names[0]]["counts"]["records"]
+        _empty(into, keep=REST if src is None else None)  # an interrupted extension's spill is resumed
         for name, entry in held.items():
             where = into if whole else into / PARTS / name
             where.mkdir(parents=True, exist_ok=True)
             for file in spill.FILES:
                 _link_or_copy(entry.path / file, where / file)
+        for name in set(metas) - set(held):  # a part without an entry holds no records
+            (into / PARTS / name).mkdir(parents=True, exist_ok=True)
+            for file in spill.FILES:
+                (into / PARTS / name / file).write_bytes(b"")
     except (OSError, ValueError, KeyError) as e:  # an entry replaced meanwhile by a build keeping more records
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return _undo(store, into, next(iter(held), names[0]), f"it cannot be read ({why})")
@@ -191,16 +226,123 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         problem = _hash_problem(into if whole else into / PARTS / name, metas[name])
         if problem is not None:
             return _undo(store, into, name, problem)
+    if src is None:
+        return Restored(False, rest=Rest(names, {n: dict(m) for n, m in metas.items()}))
+    _finish(into, spill_identity, src, names, metas, whole)
+    _clear(into / PARTS)
+    return Restored(True)
+
+
+def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: list[str],
+            metas: dict[str, dict[str, Any]], whole: bool) -> None:
+    """The spill of the mix whose positions' parts are ``src`` made in ``into`` from the parts' files in
+    ``into / PARTS / name`` (``whole``: one part's files, in ``into`` already, are the spill), and marked finished."""
+    taken = np.bincount(src, minlength=len(names))
+    skipped = [redraw.skipped(metas[n]["skips"], int(m)) for n, m in zip(names, taken, strict=True)]
     if whole:
         counts = metas[names[0]]["counts"]
         examples, tokens = counts["examples"], counts["tokens"]
     else:
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
-        shutil.rmtree(into / PARTS)
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
                                                "skipped": skipped})
-    return Restored(True)
+
+
+@dataclass(frozen=True, slots=True)
+class Extended:
+    """What :func:`extend` did: the records it tokenized of each part (``more``), and each part's files (its
+    entry's and those records', in ``folders[k]``) with what its new entry says (``parts[k]``), or None for a
+    part whose entry stays as it is. :func:`keep` makes them the parts' entries."""
+
+    more: tuple[int, ...]
+    folders: tuple[Path | None, ...]
+    parts: tuple[_Part | None, ...]
+
+
+def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill_identity: dict[str, Any], *,
+           engine, progress: bool) -> Extended:
+    """Tokenize the records the build's draws take beyond what its parts' entries hold (``rest``, linked into
+    ``into`` by :func:`restore`), and only those (:class:`packer.building.extension.Rest`: each part's stream
+    read from where its entry ends, the records encoded by the build's encoders through ``engine``, in a spill
+    of their own in ``into / REST``, resumed after an interrupt), each extended part's files then its entry's
+    followed by its new records (copies: the entries' own files are never written), and the build's spill
+    re-drawn from them in ``into`` as :func:`restore` does, marked finished. A part whose stream ends while it
+    is read has all its records: its new entry says ``complete``, and a weighted mix ends at that draw, as a
+    cold build's does. The new entries are kept by :func:`keep`, once the build has checked that the source did
+    not change while it was read."""
+    parts, n = list(stream.parts), len(stream.parts)
+    metas = [rest.metas[name] for name in rest.names]
+    held = [m["counts"]["records"] for m in metas]
+    complete = [m["complete"] for m in metas]
+    ident = {"rest of": spill_identity, "held": [[name, h, c] for name, h, c in zip(rest.names, held, complete,
+                                                                                     strict=True)]}
+    tokens = spill.tokenize(extension.Rest(stream, tuple(held), tuple(complete)), encoder, into / REST, ident,
+                            engine=engine, progress=progress)
+    records, gone = extension.end(parts, stream.seed, stream.limit, held, tokens.records)
+    src = mix.positions_sources(parts, stream.seed, records)
+    more = [max(0, int(t) - h) for t, h in zip(np.bincount(src, minlength=n), held, strict=True)]
+    news = [into / PARTS / f"{k}.new" if more[k] else None for k in range(n)]
+    if any(news):  # each part's new records, their ids the records' indices in the part
+        redraw.split(into / REST, tokens.lengths, np.asarray(tokens.example_ids), src, news)
+    folders: list[Path | None] = [None] * n
+    kept: list[_Part | None] = [None] * n
+    for k, name in enumerate(rest.names):
+        if not more[k] and not (gone == k and not complete[k]):
+            continue  # its entry holds every record the draws take, and says whether that is all
+        where = into / PARTS / name
+        at: list[int] = []
+        reasons: list[str] = []
+        sure = True  # each new skipped record's reason known (else the part's entry is not kept)
+        if more[k]:
+            ids = np.fromfile(news[k] / "example_ids.bin", np.int64)
+            at = (redraw.skipped_at(ids - held[k], more[k]) + held[k]).tolist()
+            counted = sorted(r for r, c in tokens.skipped.by_part[k].items() for _ in range(c))
+            # one reason: every skipped record's; several: each record read again and encoded alone
+            reasons = (counted if len(set(counted)) < 2 else
+                       _reasons(stream.streams[k], encoder.encoders[k], encoder.wheres[k], at))
+            if sorted(reasons) != counted:  # this build counts its skips all the same: it takes every one
+                reasons, sure = counted, False
+            for file in spill.FILES:  # a copy of the entry's file (never written: linked), the new records after it
+                with open(where / f"{file}.tmp", "wb") as out:
+                    with open(where / file, "rb") as old:
+                        shutil.copyfileobj(old, out, 1 << 20)
+                    with open(news[k] / file, "rb") as new:
+                        shutil.copyfileobj(new, out, 1 << 20)
+                os.replace(where / f"{file}.tmp", where / file)
+        meta = metas[k]
+        skips = {"at": meta["skips"]["at"] + at, "reasons": meta["skips"]["reasons"] + reasons}
+        kept[k] = (_Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"])
+                   if sure and held[k] + more[k] else None)
+        meta["counts"] = {"records": held[k] + more[k], "examples": (where / "lengths.bin").stat().st_size // 4,
+                          "tokens": (where / "ids.bin").stat().st_size // 4}
+        meta["skips"] = skips
+        folders[k] = where
+    whole = n == 1 and int(src.size) == metas[0]["counts"]["records"]
+    if whole:  # one part taken whole: its files are the spill
+        for file in spill.FILES:
+            os.replace(into / PARTS / rest.names[0] / file, into / file)
+        folders[0] = into if folders[0] is not None else None
+    _finish(into, spill_identity, src, rest.names, rest.metas, whole)
+    shutil.rmtree(into / REST, ignore_errors=True)
+    return Extended(tuple(more), tuple(folders), tuple(kept))
+
+
+def keep(extended: Extended, idents: list[dict[str, Any]], abouts: list[dict[str, Any]], into: Path) -> str | None:
+    """Keep each part :func:`extend` extended as its entry, replacing the one of fewer records (unless another
+    build has meanwhile kept as many); then the parts' files in ``into`` are removed. Returns None, or the one
+    warning that the store was skipped and why, as :func:`save` does."""
+    try:
+        store = cache.Cache(KIND)
+        for k, (part, where) in enumerate(zip(extended.parts, extended.folders, strict=True)):
+            if part is None or where is None:
+                continue
+            _keep(store, key(idents[k]), idents[k], where, part, abouts[k], _bytes(where))
+    except (OSError, cache.CacheError) as e:
+        return _skipped(e)
+    finally:
+        _clear(into / PARTS)
+    return None
 
 
 def _undo(store: cache.Cache, into: Path, name: str, problem: str) -> Restored:
@@ -274,9 +416,15 @@ def _hash_problem(where: Path, meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _empty(into: Path) -> None:
-    shutil.rmtree(into, ignore_errors=True)
-    into.mkdir(parents=True)
+def _empty(into: Path, keep: str | None = None) -> None:
+    """``into`` made empty, but for its file or folder ``keep``."""
+    if keep is None or not (into / keep).exists():
+        shutil.rmtree(into, ignore_errors=True)
+    else:
+        for path in into.iterdir():
+            if path.name != keep:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink()
+    into.mkdir(parents=True, exist_ok=True)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -349,46 +497,69 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
                 continue
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
 
-            def make(temp: Path, k=k, ident=ident, where=where) -> None:
+            def prepare(k=k, where=where) -> list[str]:  # done only when the part is kept
                 reasons = mine[k].reasons
-                if reasons is None:  # read only when the part is kept
+                if reasons is None:
                     reasons = _reasons(stream.streams[k], encoder.encoders[k], encoder.wheres[k], mine[k].skipped_at)
                     if sorted(reasons) != sorted(r for r, n in tokens.skipped.by_part[k].items() for _ in range(n)):
                         raise cache.CacheError(f"part {k + 1}'s skipped records read again give other reasons")
                 if not where.is_dir():  # split out once a part needs keeping
                     redraw.split(tokens.folder, tokens.lengths, ex, src,
                                  [split_at / str(j) if kept[names[j]] == j else None for j in range(len(parts))])
-                temp.mkdir()
-                files = {}
-                for file in spill.FILES:
-                    _link_or_copy(where / file, temp / file)
-                    files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
-                counts = {"records": mine[k].records, "examples": files["lengths.bin"]["bytes"] // 4,
-                          "tokens": files["ids.bin"]["bytes"] // 4}
-                meta = {"identity": ident, "counts": counts, "complete": mine[k].complete,
-                        "skips": {"at": mine[k].skipped_at, "reasons": reasons}, "files": files,
-                        "about": abouts[k], "created": time.time()}
-                (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
-
-            def check(path: Path, full: bool, ident=ident, k=k) -> str | None:
-                problem = _entry_problem(path, ident, full)
-                if problem is None and not _covers(path, mine[k]):
-                    return "it holds fewer records than this build's"
-                return problem
+                return reasons
 
             size = (sum((tokens.folder / file).stat().st_size for file in spill.FILES) if len(parts) == 1 else
                     _part_bytes(tokens, ex, src, k))
-            if store.limit is not None and size > store.limit:
-                continue
-            with store.open(name, make, check, full=True, size_hint=size):
-                pass
+            _keep(store, name, ident, where, mine[k], abouts[k], size, prepare)
     except (OSError, cache.CacheError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return (f"the token store was skipped ({why}): the build is complete, but a build that differs only in "
-                f"packing will tokenize again; free space in {folder()} or pass --no-cache")
+        return _skipped(e)
     finally:
         _clear(split_at)
     return None
+
+
+def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, part: _Part, about: dict[str, Any],
+          size: int, prepare=None) -> None:
+    """Make the files in ``where`` (``size`` bytes) entry ``name`` of identity ``ident``, holding ``part``'s
+    records, unless a sound entry there holds as many already (one of fewer records is replaced) or the entry
+    is larger than the cache's whole limit. ``prepare()``, when given, runs first and only if the entry is
+    made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``)."""
+    if store.limit is not None and size > store.limit:
+        return
+
+    def make(temp: Path) -> None:
+        reasons = part.reasons if prepare is None else prepare()
+        temp.mkdir()
+        files = {}
+        for file in spill.FILES:
+            _link_or_copy(where / file, temp / file)
+            files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
+        counts = {"records": part.records, "examples": files["lengths.bin"]["bytes"] // 4,
+                  "tokens": files["ids.bin"]["bytes"] // 4}
+        meta = {"identity": ident, "counts": counts, "complete": part.complete,
+                "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
+                "about": about, "created": time.time()}
+        (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
+
+    def check(path: Path, full: bool) -> str | None:
+        problem = _entry_problem(path, ident, full)
+        if problem is None and not _covers(path, part):
+            return "it holds fewer records than this build's"
+        return problem
+
+    with store.open(name, make, check, full=True, size_hint=size):
+        pass
+
+
+def _skipped(e: Exception) -> str:
+    """The one warning of a store that could not be written (a full disk): the build is whole all the same."""
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return (f"the token store was skipped ({why}): the build is complete, but a build that differs only in "
+            f"packing will tokenize again; free space in {folder()} or pass --no-cache")
+
+
+def _bytes(where: Path) -> int:
+    return sum((where / file).stat().st_size for file in spill.FILES)
 
 
 def _clear(folder: Path) -> None:
@@ -399,10 +570,10 @@ def _clear(folder: Path) -> None:
 def _reasons(stream, encoder, where: str, at: list[int]) -> list[str]:
     """The reason each record of ``stream`` at indices ``at`` (ascending) is skipped for: those records read
     again and each encoded alone by the part's ``encoder``, which says why it skips it (the spill counts a
-    part's skips by reason only). Reads the part up to its last skipped record; tokenizes none."""
+    part's skips by reason only). Reads the part from its first skipped record to its last; tokenizes none."""
     found: dict[int, str] = {}
     want = set(at)
-    for first, batch in stream.chunks(0, spill.CHUNK):
+    for first, batch in stream.chunks(at[0], spill.CHUNK):  # the records before it passed over
         n = len(next(iter(batch.values()))) if batch else 0
         for i in sorted(want.intersection(range(first, first + n))):
             encoded = encoder.encode({c: v[i - first:i - first + 1] for c, v in batch.items()}, i, where=where)
