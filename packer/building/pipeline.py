@@ -331,23 +331,19 @@ def _check_id_range(tokenizer, name: str) -> int:
     return max(top + 1, len(tokenizer))
 
 
-def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
-           ) -> BuildResult:
-    started = time.perf_counter()
-    # with the token store on, a tokenizer folder met before is rebuilt from its kept parts, without transformers
-    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
-                               memo=token_store.TOKENIZERS if config.cache else None)
-    id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
-    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
-    config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
-    identity = {"config": config.identity(),
-                "tokenizer": image_build.tokenizer_record(config, tokenizer_info(tokenizer, config.tokenizer or BUNDLED)),
-                "source": opened.source}
-    previous = output.check(out, identity, config.overwrite)
-    if previous is not None:
-        return BuildResult(out, previous, True, time.perf_counter() - started)
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    spill: spill.Spill
+    from_store: bool  # re-drawn from the token store's entries (some records tokenized: ``extended``)
+    extended: tuple[int, ...] | None  # records tokenized beyond each part's entry; None: no extension
+    warnings: tuple[str, ...]
 
-    output.prepare(out, staging)  # a matching interrupted spill is resumed
+
+def _tokens(config: BuildConfig, opened: Opened, identity: dict[str, Any], staging: Path, engine: engines.Engine, *,
+            progress: bool) -> _Tokens:
+    """The build's finished token spill in ``staging``: an interrupted run's (resumed), the token store's (re-drawn
+    from its parts' entries, tokenizing only the records beyond them), or the source tokenized; what was tokenized
+    is kept in the store."""
     # an image build's images live beside its spill (image_spill), which the token store does not keep
     parts = source_parts(config)
     stored = (token_store.identities(config, identity["tokenizer"], parts, opened.source, opened.encoder)
@@ -373,6 +369,29 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     elif stored is not None and not restored.hit and len(tokens.lengths):
         skipped_store = token_store.save(stored, opened.stream, opened.encoder, tokens, abouts)
         warnings += () if skipped_store is None else (skipped_store,)
+    from_store = restored.hit or extended is not None
+    return _Tokens(tokens, from_store, None if extended is None else extended.more, warnings)
+
+
+def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path, *, progress: bool = False
+           ) -> BuildResult:
+    started = time.perf_counter()
+    # with the token store on, a tokenizer folder met before is rebuilt from its kept parts, without transformers
+    tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
+                               memo=token_store.TOKENIZERS if config.cache else None)
+    id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
+    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
+    config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
+    identity = {"config": config.identity(),
+                "tokenizer": image_build.tokenizer_record(config, tokenizer_info(tokenizer, config.tokenizer or BUNDLED)),
+                "source": opened.source}
+    previous = output.check(out, identity, config.overwrite)
+    if previous is not None:
+        return BuildResult(out, previous, True, time.perf_counter() - started)
+
+    output.prepare(out, staging)  # a matching interrupted spill is resumed
+    got = _tokens(config, opened, identity, staging, engine, progress=progress)
+    tokens, warnings = got.spill, got.warnings
     lengths, skipped = tokens.lengths, tokens.skipped
     if len(lengths) == 0:
         raise SourceError(f"{opened.stream.name}: every record was skipped ({skipped}); nothing to pack")
@@ -410,10 +429,8 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
         columns=row_format.columns(),
     )
     output.commit(out, staging, manifest)
-    from_store = restored.hit or extended is not None
     return BuildResult(out, manifest, False, time.perf_counter() - started,
-                       None if from_store else tokens.reused_records, from_store, warnings,
-                       None if extended is None else extended.more)
+                       None if got.from_store else tokens.reused_records, got.from_store, warnings, got.extended)
 
 
 def _about(part: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
