@@ -161,6 +161,9 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     rebuilt = load_tokenizer(str(path), memo=token_store.TOKENIZERS)
     assert type(rebuilt.backend_tokenizer) is type(loaded.backend_tokenizer) and rebuilt is not loaded
     assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t")
+    # what the rebuilt one records (kept, not made again) is what it is: its own serialisation and ids
+    assert rebuilt.backend_tokenizer.to_str() == rebuilt.serialized() == loaded.backend_tokenizer.to_str()
+    assert rebuilt.top_id() == max(rebuilt.backend_tokenizer.get_vocab(with_added_tokens=True).values()) > 0
     assert rebuilt.special_tokens_map == loaded.special_tokens_map and rebuilt.chat_template == loaded.chat_template
     assert rebuilt.control_tokens() == loaded.control_tokens()
     texts = ["Hello world!  你好 🙂\n\n  spaced", f"{loaded.eos_token} and <|im_start|>user\nhi<|im_end|>", ""]

@@ -322,7 +322,7 @@ def _check_id_range(tokenizer, name: str) -> int:
     """Refuse token ids the int32 rows cannot hold, before anything costs: serialising a vocab with such
     an id (its fingerprint) walks every id below it (minutes and gigabytes). One pass over the vocab.
     Returns one past the largest id (and at least the vocab's size): what format 2's ids must hold."""
-    top = max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+    top = tokenizer.top_id()
     if top > ROW_LIMIT:
         raise TokenizerError(
             f"--tokenizer {name}: has a token id of {top:,}, beyond the {ROW_LIMIT:,} of the int32 ids packer "

@@ -654,8 +654,7 @@ class _Tokenizers:
         """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
         below it, which the build refuses first). A failure only means the next build loads it again."""
         name = _tokenizer_key(folder)
-        if name is None or max(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).values(),
-                               default=0) > ROW_LIMIT:
+        if name is None or tokenizer.top_id() > ROW_LIMIT:
             return
         body = json.dumps(tokenizer.parts()).encode()
         data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body

@@ -59,8 +59,23 @@ class Tokenizer:
     def parts(self) -> dict[str, Any]:
         """What this tokenizer is made of, as JSON: the Rust tokenizer transformers built (serialised whole: its
         fingerprint is this text's sha256), the named special tokens and the chat template(s)."""
-        return {"backend": self.backend_tokenizer.to_str(), "special_tokens_map": self.special_tokens_map,
-                "chat_template": self.chat_template}
+        return {"backend": self.serialized(), "special_tokens_map": self.special_tokens_map,
+                "chat_template": self.chat_template, "top_id": self.top_id()}
+
+    # A large vocabulary's serialisation and id map each take 0.1-0.4 s, and a build asks for each twice or more (its
+    # fingerprint and the kept parts; the id range and the kept parts): made once per tokenizer, which packer never
+    # changes once loaded.
+    def serialized(self) -> str:
+        """The Rust tokenizer serialised whole (``tokenizers.Tokenizer.to_str``): its fingerprint is its sha256."""
+        if getattr(self, "_serialized", None) is None:
+            self._serialized = self.backend_tokenizer.to_str()
+        return self._serialized
+
+    def top_id(self) -> int:
+        """The largest token id of the vocabulary, added tokens included (0 for an empty one)."""
+        if getattr(self, "_top_id", None) is None:
+            self._top_id = max(self.backend_tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+        return self._top_id
 
     @classmethod
     def from_parts(cls, name_or_path: str, parts: dict[str, Any]) -> Tokenizer:
@@ -71,6 +86,8 @@ class Tokenizer:
         self = cls.__new__(cls)
         self._take(name_or_path, Backend.from_str(parts["backend"]), dict(parts["special_tokens_map"]),
                    parts["chat_template"])
+        self._serialized = parts["backend"]  # what the cold load serialised: the same fingerprint, not made again
+        self._top_id = parts.get("top_id")  # likewise (parts kept before it was: found again)
         return self
 
     def __len__(self) -> int:
@@ -205,7 +222,7 @@ def _from_hub(repo_id: str) -> Path:
 
 def tokenizer_info(tokenizer, name_or_path: str) -> dict[str, Any]:
     """What the manifest records: enough to recognise the same tokenizer (fingerprint) later."""
-    serialized = tokenizer.backend_tokenizer.to_str()
+    serialized = tokenizer.serialized() if isinstance(tokenizer, Tokenizer) else tokenizer.backend_tokenizer.to_str()
     template = getattr(tokenizer, "chat_template", None)
     return {
         "name_or_path": name_or_path,
