@@ -82,3 +82,35 @@ def test_two_workers_give_the_chunks_and_the_first_error(tmp_path, tokenizer):
     opened, chunks = _opened(tmp_path, tokenizer, config, skip=False)
     with pytest.raises(RecordError, match=r"record 1301: "):
         list(engines._pool_chunks(iter(chunks), opened.encoder, 2))
+
+
+def test_a_worker_killed_mid_build_is_one_line_and_the_rerun_builds(tmp_path, monkeypatch):
+    """A worker that dies without a word (SIGKILL: the OOM killer's way) ends the build in one line, exit 2, naming
+    its exit code; nothing is committed and the rerun, with every worker alive, builds the folder. (The kill comes
+    from inside the forked worker, at its third task, so its moment does not depend on the machine's load.)"""
+    import os
+    import signal
+
+    from click.testing import CliRunner
+    from conftest import one_line
+
+    from packer.building import tokenization
+    from packer.cli import main
+    from packer.contract import schema
+
+    real, calls = tokenization.Encoder.encode, []
+
+    def encode(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3 and os.getpid() != parent:  # in a worker (its own copy of calls, from the fork)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *a, **kw)
+
+    parent = os.getpid()
+    monkeypatch.setattr(tokenization.Encoder, "encode", encode)
+    args = ["build", "flan", "--limit", "3000", "-j", "2", "-q", "--out", str(tmp_path / "out")]
+    line = one_line(CliRunner().invoke(main, args))
+    assert line.startswith("packer: error: a tokenizing worker process died (exit code -9)") and "-j 1" in line, line
+    assert not (tmp_path / "out" / schema.MANIFEST_NAME).exists()
+    monkeypatch.setattr(tokenization.Encoder, "encode", real)
+    assert CliRunner().invoke(main, args).exit_code == 0 and (tmp_path / "out" / schema.MANIFEST_NAME).exists()
