@@ -251,7 +251,7 @@ class _Workers:
         i = self.conns.index(conn)
         try:
             outcome = conn.recv()
-        except EOFError:  # the worker died without a word (killed, out of memory)
+        except (EOFError, OSError):  # the worker died without a word (killed, out of memory), or in mid-message
             self.procs[i].join(1)
             code = self.procs[i].exitcode
             raise WorkerError(f"a tokenizing worker process died (exit code {code}); rerun, or pass -j 1") from None
