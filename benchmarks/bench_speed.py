@@ -106,7 +106,7 @@ SOURCE_ONLY = False  # --source-only: packer's modules compiled at every start (
 
 def cold_env(tmp: Path) -> dict[str, str]:
     """A cold `datasets` cache, and packer's cache (``$PACKER_CACHE``) without tokens: what a first build of
-    new data finds. The tokenizer's kept parts stay (``packer.building.token_store.TOKENIZERS``: a tokenizer
+    new data finds. The tokenizer's kept parts stay (``packer.building.kept_tokenizers.TOKENIZERS``: a tokenizer
     met before, as on any machine after its first build); ``--no-cache`` runs show the build without them.
     packer's bytecode is kept in ``tmp`` (an installed package's modules are compiled), unless --source-only."""
     cache = tmp / "hf-datasets-cache"

@@ -197,6 +197,10 @@ def _fsync_tree(path: Path) -> None:
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
+class _NotMade(Exception):
+    """What :meth:`Cache.find`'s maker raises: a lookup never makes an entry."""
+
+
 class Cache:
     """The entries of one ``kind`` (a folder name: ``shards``, ``tokens``) under a cache root, with the
     root's limit. Cheap to make; holds no state but its paths (every process makes its own)."""
@@ -256,6 +260,20 @@ class Cache:
         except BaseException:
             os.close(fd)
             raise
+
+    def find(self, key: str, check: Callable[[Path, bool], str | None] | None = None) -> Entry | None:
+        """Entry ``key`` opened as :meth:`open` opens it (kept from eviction until closed) if it is there and passes
+        ``check``; None otherwise, and nothing is made: a lookup, for entries only a later step makes."""
+        if not self.path(key).exists():
+            return None
+
+        def declined(_tmp: Path) -> None:
+            raise _NotMade
+
+        try:
+            return self.open(key, declined, check)
+        except _NotMade:
+            return None
 
     @contextlib.contextmanager
     def _making(self, key: str) -> Iterator[None]:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packer import BuildConfig, build, cache
-from packer.building import token_store
+from packer.building import kept_tokenizers, token_store
 from packer.building.tokenization import load_tokenizer, tokenizer_info
 from packer.checking.verify import verify
 from packer.cli import main
@@ -157,8 +157,8 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     """The parts a build keeps give transformers' tokenizer back (its fingerprint, ids and offsets, special
     tokens, chat templates) by the Rust library alone; damaged parts are not used."""
     path = ROOT / "packer" / "data" / "tokenizer" if folder == "bundled" else need_shared(folder)
-    loaded = load_tokenizer(str(path), memo=token_store.TOKENIZERS)  # loaded by transformers, its parts kept
-    rebuilt = load_tokenizer(str(path), memo=token_store.TOKENIZERS)
+    loaded = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)  # loaded by transformers, its parts kept
+    rebuilt = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)
     assert type(rebuilt.backend_tokenizer) is type(loaded.backend_tokenizer) and rebuilt is not loaded
     assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t")
     # what the rebuilt one records (kept, not made again) is what it is: its own serialisation and ids
@@ -170,11 +170,11 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     for a, b in zip(loaded.backend_tokenizer.encode_batch(texts), rebuilt.backend_tokenizer.encode_batch(texts),
                     strict=True):
         assert (a.ids, a.offsets) == (b.ids, b.offsets)
-    kept = next(cache.Cache(token_store.FACTS).folder.glob("*.json"))
+    kept = next(cache.Cache(kept_tokenizers.FACTS).folder.glob("*.json"))
     data = bytearray(kept.read_bytes())
     data[len(data) // 2] ^= 1  # one bit of the serialised tokenizer
     kept.write_bytes(bytes(data))
-    assert token_store.TOKENIZERS.get(path) is None
+    assert kept_tokenizers.TOKENIZERS.get(path) is None
 
 
 # -- never trusted blindly: the property ------------------------------------------------------------------

@@ -30,7 +30,7 @@ from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
-from . import engines, image_build, mix, output, sources, spill, token_store
+from . import engines, image_build, kept_tokenizers, mix, output, sources, spill, token_store
 from .formatting import make_spec
 from .preference import PairEncoder
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
@@ -378,7 +378,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     started = time.perf_counter()
     # with the token store on, a tokenizer folder met before is rebuilt from its kept parts, without transformers
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
-                               memo=token_store.TOKENIZERS if config.cache else None)
+                               memo=kept_tokenizers.TOKENIZERS if config.cache else None)
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded

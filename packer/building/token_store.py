@@ -54,16 +54,15 @@ import shutil
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import __version__, cache
-from ..contract.config import ROW_LIMIT, BuildConfig
+from ..contract.config import BuildConfig
 from ..fs import file_sha256
-from . import extension, mix, redraw, spill
+from . import extension, kept_tokenizers, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
 STORE_VERSION = 2  # bump when what an entry holds or means changes: entries of another version are never used
@@ -112,25 +111,6 @@ def key(ident: dict[str, Any]) -> str:
 def folder() -> Path:
     """The store's folder in the cache root."""
     return cache.root() / KIND
-
-
-class _Missing(Exception):
-    """Raised by a lookup's maker: a lookup never makes an entry (only a build's tokens do, in :func:`save`)."""
-
-
-def _missing(_tmp: Path) -> None:
-    raise _Missing
-
-
-def _open_existing(store: cache.Cache, name: str, check) -> cache.Entry | None:
-    """Entry ``name`` opened (shared lock: not evicted while open) if it is there and passes ``check``; None
-    otherwise (``Cache.open`` then asks the maker for a new one, and the maker declines)."""
-    if not store.path(name).exists():
-        return None
-    try:
-        return store.open(name, _missing, check)
-    except _Missing:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +170,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
                     found.append(problem)
                 return problem
 
-            entry = _open_existing(store, name, check)
+            entry = store.find(name, check)
             if entry is None:
                 if found:
                     _remove(store, name)
@@ -589,83 +569,6 @@ def _part_bytes(tokens: spill.Spill, example_ids: np.ndarray, src: np.ndarray, k
     return 5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
 
 
-# -- tokenizers met before -----------------------------------------------------------------------------------
-# Loading a tokenizer by its transformers class imports transformers: most of a small build's start, and most of a
-# re-plan's. So a build that loads a tokenizer folder keeps its parts (``Tokenizer.parts``: the Rust tokenizer
-# transformers built, serialised whole, its special tokens and chat templates) in ``<cache root>/tokenizers/<key>``,
-# keyed by the content of every file of the folder (transformers reads several) and the versions of packer,
-# transformers and tokenizers; a later build of a folder whose files hash to that key rebuilds the same tokenizer
-# from them with the Rust library alone. The parts' own sha256 is kept beside them and checked on every use.
-
-FACTS = "tokenizers"  # their kind in the cache root (each a JSON file, evicted as any entry)
-_HASHED_UP_TO = 64 << 20  # larger files of a tokenizer folder (a model's weights beside it) count by size and mtime
-
-
-def _tokenizer_key(base: Path) -> str | None:
-    """The key of tokenizer folder ``base`` as its files are now (None when it cannot be read)."""
-    try:
-        # the installed versions, read from their metadata: importing transformers is what this spares
-        versions = [__version__, *(metadata.version(d) for d in ("transformers", "tokenizers"))]
-        digest = hashlib.sha256(_canonical(versions).encode())
-        for path in sorted(base.rglob("*")):
-            if path.is_file():
-                st = path.stat()
-                what = file_sha256(path) if st.st_size <= _HASHED_UP_TO else f"{st.st_size}:{st.st_mtime_ns}"
-                digest.update(_canonical([path.relative_to(base).as_posix(), what]).encode())
-    except (OSError, metadata.PackageNotFoundError):
-        return None
-    return digest.hexdigest()[:32] + ".json"
-
-
-def _read_parts(path: Path) -> dict[str, Any]:
-    """The parts kept in ``path``: a first line holding the sha256 of the JSON after it, checked."""
-    data = path.read_bytes()
-    digest, _, body = data.partition(b"\n")
-    if hashlib.sha256(body).hexdigest().encode() != digest:
-        raise ValueError("its sha256 differs")
-    return json.loads(body)
-
-
-def _parts_problem(path: Path, full: bool) -> str | None:
-    try:
-        _read_parts(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable or damaged"
-    return None
-
-
-class _Tokenizers:
-    """The tokenization.Memo of the cache: each tokenizer folder's parts."""
-
-    def get(self, folder: Path) -> dict[str, Any] | None:
-        name = _tokenizer_key(folder)
-        if name is None:
-            return None
-        try:
-            entry = _open_existing(cache.Cache(FACTS), name, _parts_problem)
-            if entry is None:
-                return None
-            with entry:
-                return _read_parts(entry.path)
-        except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
-            return None
-
-    def put(self, folder: Path, tokenizer) -> None:
-        """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
-        below it, which the build refuses first). A failure only means the next build loads it again."""
-        name = _tokenizer_key(folder)
-        if name is None or tokenizer.top_id() > ROW_LIMIT:
-            return
-        body = json.dumps(tokenizer.parts()).encode()
-        data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
-        with suppress(OSError, cache.CacheError), cache.Cache(FACTS).open(name, lambda tmp: tmp.write_bytes(data),
-                                                                           _parts_problem):
-            pass
-
-
-TOKENIZERS = _Tokenizers()
-
-
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One entry as ``packer cache`` lists it."""
@@ -706,7 +609,5 @@ def clear() -> int:
         _remove(store, e.path.name)
         if not e.path.exists():
             freed += e.bytes
-    facts = cache.Cache(FACTS)
-    for path in facts.folder.glob("*.json"):
-        _remove(facts, path.name)
+    kept_tokenizers.clear()
     return freed

@@ -137,7 +137,7 @@ def _read_json(path: Path) -> dict:
 
 
 class Memo(Protocol):
-    """Where the parts of tokenizer folders met before are kept (``packer.building.token_store.TOKENIZERS``)."""
+    """Where the parts of tokenizer folders met before are kept (``packer.building.kept_tokenizers.TOKENIZERS``)."""
 
     def get(self, folder: Path) -> dict[str, Any] | None: ...
 
