@@ -114,3 +114,21 @@ def test_a_worker_killed_mid_build_is_one_line_and_the_rerun_builds(tmp_path, mo
     assert not (tmp_path / "out" / schema.MANIFEST_NAME).exists()
     monkeypatch.setattr(tokenization.Encoder, "encode", real)
     assert CliRunner().invoke(main, args).exit_code == 0 and (tmp_path / "out" / schema.MANIFEST_NAME).exists()
+
+
+def test_a_chunk_of_positions_with_gaps_is_cut_by_its_records(tmp_path, tokenizer):
+    """An extension's chunk holds only the positions no token store entry holds (gaps between them): its tasks
+    are runs of its records, every record in exactly one, in order (cut by position, the records past the
+    chunk's first size positions were lost)."""
+    from packer.building.mix import MixChunk
+
+    records = [{"prompt": f"Add {i} and {i}.", "completion": f" {2 * i}"} for i in range(700)]
+    config = BuildConfig(source=_write(tmp_path / "a.jsonl", records), out="-")
+    opened, (chunk,) = _opened(tmp_path, tokenizer, config, skip=False)
+    (k, first, columns, positions), = chunk.pieces
+    gapped = MixChunk(((k, first, columns, positions * 3 + 7),), chunk.size)  # positions 7, 10, 13, ...
+    tasks = engines._tasks(gapped, 250)
+    assert [t.size for t in tasks] == [250, 250, 200]
+    assert np.array_equal(np.concatenate([p[3] for t in tasks for p in t.pieces]), positions * 3 + 7)
+    assert [p[1] for t in tasks for p in t.pieces] == [0, 250, 500]
+    _same(engines._joined([opened.encoder.encode(t) for t in tasks]), opened.encoder.encode(gapped))

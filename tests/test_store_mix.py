@@ -457,3 +457,25 @@ def test_an_interrupted_extension_resumes_where_it_stopped(data, tmp_path, monke
     result = build(BuildConfig(out=str(tmp_path / "out"), **options))
     assert firsts[0] == [24] and result.extended == (A_RECORDS - 18, 0) and digest(tmp_path / "out") == expected
     assert meta_of("a.jsonl")["complete"]
+
+
+def test_an_extension_of_thousands_of_records_through_two_workers_is_the_cold_build(tmp_path):
+    """Where the store meets the pool (every test above runs -j 1 on a few records): an extension's chunks hold only
+    the positions no entry holds, so they are not consecutive, and the pool cuts each into tasks by its records'
+    rank (it cut by position and lost records: the mix then ended early, or the build failed). Weights 0.5/0.5
+    then 0.7/0.3 over 3,000 + 1,000 records: 1,210 records of part 1 tokenized by two workers, the cold build's
+    bytes."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"prompt": f"Add {i} and {i}.", "completion": f" {2 * i}"}) + "\n"
+                                              for i in range(3000)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"prompt": f"Double {i}.", "completion": f" {2 * i}"}) + "\n"
+                                              for i in range(1000)))
+
+    def options(weights):
+        parts = tuple({"source": str(tmp_path / f"{n}.jsonl"), "weight": w} for n, w in zip("ab", weights, strict=True))
+        return dict(source="a+b", mix=parts, num_proc=2)
+
+    build(BuildConfig(out=str(tmp_path / "first"), **options((0.5, 0.5))))
+    again = build(BuildConfig(out=str(tmp_path / "again"), **options((0.7, 0.3))))
+    assert again.replanned and again.extended == (1210, 0)
+    build(BuildConfig(out=str(tmp_path / "cold"), cache=False, **options((0.7, 0.3))))
+    assert digest(tmp_path / "again") == digest(tmp_path / "cold")

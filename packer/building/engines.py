@@ -114,19 +114,22 @@ def _splittable(encoder: MixEncoder) -> bool:
 
 
 def _tasks(chunk: MixChunk, size: int) -> list[MixChunk]:
-    """``chunk`` cut into runs of at most ``size`` consecutive mix positions, each a chunk of its own: a
-    part's records in a run are a slice of its records (its positions increase), first index moved on."""
+    """``chunk`` cut into runs of at most ``size`` of its records, in mix order, each a chunk of its own: a part's
+    records in a run are a slice of its records (its positions increase), first index moved on. Cut by the
+    records' rank, not by position: a chunk's positions need not be consecutive (an extension's chunk holds only
+    the positions no token store entry holds: :mod:`packer.building.extension`)."""
     if chunk.size <= size:
         return [chunk]
-    base = min(int(positions[0]) for _, _, _, positions in chunk.pieces if positions.size)
+    every = np.sort(np.concatenate([positions for _, _, _, positions in chunk.pieces]))
     out = []
-    for lo in range(base, base + chunk.size, size):
-        hi = min(lo + size, base + chunk.size)
+    for lo in range(0, every.size, size):
+        hi = min(lo + size, every.size)
+        first, last = int(every[lo]), int(every[hi - 1])
         pieces = []
-        for k, first, records, positions in chunk.pieces:
-            a, b = (int(i) for i in np.searchsorted(positions, [lo, hi]))
+        for k, start, records, positions in chunk.pieces:
+            a, b = (int(i) for i in np.searchsorted(positions, [first, last + 1]))
             if b > a:
-                pieces.append((k, first + a, {c: v[a:b] for c, v in records.items()}, positions[a:b]))
+                pieces.append((k, start + a, {c: v[a:b] for c, v in records.items()}, positions[a:b]))
         out.append(MixChunk(tuple(pieces), hi - lo))
     return out
 
