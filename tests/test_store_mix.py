@@ -479,3 +479,36 @@ def test_an_extension_of_thousands_of_records_through_two_workers_is_the_cold_bu
     assert again.replanned and again.extended == (1210, 0)
     build(BuildConfig(out=str(tmp_path / "cold"), cache=False, **options((0.7, 0.3))))
     assert digest(tmp_path / "again") == digest(tmp_path / "cold")
+
+
+def test_a_part_read_by_a_records_count_is_never_all_of_its_source(data, tmp_path):
+    """A one-part mix reading 30 of a.jsonl's 48 records by a count keeps an entry of 30 records, not all of the
+    source: the one-source build of a.jsonl after it takes those 30 and tokenizes the 18 after them (it was cut
+    short at 30, the source's entry marked complete), the cold build's bytes."""
+    part = {"source": str(data / "a.jsonl"), "records": 30}
+    build(BuildConfig(out=str(tmp_path / "counted"), source=part["source"], mix=(part,), on_error="skip", num_proc=1))
+    assert meta_of("a.jsonl")["complete"] is False
+    one = dict(source=str(data / "a.jsonl"), on_error="skip", num_proc=1)
+    after = build(BuildConfig(out=str(tmp_path / "one"), **one))
+    assert after.extended == (A_RECORDS - 30,)
+    assert digest(tmp_path / "one") == cold(one)[0]
+
+
+def test_what_the_store_keys_and_what_it_will_not_key(data):
+    """The libraries that make the tokens are in every part's identity; a Hub source read offline (no revision to
+    pin its content) gets none, so such a build neither uses nor keeps entries."""
+    from packer.building.pipeline import open_source, tokenizer_path
+    from packer.building.tokenization import load_tokenizer, tokenizer_info
+
+    config = BuildConfig(out="-", **mixed(data))
+    tokenizer = load_tokenizer(tokenizer_path(None))
+    opened = open_source(config, tokenizer, skip_errors=True)
+    info = tokenizer_info(tokenizer, "bundled")
+    idents = token_store.identities(config, info, tuple(config.mix), opened.source, opened.encoder)
+    assert [set(i["libraries"]) for i in idents] == [{"tokenizers", "transformers", "jinja2"}] * 2
+    assert all(i["libraries"]["tokenizers"] for i in idents)
+    hub = {**opened.source, "parts": [opened.source["parts"][0], {"source": "owner/name", "kind": "hub", "id": "owner/name",
+                                                                   "config": None, "split": "train", "revision": None}]}
+    assert token_store.identities(config, info, tuple(config.mix), hub, opened.encoder) is None
+    hub["parts"][1]["revision"] = "0123abcd"
+    assert token_store.identities(config, info, tuple(config.mix), hub, opened.encoder) is not None

@@ -54,6 +54,7 @@ import shutil
 import time
 from contextlib import suppress
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from ..fs import file_sha256
 from . import extension, kept_tokenizers, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
-STORE_VERSION = 2  # bump when what an entry holds or means changes: entries of another version are never used
+STORE_VERSION = 3  # bump when what an entry holds or means changes: entries of another version are never used
 KIND = "tokens"  # the store's folder in the cache root
 META = "meta.json"
 PARTS = ".parts"  # in a build's spill folder: the parts' files while they are linked in, re-drawn or split out
@@ -79,7 +80,7 @@ _NOT_A_PARTS = frozenset({"source", "recipe", "split", "mix", "limit", "chat_tem
 
 
 def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict[str, Any], ...],
-               source: dict[str, Any], encoder: MixEncoder) -> list[dict[str, Any]]:
+               source: dict[str, Any], encoder: MixEncoder) -> list[dict[str, Any]] | None:
     """What each part's tokens depend on (one part for a one-source build): every recorded config field
     that acts before planning and is no part's own (so a field added later counts until it is known not
     to), the part as the config gives it but for its weight or count (its source, recipe, split, files,
@@ -88,16 +89,31 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
     the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer by content (its
     name is where it lies), the part's source by content (its record in the manifest's ``source``). Not the
     weights, seed, ``--limit`` nor the other parts: those decide how many of the part's records a build takes,
-    which the entry's counts answer (:mod:`packer.building.redraw`)."""
+    which the entry's counts answer (:mod:`packer.building.redraw`). The versions of the libraries that make the
+    tokens (tokenizers, transformers' chat renderer, jinja2) count too.
+
+    None when a part's content cannot be pinned: a Hub source read offline has no revision, so a refreshed local
+    copy would reuse (or extend) tokens of an older version of it. Such a build neither uses nor keeps entries."""
     fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING | _NOT_A_PARTS}
+    libraries = {name: _version(name) for name in ("tokenizers", "transformers", "jinja2")}
     out = []
     for k, (part, enc) in enumerate(zip(parts, encoder.encoders, strict=True)):
         record = source if config.mix is None else {f: v for f, v in source["parts"][k].items() if f != "source"}
+        if record.get("kind") == "hub" and record.get("revision") is None:
+            return None
         out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
+                    "libraries": libraries,
                     "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
                     "format": dataclasses.asdict(getattr(enc, "spec", None) or enc.formatter.spec),
                     "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record})
     return out
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _canonical(value: Any) -> str:
@@ -447,7 +463,8 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
     src = mix.positions_sources(parts, seed, tokens.records)
     taken = np.bincount(src, minlength=len(parts))
     if len(parts) == 1:  # a one-part mix read to the end, unless it stopped at its limit
-        complete = [limit is None or tokens.records < limit]
+        # (a part read by a records count stopped at its count: never all of the source, which its key names)
+        complete = ["records" not in parts[0] and (limit is None or tokens.records < limit)]
     else:
         gone = mix.ran_out(parts, seed, limit, tokens.records)  # the part that ended a weighted mix: all read
         complete = [k == gone for k in range(len(parts))]
