@@ -172,13 +172,6 @@ def main() -> None:
             ratio = figures["raw"][0] / figures["packer"][0]  # (the first round's packer run keeps the tokenizer)
             print(f"  round {r + 1}: " + ", ".join(f"{k} {w:.2f} s wall / {c:.2f} s CPU" for k, (w, c) in figures.items())
                   + f"; packer at {ratio:.1%} of raw in this round", flush=True)
-        for name, key in (("raw tokenizer encode_batch", "raw"), ("packer build (whole process)", "packer"),
-                          ("packer build --no-cache", "packer --no-cache"), ("datasets.map + TRL pack", "peers")):
-            if key in best:
-                print(f"{name:<29}: {best[key]:8.2f} s  {tokens / best[key]:>10,.0f} tokens/s  "
-                      f"= {best['raw'] / best[key]:6.1%} of raw  (CPU {cpu[key]:.1f} s)")
-        if "peers" in best:
-            print(f"packer is {best['peers'] / best['packer']:.2f}x faster than datasets.map + TRL pack_dataset")
         small_source = tmp / "flan_x1.jsonl"
         small_source.write_bytes(sample)
         small_texts = tmp / "small-texts.json"

@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from click.testing import CliRunner
 from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from store_tools import damage_entry, entry_dirs, killed_writer, own_cache
 
 from packer import BuildConfig, build
 from packer.building import extension, mix, redraw, token_store
@@ -87,11 +87,6 @@ def cold(options: dict) -> tuple[dict[str, str], list[int]]:
         finally:
             shutil.rmtree(out)
     return _COLD[k]
-
-
-def entry_dirs() -> list[Path]:
-    root = token_store.folder()
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
 
 
 def meta_of(name: str) -> dict:
@@ -276,24 +271,11 @@ STEP = st.one_of(st.tuples(st.just("build"), WEIGHTS, OPTIONS), st.tuples(st.jus
                  st.tuples(st.just("damage"), DAMAGE, st.integers(0, 3)))  # builds twice as often
 
 
-@contextmanager
-def own_cache():
-    before = os.environ["PACKER_CACHE"]
-    os.environ["PACKER_CACHE"] = tempfile.mkdtemp(prefix="packer-cache-")
-    try:
-        yield
-    finally:
-        shutil.rmtree(os.environ["PACKER_CACHE"], ignore_errors=True)
-        os.environ["PACKER_CACHE"] = before
-
-
 def _damage(kind: str, pick: int, out: Path) -> int | None:
     """Damage an entry as a disk, a person or a kill would; returns the part whose entry must not be used."""
     tokens = out / STAGING / "tokens"
-    if kind == "killed_writer":  # a writer killed before its rename: a temporary folder, half made
-        temp = token_store.folder() / f".tmp-{'0' * 32}.{os.getpid()}.deadbeef"
-        temp.mkdir(parents=True, exist_ok=True)
-        (temp / "ids.bin").write_bytes(b"\x01\x02\x03")
+    if kind == "killed_writer":
+        killed_writer()
         return None
     if kind == "killed_extend":  # an extension's spill of another build's draws, killed: never taken for this one's
         (tokens / token_store.REST).mkdir(parents=True, exist_ok=True)
@@ -317,19 +299,7 @@ def _damage(kind: str, pick: int, out: Path) -> int | None:
         return None
     entry = entries[pick % len(entries)]
     part = 0 if json.loads((entry / "meta.json").read_text())["about"]["sources"][0].endswith("a.jsonl") else 1
-    if kind == "truncate":
-        with open(entry / "ids.bin", "r+b") as f:
-            f.truncate(max(0, (entry / "ids.bin").stat().st_size - 4))
-    elif kind == "flip":
-        data = bytearray((entry / "trained.bin").read_bytes())
-        data[len(data) // 2] ^= 1
-        (entry / "trained.bin").write_bytes(bytes(data))
-    elif kind == "no_meta":
-        (entry / "meta.json").unlink()
-    elif kind == "foreign":  # the meta of another identity under this key: never used
-        meta = json.loads((entry / "meta.json").read_text())
-        meta["identity"]["config"]["train_on"] = "another"
-        (entry / "meta.json").write_text(json.dumps(meta))
+    damage_entry(entry, kind)
     return part
 
 

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from click.testing import CliRunner
 from conftest import ROOT, need_shared
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from store_tools import damage_entry, entry_dirs, killed_writer, own_cache
 
 from packer import BuildConfig, build, cache
 from packer.building import kept_tokenizers, token_store
@@ -54,24 +54,6 @@ def cold(**options) -> dict[str, str]:
         finally:
             shutil.rmtree(out)
     return _COLD[k]
-
-
-@contextmanager
-def own_cache():
-    """A fresh cache root for one hypothesis example (the fixture's is per test, not per example)."""
-    before = os.environ["PACKER_CACHE"]
-    folder = tempfile.mkdtemp(prefix="packer-cache-")
-    os.environ["PACKER_CACHE"] = folder
-    try:
-        yield Path(folder)
-    finally:
-        os.environ["PACKER_CACHE"] = before
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def entry_dirs() -> list[Path]:
-    root = token_store.folder()
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
 
 
 # -- re-planning ----------------------------------------------------------------------------------------
@@ -189,10 +171,8 @@ STEP = st.one_of(st.tuples(st.just("build"), TOKENS, PLANNING), st.tuples(st.jus
 def _damage(kind: str, pick: int, out: Path) -> str | None:
     """Damage an entry as a disk, a person or a kill would; returns the entry's name if it must not be used."""
     entries = entry_dirs()
-    if kind == "killed_writer":  # a writer killed before its rename: a temporary folder, half made
-        temp = token_store.folder() / f".tmp-{'0' * 32}.{os.getpid()}.deadbeef"
-        temp.mkdir(parents=True, exist_ok=True)
-        (temp / "ids.bin").write_bytes(b"\x01\x02\x03")
+    if kind == "killed_writer":
+        killed_writer()
         return None
     if kind == "killed_restore":  # a build killed while linking an entry into its staging folder
         staging = out / STAGING
@@ -204,22 +184,7 @@ def _damage(kind: str, pick: int, out: Path) -> str | None:
     if not entries:
         return None
     entry = entries[pick % len(entries)]
-    if kind == "truncate":
-        with open(entry / "ids.bin", "r+b") as f:
-            f.truncate(max(0, (entry / "ids.bin").stat().st_size - 4))
-    elif kind == "flip":
-        data = bytearray((entry / "trained.bin").read_bytes())
-        data[len(data) // 2] ^= 1
-        (entry / "trained.bin").write_bytes(bytes(data))
-    elif kind == "no_meta":
-        (entry / "meta.json").unlink()
-    elif kind == "torn_meta":
-        text = (entry / "meta.json").read_text()
-        (entry / "meta.json").write_text(text[: len(text) // 2])
-    elif kind == "foreign":  # the meta of another identity under this key: never used
-        meta = json.loads((entry / "meta.json").read_text())
-        meta["identity"]["config"]["train_on"] = "another"
-        (entry / "meta.json").write_text(json.dumps(meta))
+    damage_entry(entry, kind)
     return entry.name
 
 

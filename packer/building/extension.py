@@ -106,20 +106,10 @@ class Rest:
         mix._room_for_files(n)
         nexts = list(self.held)  # each part's next record index
         readers: list[Any] = [None] * n
-        blocks = _new(parts, self.stream.seed, self.stream.limit, list(self.held))
-        pending_pos, pending_part = np.zeros(0, np.int64), np.zeros(0, mix.PART)
+        blocks = ((positions, block) for positions, block, _ in _new(parts, self.stream.seed, self.stream.limit,
+                                                                      list(self.held)))
         lo = 0
-        while True:
-            while pending_pos.size < size:
-                block = next(blocks, None)
-                if block is None:
-                    break
-                pending_pos = np.concatenate([pending_pos, block[0]])
-                pending_part = np.concatenate([pending_part, block[1]])
-            positions, chunk = pending_pos[:size], pending_part[:size]
-            pending_pos, pending_part = pending_pos[size:], pending_part[size:]
-            if chunk.size == 0:
-                return
+        for positions, chunk in mix.in_runs(blocks, size):
             if lo < start:  # tokenized by an interrupted run: its records passed over, not read
                 nexts = [a + int(b) for a, b in zip(nexts, np.bincount(chunk, minlength=n), strict=True)]
                 lo += int(chunk.size)

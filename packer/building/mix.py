@@ -274,6 +274,19 @@ class _Reader:
         return taken
 
 
+def in_runs(blocks: Iterator[tuple[np.ndarray, ...]], size: int) -> Iterator[tuple[np.ndarray, ...]]:
+    """Blocks of parallel arrays (the draws, a block at a time) regrouped into runs of ``size`` entries, the last
+    one shorter: a chunk's draws whatever the block size."""
+    pending: tuple[np.ndarray, ...] | None = None
+    for block in blocks:
+        pending = block if pending is None else tuple(np.concatenate([p, b]) for p, b in zip(pending, block, strict=True))
+        while pending[0].size >= size:
+            yield tuple(p[:size] for p in pending)
+            pending = tuple(p[size:] for p in pending)
+    if pending is not None and pending[0].size:
+        yield pending
+
+
 @dataclass(frozen=True, slots=True)
 class MixChunk:
     """One chunk of the mix: per part present, its records (in its own order) and their mix positions."""
@@ -317,18 +330,8 @@ class MixStream:
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
         _room_for_files(len(self.streams))
         readers = [_Reader(s, size) for s in self.streams]
-        pending = np.zeros(0, PART)
-        blocks = draws(list(self.parts), self.seed, self.limit)
         lo = 0
-        while True:
-            while pending.size < size:
-                block = next(blocks, None)
-                if block is None:
-                    break
-                pending = np.concatenate([pending, block])
-            chunk, pending = pending[:size], pending[size:]
-            if chunk.size == 0:
-                return
+        for (chunk,) in in_runs(((block,) for block in draws(list(self.parts), self.seed, self.limit)), size):
             pieces, cut = [], chunk.size
             firsts = [r.taken for r in readers]
             got = []
