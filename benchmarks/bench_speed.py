@@ -1,6 +1,6 @@
 """`packer build` against the raw Rust tokenizer on the same texts and cores (a script, not a test).
 
-    python benchmarks/bench_speed.py [--repeat 8] [--runs 3] [--no-peers] [--source-only]
+    python benchmarks/bench_speed.py [--repeat 8] [--runs 5] [--no-peers] [--source-only]
 
 The physical limit of a build here is the tokenizer: ``tokenizers.Tokenizer.encode_batch`` over the
 same formatted texts, batches of 1,000, its Rust threads on every core. Data: the bundled FLAN-style
@@ -19,9 +19,11 @@ sample repeated ``--repeat`` times as one JSONL file (8 → 48,000 records), the
 
 Rounds are interleaved (raw, packer, peers, raw, packer, ...) and each figure is the best of
 ``--runs``: the machine is shared, so a ratio is meaningful only between runs made close together;
-each round's own ratio is printed too, and the CPU seconds of every side (the raw side's are those
-of its ``encode_batch`` calls; packer's and the peers' of the whole process tree), which a busy
-machine disturbs less than wall time.
+each round's own ratios are printed too, and their median and range end the table (a round's sides run back
+to back, so the machine's drift, up to a quarter between minutes here, moves them alike: the best of each side
+pairs runs from different minutes), and the CPU seconds of every side (the raw side's are those of its
+``encode_batch`` calls; packer's and the peers' of the whole process tree), which a busy machine disturbs less
+than wall time.
 tokens/s counts the raw tokenizer's tokens of the texts for every side (the same work: packer adds
 one EOS per example and truncates at --max-len, which would only flatter it). Then the small case:
 ``packer build flan`` with every default (bundled tokenizer, 6,000 records), wall time from the shell
@@ -43,6 +45,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,7 +126,8 @@ def cold_env(tmp: Path) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=8, help="copies of the 6,000-record sample (8: 48,000 records)")
-    ap.add_argument("--runs", type=int, default=3, help="interleaved rounds; each figure is the best")
+    ap.add_argument("--runs", type=int, default=5, help="interleaved rounds: each side's best, and each round's ratios' "
+                    "median")
     ap.add_argument("--no-peers", action="store_true", help="skip datasets.map + TRL pack_dataset")
     ap.add_argument("--llama2", type=Path, default=LLAMA2, help="the Llama 2 tokenizer folder (default: ../shared/data)")
     ap.add_argument("--source-only", action="store_true", help="packer's modules compiled at every start, as in an "
@@ -150,6 +154,9 @@ def main() -> None:
                "-q"], cold_env(tmp))
         best: dict[str, float] = {}  # side -> best wall seconds
         cpu: dict[str, float] = {}  # side -> CPU seconds of that best run
+        # per round: packer's tokens/s over raw's, and its speed over the peers': each side run minutes apart in
+        # one round, so the machine's drift (up to a quarter between minutes here) moves both alike
+        rounds: dict[str, list[float]] = {"raw": [], "peers": []}
         tokens = 0
         for r in range(args.runs):
             _, _, out = timed([sys.executable, "-c", RAW, str(texts), str(llama2 / "tokenizer.json")], dict(os.environ))
@@ -170,6 +177,9 @@ def main() -> None:
                 if wall < best.get(k, float("inf")):
                     best[k], cpu[k] = wall, used
             ratio = figures["raw"][0] / figures["packer"][0]  # (the first round's packer run keeps the tokenizer)
+            rounds["raw"].append(ratio)
+            if "peers" in figures:
+                rounds["peers"].append(figures["peers"][0] / figures["packer"][0])
             print(f"  round {r + 1}: " + ", ".join(f"{k} {w:.2f} s wall / {c:.2f} s CPU" for k, (w, c) in figures.items())
                   + f"; packer at {ratio:.1%} of raw in this round", flush=True)
         small_source = tmp / "flan_x1.jsonl"
@@ -191,13 +201,20 @@ def main() -> None:
               f"{', '.join(f'{w:.2f}' for w in small_cold)}")
         print(f"  its floor: the bundled tokenizer's encode_batch over the same texts, both cores: best "
               f"{min(floor):.2f} s of {', '.join(f'{w:.2f}' for w in floor)}; python start-up {min(start):.2f} s")
-        table(best, cpu, tokens, n, args, (min(small), min(small_cold), min(floor), min(start)))
+        table(best, cpu, tokens, n, args, (min(small), min(small_cold), min(floor), min(start)), rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def table(best: dict[str, float], cpu: dict[str, float], tokens: int, n: int, args, small: tuple[float, ...]) -> None:
-    """The run's figures as the Markdown table docs/benchmarks.md shows."""
+def spread(values: list[float], fmt: str) -> str:
+    """The median of ``values`` with their range, as docs/benchmarks.md shows figures."""
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+
+
+def table(best: dict[str, float], cpu: dict[str, float], tokens: int, n: int, args, small: tuple[float, ...],
+          rounds: dict[str, list[float]]) -> None:
+    """The run's figures as the Markdown table docs/benchmarks.md shows: the best wall time of each side, and
+    the ratios each round gave (its sides run back to back), median [min–max]."""
     load = os.getloadavg()[0]
     print(f"\n| {n:,} records, {tokens / 1e6:.1f}M tokens, Llama 2, `--pack bfd`, best of {args.runs} "
           f"(load average {load:.1f} at the end{', modules from source' if args.source_only else ''}) "
@@ -210,6 +227,9 @@ def table(best: dict[str, float], cpu: dict[str, float], tokens: int, n: int, ar
                   f"| {cpu[key]:.1f} |")
     if "peers" in best:
         print(f"| packer vs `datasets.map` + TRL | | | **{best['peers'] / best['packer']:.2f}x** | |")
+    print(f"| per round, median [min–max] of {args.runs}: packer of raw | | | **{spread(rounds['raw'], '.1%')}** | |")
+    if rounds["peers"]:
+        print(f"| per round: packer vs `datasets.map` + TRL | | | **{spread(rounds['peers'], '.2f')}x** | |")
     build, cold, floor, start = small
     print(f"| `packer build flan` (6,000 records, bundled tokenizer, every default) | {build:.2f} "
           f"(`--no-cache` {cold:.2f}) | | floor: `encode_batch` {floor:.2f} s, python {start:.2f} s | |")
