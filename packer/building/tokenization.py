@@ -347,15 +347,15 @@ class Encoder:
         # Python int either way: `tokenizers` gives ids only as a list)
         raw = np.concatenate([np.array(enc.ids, dtype=np.int32) for enc in encodings])
         sizes = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
-        ends = np.cumsum(sizes)
+        text_ends = np.cumsum(sizes)  # where each example's own ids end in raw
         # appends_eos, for every example at once: an empty one, or one whose last id is not EOS
         add_eos = sizes == 0
-        add_eos[~add_eos] = raw[ends[~add_eos] - 1] != self.eos
+        add_eos[~add_eos] = raw[text_ends[~add_eos] - 1] != self.eos
         lengths = sizes + add_eos
         starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
         total = int(starts[-1])
-        flat = np.insert(raw, ends[add_eos], np.int32(self.eos)) if add_eos.any() else raw
+        flat = np.insert(raw, text_ends[add_eos], np.int32(self.eos)) if add_eos.any() else raw
         # trained tokens: every token holding a character of a trained span
         trained = np.zeros(total, dtype=np.uint8)
         starts_list = starts.tolist()
