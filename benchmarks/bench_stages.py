@@ -2,12 +2,18 @@
 the build's own functions in one process, one thread, CPU seconds.
 
     python benchmarks/bench_stages.py [--repeat 8] [--llama2 DIR]
+    python benchmarks/bench_stages.py --chat [--repeat 2]
 
 Data: the bundled FLAN-style sample repeated ``--repeat`` times as one JSONL file (8 → 48,000 records), the
 Llama 2 tokenizer, ``--pack bfd``, format 2. The Rust tokenizer runs on one thread (``TOKENIZERS_PARALLELISM=
 false``, as in a build's worker processes), so every figure is CPU seconds of one core, comparable with the
 tokenizer's own: ``encode_batch`` is the floor, every other line is what packer adds to it. CPU seconds are
 what a shared machine disturbs least (wall time is printed beside them).
+
+``--chat``: a chat build's formatting instead, where the chat template, not the tokenizer, is most of the
+work: GSM8K (../shared/data) as one user and one assistant message a record, ``--repeat`` times, the Qwen3
+tokenizer with its own template (no ``{% generation %}`` tags: three renders a record, ``packer.building.chat``)
+and with TRL's tagged twin of it (``trl/chat_templates/qwen3_training.jinja``: one render a record).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 LLAMA2 = ROOT.parent / "shared" / "data" / "llama2-tokenizer"
+QWEN3 = ROOT.parent / "shared" / "data" / "tokenizers" / "qwen3"
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k_train.jsonl"
 SAMPLE = ROOT / "packer" / "data" / "flan_sample.jsonl.gz"
 
 
@@ -55,7 +63,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--llama2", type=Path, default=LLAMA2)
+    ap.add_argument("--chat", action="store_true", help="a chat build's stages (GSM8K as chat, Qwen3's template)")
     args = ap.parse_args()
+    if args.chat:
+        chat(args.repeat if args.repeat != 8 else 2)
+        return
     t = Timer()
     cpu0 = time.process_time()
     from packer import BuildConfig
@@ -122,6 +134,58 @@ def main() -> None:
     for name, cpu, _ in t.rows:
         bold = "**" if name.startswith("encode_batch") else ""
         print(f"| {bold}{name}{bold} | {bold}{cpu:.2f}{bold} | {cpu / floor:.1%} |")
+
+
+def chat(repeat: int) -> None:
+    """A chat build's stages, one thread, for an untagged template and a tagged one."""
+    import json
+
+    import trl
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_stages-chat-"))
+    try:
+        source = tmp / "gsm8k_chat.jsonl"
+        lines = [json.loads(line) for line in GSM8K.read_text().splitlines()] * repeat
+        source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                           {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                                  for r in lines))
+        tagged = Path(trl.__file__).parent / "chat_templates" / "qwen3_training.jinja"
+        print(f"{len(lines):,} chat records (GSM8K x{repeat}), Qwen3 tokenizer, one thread; CPU s; load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"{'template':<32} {'render once':>12} {'formatting':>11} {'encode_batch':>13} {'Encoder.encode':>15}")
+        for name, template in (("Qwen3's own (untagged)", None), ("TRL's qwen3_training (tagged)", str(tagged))):
+            cpu = chat_stages(source, template, tmp / "o")
+            print(f"{name:<32} {cpu[0]:>12.2f} {cpu[1]:>11.2f} {cpu[2]:>13.2f} {cpu[3]:>15.2f}  "
+                  f"(the whole call: {cpu[3] / cpu[2]:.2f}x the tokenizer's)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def chat_stages(source: Path, template: str | None, out: Path) -> list[float]:
+    """CPU seconds of: rendering each record once (transformers' renderer, what ``apply_chat_template`` costs);
+    packer's formatting (that render and, for an untagged template, the renders that locate the assistant's
+    output: ``packer.building.chat``); the tokenizer; the encoder's whole call (formatting, ``encode_batch``, the ids
+    and loss flags)."""
+    from packer import BuildConfig
+    from packer.building import pipeline, spill
+    from packer.building.chat import ChatTemplate
+    from packer.building.tokenization import load_tokenizer
+
+    config = BuildConfig(source=str(source), tokenizer=str(QWEN3), chat_template=template, out=str(out))
+    tokenizer = load_tokenizer(str(QWEN3), template)
+    opened = pipeline.open_source(config, tokenizer, skip_errors=False)
+    chunks = [c for _, c in opened.stream.chunks(0, spill.CHUNK)]
+    encoder = opened.encoder.encoders[0]
+    records = [dict(zip(r, row)) for c in chunks for _, _, r, _ in c.pieces for row in zip(*r.values())]
+    chat = encoder.formatter.template
+    render = (chat if isinstance(chat, ChatTemplate) else chat.pick(None)).render
+    t = Timer()
+    t("render", lambda: [render(r["messages"]) for r in records])
+    texts = [text for text, _, _ in t("format", lambda: [encoder.example(r) for r in records])]
+    t("encode_batch", lambda: [encoder.backend.encode_batch(texts[i:i + spill.CHUNK], add_special_tokens=False)
+                               for i in range(0, len(texts), spill.CHUNK)])
+    t("encode", lambda: [opened.encoder.encode(c) for c in chunks])
+    return [cpu for _, cpu, _ in t.rows]
 
 
 if __name__ == "__main__":
