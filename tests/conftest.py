@@ -147,6 +147,7 @@ class _SharedUse:
         self.current: str | None = None  # the test or fixture now running
         self.tests: set[str] = set()
         self.fixtures: set[str] = set()
+        self.logged: set[str] = set()  # the tests whose reports said they used it (pytest_runtest_logreport)
 
     def mark(self) -> None:
         if self.current is not None:
@@ -166,6 +167,10 @@ class _SharedUse:
 
 
 _shared_use = _SharedUse()
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_configure(config) -> None:
@@ -193,7 +198,21 @@ def pytest_runtest_protocol(item, nextitem):
         _shared_use.current = None
 
 
+# The test files of the longest run time (seconds, measured on two workers, idle: test_crash 27, test_ecosystem 19,
+# test_preference 18, ... down to 10), longest first. With -n 2 each worker takes one file at a time (--dist
+# loadfile, with --no-loadscope-reorder: in the order collected), so these are handed out first and the workers
+# end within seconds of each other, instead of one running a 20-second file alone at the end. Only an order: a
+# file missing from the list, or one grown slow, costs time, never a result. A run on one process keeps pytest's
+# order.
+SLOW_FIRST = ("test_crash.py", "test_ecosystem.py", "test_preference.py", "test_rebuild.py", "test_images.py",
+              "test_token_store.py", "test_store_mix.py", "test_chat_tokenizer.py", "test_parallel.py",
+              "test_remote.py", "test_train.py", "test_build_guards.py", "test_chat_turns.py", "test_stream_bounds.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    if _is_xdist_worker(config):  # every worker collects, and orders, the same
+        rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
     listed = config.getoption("--shared-hidden")
     if listed:
         wanted = set(Path(listed).read_text().splitlines())
@@ -202,7 +221,24 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = keep
 
 
+# Under pytest-xdist each worker is a session of its own and sees only its tests; the controller sees every
+# test's reports. So a worker says on a test's last report whether that test used the shared data, and the
+# process that sees every report (the controller, or the one process of a plain run) writes the log.
+SHARED_USED = "packer_shared_data"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    # at teardown every fixture the test asked for has been set up (and marked itself if it used the data)
+    if report.when == "teardown" and (item.nodeid in _shared_use.tests or _shared_use.fixtures & set(item.fixturenames)):
+        report.user_properties.append((SHARED_USED, True))
+    return report
+
+
 def pytest_runtest_logreport(report) -> None:
+    if (SHARED_USED, True) in report.user_properties:
+        _shared_use.logged.add(report.nodeid)
     if report.skipped and ABSENT in str(report.longrepr):
         return
     if (report.when == "call" or not report.passed) and hasattr(_shared_use, "hidden_wrong"):
@@ -215,11 +251,11 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    if _is_xdist_worker(session.config):
+        return  # the controller writes the log and judges the hidden run, from every worker's reports
     log = session.config.getoption("--shared-log")
     if log:
-        used = [item.nodeid for item in session.items
-                if item.nodeid in _shared_use.tests or _shared_use.fixtures & set(item.fixturenames)]
-        Path(log).write_text("".join(f"{nodeid}\n" for nodeid in used))
+        Path(log).write_text("".join(f"{nodeid}\n" for nodeid in sorted(_shared_use.logged)))
     wrong = getattr(_shared_use, "hidden_wrong", None)
     if wrong:
         print("\nwith ../shared/data hidden, these tests did not skip with need_shared's reason "

@@ -138,34 +138,33 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(page)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+# moto's server in a process of its own, bound to a port the kernel picks as it binds (port 0), which it prints.
+# (A port found free first and handed to `python -m moto.server -p PORT` could be taken meanwhile by another process:
+# the suite runs on two workers, and Ray, torchrun and every outgoing connection take ports from the same range.)
+_MOTO = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer("127.0.0.1", 0, verbose=False)
+server.start()  # returns once the socket is bound and listening
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()  # serve until the test closes our stdin (or ends us)
+"""
 
 
 @contextlib.contextmanager
 def s3_server():
     """moto's S3 server as a process on 127.0.0.1; yields its endpoint, with the environment s3fs reads it
     from (``AWS_ENDPOINT_URL``, which botocore reads, and fake credentials) set in this process and its children."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.1)
+        port = proc.stdout.readline().strip()  # "" if it died before it listened
+        if not port.isdigit():
+            raise RuntimeError(f"moto's S3 server did not start (exit code {proc.wait(10)})")
+        endpoint = f"http://127.0.0.1:{port}"
         os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
         yield endpoint
     finally:
@@ -174,5 +173,6 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        proc.stdin.close()
         proc.terminate()
         proc.wait(10)
