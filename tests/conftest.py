@@ -199,14 +199,27 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # The test files of the longest run time (seconds, measured on two workers, idle: test_crash 27, test_ecosystem 19,
-# test_preference 18, ... down to 10), longest first. With -n 2 each worker takes one file at a time (--dist
-# loadfile, with --no-loadscope-reorder: in the order collected), so these are handed out first and the workers
+# test_preference 18, ... down to 10), longest first. With -n 2 each worker takes one file at a time (loadfile, in
+# the order collected: pytest_xdist_make_scheduler below), so these are handed out first and the workers
 # end within seconds of each other, instead of one running a 20-second file alone at the end. Only an order: a
 # file missing from the list, or one grown slow, costs time, never a result. A run on one process keeps pytest's
 # order.
 SLOW_FIRST = ("test_crash.py", "test_ecosystem.py", "test_preference.py", "test_rebuild.py", "test_images.py",
               "test_token_store.py", "test_store_mix.py", "test_chat_tokenizer.py", "test_parallel.py",
               "test_remote.py", "test_train.py", "test_build_guards.py", "test_chat_turns.py", "test_stream_bounds.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it (no -n, or no xdist) never calls it
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` without a ``--dist`` of its own: each test file whole in one worker (its module fixtures made once:
+    a Ray cluster, a build), the files handed out in the order collected (SLOW_FIRST first). Chosen here, not in
+    pyproject's addopts, so that a plain ``python -m pytest`` runs where pytest-xdist is not installed."""
+    if config.getvalue("dist") != "load":  # -n's default (as --dist load): another --dist is the runner's choice
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
