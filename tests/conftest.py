@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -283,6 +284,22 @@ def one_line(result) -> str:
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+def forked(child) -> tuple[int, int]:
+    """Run ``child()`` in a fork of this process (a real process to stop, without a new interpreter's seconds of
+    start-up) and wait for it: (pid, its exit code: what ``child`` returns; 70 if it raised; -N if signal N ended
+    it). The child leaves by ``os._exit``, so nothing of pytest runs in it after ``child``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 70
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    return pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def make_build(out: Path, source: str = "flan", **options) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
-from conftest import PARALLEL, ROOT, make_build
+from conftest import PARALLEL, ROOT, forked, make_build
 
 from packer.checking.verify import verify
 from packer.cli import main
@@ -97,37 +97,33 @@ def killed_at(moment: Moment, out: Path, args=ARGS) -> tuple[int, int]:
     SIGKILL ends a process wherever it is, whichever way it started, and a fork skips a start-up of seconds.
     Ctrl-C keeps ``at``: Python's own handling of it is set up as an interpreter starts. (pid, exit code)."""
     match = f"={out}" if moment.match == "=" else (str(out / moment.match) if moment.match else "")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 70
+
+    def child() -> int:
+        os.setsid()
+        from packer.__main__ import main as entry
+
+        me, seen, done = os.getpid(), [0], [False]
+
+        def hook(name, hook_args):
+            if name != moment.event or done[0] or os.getpid() != me:
+                return
+            first = str(hook_args[0]) if hook_args else ""
+            if not (first == match[1:] if match.startswith("=") else match in first):
+                return
+            seen[0] += 1
+            if seen[0] == moment.nth:
+                done[0] = True
+                _stamp(out).write_text(repr(time.monotonic()))
+                os.kill(me, signal.SIGKILL)
+
+        sys.addaudithook(hook)
+        sys.argv = ["packer", "build", *args, "--out", str(out)]
         try:
-            os.setsid()
-            from packer.__main__ import main as entry
-
-            me, seen, done = os.getpid(), [0], [False]
-
-            def hook(name, hook_args):
-                if name != moment.event or done[0] or os.getpid() != me:
-                    return
-                first = str(hook_args[0]) if hook_args else ""
-                if not (first == match[1:] if match.startswith("=") else match in first):
-                    return
-                seen[0] += 1
-                if seen[0] == moment.nth:
-                    done[0] = True
-                    _stamp(out).write_text(repr(time.monotonic()))
-                    os.kill(me, signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            sys.argv = ["packer", "build", *args, "--out", str(out)]
-            code = entry() or 0
+            return entry() or 0
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            os._exit(code)
-    return pid, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            return e.code if isinstance(e.code, int) else 1
+
+    return forked(child)
 
 
 def _stamp(out: Path) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import make_build, one_line
+from conftest import forked, make_build, one_line
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_crash import HOLD, Moment, acted, at, killed_at
@@ -162,38 +162,34 @@ def _run(config: BuildConfig, stop: tuple[str, int] | None) -> int:
     """Run the build in a forked child (a real process to kill, without a new interpreter's start-up),
     stopping it the nth time it touches a path under --out: SIGKILL, or Ctrl-C (KeyboardInterrupt at
     that moment). Its exit code: 0, 2 (a PackerError), 130, or -9."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 70
+
+    def child() -> int:
+        if stop is not None:
+            action, nth = stop
+            me, prefix, seen = os.getpid(), config.out, [0]
+
+            def hook(name, args):
+                if name not in EVENTS or os.getpid() != me or not args:
+                    return
+                first = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes, os.PathLike)) else ""
+                if first != prefix and not first.startswith(prefix + "/"):
+                    return
+                seen[0] += 1
+                if seen[0] == nth:
+                    if action == "kill":
+                        os.kill(me, signal.SIGKILL)
+                    raise KeyboardInterrupt
+
+            sys.addaudithook(hook)
         try:
-            if stop is not None:
-                action, nth = stop
-                me, prefix, seen = os.getpid(), config.out, [0]
-
-                def hook(name, args):
-                    if name not in EVENTS or os.getpid() != me or not args:
-                        return
-                    first = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes, os.PathLike)) else ""
-                    if first != prefix and not first.startswith(prefix + "/"):
-                        return
-                    seen[0] += 1
-                    if seen[0] == nth:
-                        if action == "kill":
-                            os.kill(me, signal.SIGKILL)
-                        raise KeyboardInterrupt
-
-                sys.addaudithook(hook)
             build(config)
-            code = 0
+            return 0
         except PackerError:
-            code = 2
+            return 2
         except KeyboardInterrupt:
-            code = 130
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            return 130
+
+    return forked(child)[1]
 
 
 _REFERENCES: dict[int, dict[str, bytes]] = {}
