@@ -320,9 +320,10 @@ class Encoder:
             cursor += len(piece)
         return "".join(piece for piece, _ in segments), spans, segments[-1][1]
 
-    def appends_eos(self, ids: list[int]) -> bool:
-        """EOS ends every example; a text whose tokens already end with it (chat turns ending in EOS) gets none."""
-        return not ids or ids[-1] != self.eos
+    def appends_eos(self, ids) -> bool:
+        """EOS ends every example; a text whose tokens already end with it (chat turns ending in EOS) gets none.
+        ``ids``: a list or an array."""
+        return len(ids) == 0 or ids[-1] != self.eos
 
     def encode(self, records: dict[str, list], first_index: int, *, where: str = "record") -> Encoded:
         texts: list[str] = []
@@ -345,12 +346,11 @@ class Encoder:
         encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
         # an array per example, then one concatenation: ~40% less CPU than one iterator over every id (each id a
         # Python int either way: `tokenizers` gives ids only as a list)
-        raw = np.concatenate([np.array(enc.ids, dtype=np.int32) for enc in encodings])
-        sizes = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        arrays = [np.array(enc.ids, dtype=np.int32) for enc in encodings]
+        raw = np.concatenate(arrays)
+        sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
         text_ends = np.cumsum(sizes)  # where each example's own ids end in raw
-        # appends_eos, for every example at once: an empty one, or one whose last id is not EOS
-        add_eos = sizes == 0
-        add_eos[~add_eos] = raw[text_ends[~add_eos] - 1] != self.eos
+        add_eos = np.fromiter(map(self.appends_eos, arrays), dtype=bool, count=len(arrays))
         lengths = sizes + add_eos
         starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
