@@ -226,3 +226,37 @@ def test_skipped_is_a_mapping_of_totals_that_keeps_each_part():
     assert Skipped.none(2) == {} and "x" not in a
     with pytest.raises(ValueError):  # counts of another number of parts are not this source's
         a + Skipped.none(3)
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_a_mix_read_from_a_position_is_the_whole_reads_tail_and_reads_nothing_before(srcs, tmp_path, counts):
+    """A resumed build's mix: from position p (a chunk boundary), the very chunks a read from 0 gives from p on, each
+    part's stream opened at its first record after p's draws; what lies before is not parsed (a part's line that is
+    no record, before p, fails a read from 0 and is passed over by a read from p)."""
+    bad = tmp_path / "qa.jsonl"
+    lines = srcs["qa"].read_text().splitlines(keepends=True)
+    bad.write_text("7\n" + "".join(lines[1:]))
+    parts = ([{"source": "flan", "records": 60}, {"source": str(bad), "recipe": "gsm8k", "records": 150}] if counts else
+             [{"source": "flan", "weight": 0.6}, {"source": str(bad), "recipe": "gsm8k", "weight": 0.4}])
+    streams = tuple(sources_open(p) for p in parts)
+    whole = mix.MixStream(tuple(parts), streams, 3, 190 if not counts else None)
+    with pytest.raises(Exception, match="not a record"):
+        list(whole.chunks(0, 20))
+    first_bad = int(np.flatnonzero(mix.positions_sources(parts, 3, 210) == 1)[0])
+    start = (first_bad // 20 + 1) * 20
+    got = list(whole.chunks(start, 20))
+    assert [lo for lo, _ in got] == list(range(start, 190 if not counts else 210, 20))
+    # the reference: a clean copy of the part read from 0, its chunks from `start` on
+    clean = tuple(sources_open({**p, "source": str(srcs["qa"])}) if k else s for k, (p, s) in enumerate(zip(parts, streams)))
+    want = [(lo, c) for lo, c in mix.MixStream(tuple(parts), clean, 3, whole.limit).chunks(0, 20) if lo >= start]
+    assert len(got) == len(want)
+    for (lo, a), (lo2, b) in zip(got, want):
+        assert lo == lo2 and a.size == b.size
+        for (k, f, r, p), (k2, f2, r2, p2) in zip(a.pieces, b.pieces, strict=True):
+            assert (k, f, r) == (k2, f2, r2) and np.array_equal(p, p2)
+
+
+def sources_open(part: dict):
+    from packer.building import sources
+
+    return sources.open_stream(sources.resolve(part["source"], recipe=part.get("recipe")), limit=part.get("records"))

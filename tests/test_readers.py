@@ -351,3 +351,67 @@ def test_a_file_without_records_says_so(tmp_path, name, content):
     (tmp_path / name).write_text(content)
     result = CliRunner().invoke(main, ["build", str(tmp_path / name), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and f"{name}: holds no records" in one_line(result)
+
+
+def _made(builder: str, path: Path, skip: int = 0) -> tuple[list[dict], int]:
+    """The records ``readers.records`` gives from ``skip`` on, and what its generator returns (those passed over)."""
+    from packer.building import readers
+
+    gen, out = readers.records(builder, str(path), skip=skip), []
+    while True:
+        try:
+            out.append(next(gen))
+        except StopIteration as stop:
+            return out, stop.value
+
+
+def test_records_from_a_place_are_the_tail_of_the_whole_read(tmp_path):
+    """Every file kind read from record k on gives the whole read's records from k (placeholders of unreadable lines
+    and their line numbers included), and returns how many it passed over: k, or all the file holds."""
+    rows = RECORDS[:2500]
+    lines = [json.dumps(r) for r in rows[:900]]
+    lines[5] = "{not json"  # a malformed line: a record, its placeholder names line 6 (after a blank line: 7)
+    text = "\ufeff" + "\n".join(lines[:3]) + "\n\n" + "\n".join(lines[3:]) + "\n"
+    (tmp_path / "d.jsonl").write_text(text)
+    with gzip.open(tmp_path / "g.jsonl.gz", "wt") as f:
+        f.write(text)
+    (tmp_path / "a.json").write_text(json.dumps(rows[:90]))
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=700)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=600)
+    (tmp_path / "d.csv").write_text("prompt,completion\n" + "".join(f'"q {i}\nline",{i}\n' for i in range(1500)))
+    (tmp_path / "d.txt").write_text("".join(f"line {i}\n" if i % 7 else "\n" for i in range(1200)))
+    for name, builder in (("d.jsonl", "json"), ("g.jsonl.gz", "json"), ("a.json", "json"), ("d.parquet", "parquet"),
+                          ("d.arrow", "arrow"), ("d.csv", "csv"), ("d.txt", "text")):
+        whole, passed = _made(builder, tmp_path / name)
+        assert passed == 0 and len(whole) > 80, name
+        for k in (1, 5, 6, 599, 600, 601, 700, 1400, len(whole) - 1, len(whole), len(whole) + 5):
+            tail, passed = _made(builder, tmp_path / name, skip=k)
+            assert tail == whole[k:], (name, k)
+            assert passed == min(k, len(whole)), (name, k)
+    placeholder = _made("json", tmp_path / "d.jsonl", skip=5)[0][0]
+    assert ":7: malformed JSON" in str(placeholder)
+
+
+def test_a_stream_read_from_a_place_passes_over_unparsed(tmp_path):
+    """A source of several files read from record k: the whole read's records from k, the --limit kept; the JSON
+    lines before k are not parsed (a line that is no record there, which a read from the start refuses, is passed
+    over), so a resumed build or a token store's extension does not parse its source again up to where it starts."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", RECORDS[:1300])
+    (folder / "b.jsonl").write_text("7\n" + "".join(json.dumps(r) + "\n" for r in RECORDS[1300:2100]))
+    stream = sources.open_stream(sources.resolve(str(folder)), limit=None)
+
+    def read(start: int, limit: int | None = None) -> list[dict]:
+        s = sources.open_stream(sources.resolve(str(folder)), limit=limit)
+        return [dict(zip(c, row)) for _, c in s.chunks(start, 250) for row in zip(*c.values())]
+
+    with pytest.raises(Exception, match="not a record"):
+        read(0)
+    assert read(1301) == RECORDS[1300:2100]
+    assert read(1301, limit=1500) == RECORDS[1300:1499]
+    assert read(1500, limit=1400) == []
+    firsts = [first for first, _ in stream.chunks(1301, 250)]
+    assert firsts == list(range(1301, 2101, 250))

@@ -15,7 +15,8 @@ position in the mix and each record's index in its part as a cold build gives th
 the new records that spill holds, where the mix ended and which part ran out.
 
 Cost: the draws walked in numpy (O(positions)); each extended part's stream read from its first record
-(records before the entry's end are passed over, not formatted), the new records tokenized.
+(records before the entry's end are passed over, unparsed where the format allows: :func:`packer.building.readers.records`),
+the new records tokenized.
 """
 
 from __future__ import annotations

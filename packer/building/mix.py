@@ -245,11 +245,11 @@ def _room_for_files(parts: int) -> None:
 class _Reader:
     """One part's records, taken n at a time across its stream's batches."""
 
-    def __init__(self, stream: Stream, size: int):
-        self.batches = stream.chunks(0, size)
+    def __init__(self, stream: Stream, size: int, first: int = 0):
+        self.batches = stream.chunks(first, size)  # from record `first`: those before it passed over by the stream
         self.batch: dict[str, list] = {}
         self.offset = 0
-        self.taken = 0
+        self.taken = first
 
     def take(self, n: int) -> dict[str, list]:
         parts: list[dict[str, list]] = []
@@ -328,16 +328,27 @@ class MixStream:
         return self.limit if known is None else min(known, self.limit)
 
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
+        """``(first position, chunk)`` of ``size`` positions each, from position ``start`` (a chunk boundary: an
+        interrupted spill commits whole chunks). The draws before ``start`` are counted, not read: each part's
+        stream opens at its first record after them (its records before it passed over, unparsed where the
+        format allows), so a resumed build does not read its source again up to where it stopped."""
         _room_for_files(len(self.streams))
-        readers = [_Reader(s, size) for s in self.streams]
+        readers: list[_Reader | None] = [None] * len(self.streams)  # each opened at its first draw from `start` on
+        nexts = [0] * len(self.streams)  # each part's next record
         lo = 0
         for (chunk,) in in_runs(((block,) for block in draws(list(self.parts), self.seed, self.limit)), size):
+            if lo < start:  # tokenized by the run this one resumes: a part that ran out would have ended it there
+                nexts = [a + int(b) for a, b in zip(nexts, np.bincount(chunk, minlength=len(nexts)), strict=True)]
+                lo += int(chunk.size)
+                continue
             pieces, cut = [], chunk.size
-            firsts = [r.taken for r in readers]
+            firsts = list(nexts)
             got = []
-            for k, reader in enumerate(readers):
+            for k in range(len(readers)):
                 want = int((chunk == k).sum())
-                records = reader.take(want) if want else {}
+                if want and readers[k] is None:
+                    readers[k] = _Reader(self.streams[k], size, nexts[k])
+                records = readers[k].take(want) if want else {}
                 n = len(next(iter(records.values()))) if records else 0
                 got.append(records)
                 if n < want:  # this part ran out at its (n+1)-th draw in the chunk
@@ -348,10 +359,11 @@ class MixStream:
             chunk = chunk[:cut]
             for k, records in enumerate(got):
                 positions = np.flatnonzero(chunk == k)
+                nexts[k] += int(positions.size)
                 if positions.size:
                     records = {c: v[:positions.size] for c, v in records.items()}
                     pieces.append((k, firsts[k], records, lo + positions))
-            if chunk.size and lo >= start:
+            if chunk.size:
                 yield lo, MixChunk(tuple(pieces), int(chunk.size))
             lo += int(chunk.size)
             if ended:

@@ -267,15 +267,20 @@ class Stream:
 
     def chunks(self, start: int = 0, size: int = BATCH) -> Iterator[tuple[int, dict[str, list]]]:
         """``(first record index, records as columns)`` of ``size`` records each (the last may be fewer),
-        from record ``start`` (records before it are read and passed over, not formatted)."""
+        from record ``start`` (records before it are passed over, not formatted, and for local JSON Lines, Parquet,
+        Arrow and CSV files not even parsed: :func:`packer.building.readers.records`)."""
         if self.source.kind == "local" and self.source.builder in readers.OWN:
             return self._own_chunks(start, size)
         return self._datasets_chunks(start, size)
 
     def _own_chunks(self, start: int, size: int) -> Iterator[tuple[int, dict[str, list]]]:
         """Local JSON, Parquet and Arrow files, read by :mod:`packer.building.readers` (no `datasets`)."""
-        every = itertools.chain.from_iterable(readers.records(self.source.builder, f) for f in self.files)
-        todo = itertools.islice(every, start, self.limit)
+        def every():  # the records from `start` on: those before it passed over, unread where the format allows
+            left = start
+            for f in self.files:
+                left -= yield from readers.records(self.source.builder, f, skip=left)
+
+        todo = itertools.islice(every(), None if self.limit is None else max(0, self.limit - start))
         done = start
         while batch := list(itertools.islice(todo, size)):
             names = dict.fromkeys(name for record in batch for name in record)  # a key some records lack: None
