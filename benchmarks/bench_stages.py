@@ -12,7 +12,8 @@ what a shared machine disturbs least (wall time is printed beside them).
 
 ``--chat``: a chat build's formatting instead, where the chat template, not the tokenizer, is most of the
 work: GSM8K (../shared/data) as one user and one assistant message a record, ``--repeat`` times, the Qwen3
-tokenizer with its own template (no ``{% generation %}`` tags: three renders a record, ``packer.building.chat``)
+tokenizer with its own template (no ``{% generation %}`` tags: three renders a record, two where records share a
+shape, ``packer.building.chat``)
 and with TRL's tagged twin of it (``trl/chat_templates/qwen3_training.jinja``: one render a record).
 """
 

@@ -149,3 +149,56 @@ def test_a_call_alone_is_anchored_on_its_name_not_a_marker():
     assert trained(enc, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}) == [
         "<think>\n\n</think>\n\n<|im_end|>"]
     assert json.dumps(record)  # the record itself is untouched (no marker written into it)
+
+
+def test_records_that_differ_only_in_text_share_one_marked_render():
+    """An untagged template renders a record three times (real, guard, marked); the marked render holds sentinels and
+    markers for every message's text, so records that differ only in their texts share it: the second such record
+    renders twice. Every record's text and spans equal those of a template that remembers nothing (a fresh one), a
+    record holding a value repr cannot tell apart (a date) is rendered every time, and the memory is bounded."""
+    import copy
+    import datetime
+    from pathlib import Path
+
+    import trl
+    from chat_sweep import conversations
+
+    from packer.building import chat
+
+    source = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    special = {"eos_token": "<|im_end|>"}
+    control = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+    shared = chat.ChatTemplate(source, special, "qwen3.jinja", control)
+    assert shared._probe.headers  # its probe renders made first: not counted below
+    renders = []
+    real_render = shared.render
+    shared.render = lambda *a, **k: renders.append(1) or real_render(*a, **k)
+
+    def fresh(messages, tools):
+        return chat.ChatTemplate(source, special, "qwen3.jinja", control)(messages, tools, "assistant")
+
+    records = []
+    for name, record in conversations():
+        if name == "text_parts":
+            continue
+        for i in range(3):  # the same shape, other texts (the stem too: a text holding PACKERMARK moves it)
+            messages = copy.deepcopy(record["messages"])
+            for m in messages:
+                if isinstance(m.get("content"), str) and m["content"]:
+                    m["content"] = m["content"] + (" PACKERMARK" if i == 2 else f" ({i})")
+            records.append((messages, record.get("tools")))
+    for messages, tools in records:
+        before = len(renders)
+        got = shared(copy.deepcopy(messages), copy.deepcopy(tools), "assistant")
+        assert got == fresh(copy.deepcopy(messages), copy.deepcopy(tools)), messages
+        assert len(renders) - before <= 3
+    calls_shared = len(renders)
+    assert calls_shared < 3 * len(records) - len(records) // 3  # most records of a repeated shape rendered twice
+    one = [{"role": "user", "content": "When?"}, {"role": "assistant", "content": "Then.", "when": datetime.date(2020, 1, 1)}]
+    for _ in range(2):
+        before = len(renders)
+        assert shared(copy.deepcopy(one), None, "assistant") == fresh(copy.deepcopy(one), None)
+        assert len(renders) - before == 3  # not remembered: its repr would not tell it apart from another
+    for i in range(chat.MARKED_RENDERS + 5):  # as many shapes as that: remembered no more than the bound
+        shared([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "n": i}], None, "assistant")
+    assert len(shared.marked_renders) <= chat.MARKED_RENDERS

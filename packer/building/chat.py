@@ -24,7 +24,8 @@ Named templates (``default``, ``tool_use``, ...) are picked per record as transf
 is probed with what it will render (the one records with tools get is probed with a tool).
 
 Cost: one render per record for a tagged template, three for an untagged one (real, guard, marked; see
-``chat_guard``), plus string searches.
+``chat_guard``), plus string searches; records that differ only in their messages' texts share one marked render
+(``ChatTemplate._marked``): two renders a record for most data.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class ChatTemplate:
         self.probe_tools = probe_tools  # a template picked for records with tools is probed with a tool
         self.tagged = bool(_GENERATION_TAG.search(source))
         self.dated = "strftime_now" in source  # it asks for the date: it is rendered with RENDER_DATE
+        self.marked_renders: dict[str, str] = {}  # marked conversation -> its render (_marked)
         try:  # a broken template is reported once, naming it, before any record is read
             _compile_jinja_template(source)
         except jinja2.TemplateSyntaxError as e:
@@ -271,6 +273,23 @@ class ChatTemplate:
                               f"renders ({e}); give a {{% generation %}}-tagged template with --chat-template",
                               "chat_probe_failed") from None
 
+    def _marked(self, marked: list[dict], tools: list[dict] | None) -> str:
+        """The marked render, made once per marked conversation: sentinels and markers stand for every message's
+        text in it, so records that differ only in their messages' texts share it (every GSM8K record as chat: a
+        user turn and an answer), and a render is a pure function of the template, its arguments and packer's fixed
+        clock: one of every three renders of an untagged template's record saved. The conversation is known by its ``repr``, which
+        tells any two apart when they hold only strings, numbers, booleans, None, lists, tuples and dicts; one
+        holding any other value (a date a Parquet file gives) is rendered every time."""
+        key = repr((marked, tools)) if _plain((marked, tools)) else None
+        text = self.marked_renders.get(key) if key is not None else None
+        if text is None:
+            text = self._scaffold(marked, tools, "each assistant text replaced by a marker")
+            if key is not None:
+                if len(self.marked_renders) >= MARKED_RENDERS:  # many shapes: begun again, memory stays bounded
+                    self.marked_renders.clear()
+                self.marked_renders[key] = text
+        return text
+
     def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[list[tuple[int, int]]]:
         """Per assistant turn, the character spans of its output in ``text``: found in the guard render, which holds
         no other message's text (see ``chat_guard``), and carried over to ``text`` by the exact alignment."""
@@ -282,7 +301,7 @@ class ChatTemplate:
         alignment = align(text, guard, stem, contents)
         # only non-empty text is replaced by a marker: the template sees text where the record has text
         marked = [{**m, "content": _marker(stem, i)} if i in turns and _has_text(m) else m for i, m in enumerate(guarded)]
-        scaffold = self._scaffold(marked, tools, "each assistant text replaced by a marker")
+        scaffold = self._marked(marked, tools)
         finder = _Finder(self, guarded, turns, scaffold, guard, stem)
         out = []
         for k, i in enumerate(turns):
@@ -554,6 +573,23 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
     if template.special_tokens.get("eos_token"):
         ends.append(template.special_tokens["eos_token"])
     return _Probe(headers, prefill, list(dict.fromkeys(e for e in ends if e.strip())))
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})  # exact types: a subclass may have a repr of its own
+MARKED_RENDERS = 1024  # marked conversations remembered per template and process
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` holds only strings, numbers, booleans, None, lists, tuples and dicts of string keys: what
+    ``repr`` writes faithfully (distinct values, distinct reprs)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if kind in (list, tuple):
+        return all(_plain(v) for v in value)
+    return False
 
 
 def _has_text(message: dict) -> bool:
