@@ -277,7 +277,8 @@ class ChatTemplate:
         """The marked render, made once per marked conversation: sentinels and markers stand for every message's
         text in it, so records that differ only in their messages' texts share it (every GSM8K record as chat: a
         user turn and an answer), and a render is a pure function of the template, its arguments and packer's fixed
-        clock: one of every three renders of an untagged template's record saved. The conversation is known by its ``repr``, which
+        clock (but for Jinja's ``random`` filter, which no chat template uses: with it, no two of a record's renders
+        would agree anyway): one of every three renders of an untagged template's record saved. The conversation is known by its ``repr``, which
         tells any two apart when they hold only strings, numbers, booleans, None, lists, tuples and dicts; one
         holding any other value (a date a Parquet file gives) is rendered every time."""
         key = repr((marked, tools)) if _plain((marked, tools)) else None
