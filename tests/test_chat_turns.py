@@ -202,3 +202,7 @@ def test_records_that_differ_only_in_text_share_one_marked_render():
     for i in range(chat.MARKED_RENDERS + 5):  # as many shapes as that: remembered no more than the bound
         shared([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "n": i}], None, "assistant")
     assert len(shared.marked_renders) <= chat.MARKED_RENDERS
+    big = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "note": "x" * (chat.MARKED_CHARS // 3)}]
+    for i in range(4):  # large shapes: remembered no more than the characters' bound either
+        shared([*big[:1], {**big[1], "n": i}], None, "assistant")
+        assert sum(len(k) + len(v) for k, v in shared.marked_renders.items()) <= chat.MARKED_CHARS

@@ -194,6 +194,7 @@ class ChatTemplate:
         self.tagged = bool(_GENERATION_TAG.search(source))
         self.dated = "strftime_now" in source  # it asks for the date: it is rendered with RENDER_DATE
         self.marked_renders: dict[str, str] = {}  # marked conversation -> its render (_marked)
+        self._marked_chars = 0  # what they hold
         try:  # a broken template is reported once, naming it, before any record is read
             _compile_jinja_template(source)
         except jinja2.TemplateSyntaxError as e:
@@ -286,8 +287,10 @@ class ChatTemplate:
         if text is None:
             text = self._scaffold(marked, tools, "each assistant text replaced by a marker")
             if key is not None:
-                if len(self.marked_renders) >= MARKED_RENDERS:  # many shapes: begun again, memory stays bounded
-                    self.marked_renders.clear()
+                self._marked_chars += len(key) + len(text)
+                if len(self.marked_renders) >= MARKED_RENDERS or self._marked_chars > MARKED_CHARS:
+                    self.marked_renders.clear()  # many shapes, or large ones (tools' schemas): begun again, so
+                    self._marked_chars = len(key) + len(text)  # the memory stays bounded
                 self.marked_renders[key] = text
         return text
 
@@ -577,7 +580,9 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})  # exact types: a subclass may have a repr of its own
-MARKED_RENDERS = 1024  # marked conversations remembered per template and process
+# marked conversations remembered per template and process, and the characters they and their renders may hold
+# (about 8 MB as Python strings of ASCII text)
+MARKED_RENDERS, MARKED_CHARS = 1024, 1 << 23
 
 
 def _plain(value: Any) -> bool:
