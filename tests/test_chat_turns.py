@@ -203,6 +203,11 @@ def test_records_that_differ_only_in_text_share_one_marked_render():
         shared([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "n": i}], None, "assistant")
     assert len(shared.marked_renders) <= chat.MARKED_RENDERS
     big = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "note": "x" * (chat.MARKED_CHARS // 3)}]
-    for i in range(4):  # large shapes: remembered no more than the characters' bound either
+    for i in range(4):  # large shapes: remembered no more than the characters' bound either, the first made go first
         shared([*big[:1], {**big[1], "n": i}], None, "assistant")
         assert sum(len(k) + len(v) for k, v in shared.marked_renders.items()) <= chat.MARKED_CHARS
+        assert "'n': " + str(i) in list(shared.marked_renders)[-1]
+    huge = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "note": "x" * chat.MARKED_CHARS}]
+    before = len(shared.marked_renders)
+    assert shared(huge, None, "assistant") == fresh(copy.deepcopy(huge), None)
+    assert len(shared.marked_renders) == before  # one larger than the whole bound is not remembered

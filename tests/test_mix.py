@@ -260,3 +260,16 @@ def sources_open(part: dict):
     from packer.building import sources
 
     return sources.open_stream(sources.resolve(part["source"], recipe=part.get("recipe")), limit=part.get("records"))
+
+
+def test_a_resume_past_what_the_source_holds_is_refused(srcs, tmp_path):
+    """Only a run over the same bytes resumes, so a source holding fewer records than the resumed run read has
+    changed: refused in one line, never taken for a mix that ran out there."""
+    from packer.building import sources
+
+    short = tmp_path / "qa.jsonl"
+    short.write_text("".join(srcs["qa"].read_text().splitlines(keepends=True)[:30]))
+    stream = sources.open_stream(sources.resolve(str(short), recipe="gsm8k"), limit=None)
+    assert [first for first, _ in stream.chunks(30, 10)] == []  # at its end: nothing more, no error
+    with pytest.raises(Exception, match="holds 30 records, fewer than the 40"):
+        list(stream.chunks(40, 10))

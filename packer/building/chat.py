@@ -286,12 +286,12 @@ class ChatTemplate:
         text = self.marked_renders.get(key) if key is not None else None
         if text is None:
             text = self._scaffold(marked, tools, "each assistant text replaced by a marker")
-            if key is not None:
-                self._marked_chars += len(key) + len(text)
-                if len(self.marked_renders) >= MARKED_RENDERS or self._marked_chars > MARKED_CHARS:
-                    self.marked_renders.clear()  # many shapes, or large ones (tools' schemas): begun again, so
-                    self._marked_chars = len(key) + len(text)  # the memory stays bounded
+            if key is not None and len(key) + len(text) <= MARKED_CHARS:
                 self.marked_renders[key] = text
+                self._marked_chars += len(key) + len(text)
+                while len(self.marked_renders) > MARKED_RENDERS or self._marked_chars > MARKED_CHARS:
+                    oldest = next(iter(self.marked_renders))  # many shapes, or large ones (tools' schemas): the
+                    self._marked_chars -= len(oldest) + len(self.marked_renders.pop(oldest))  # first made go first
         return text
 
     def _locate(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[list[tuple[int, int]]]:
@@ -581,7 +581,7 @@ def _learn(template: ChatTemplate, user: list[dict], tools, bare: str, prompted:
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})  # exact types: a subclass may have a repr of its own
 # marked conversations remembered per template and process, and the characters they and their renders may hold
-# (about 8 MB as Python strings of ASCII text)
+# (8 MB as Python strings of ASCII text, up to 4 bytes a character of other text)
 MARKED_RENDERS, MARKED_CHARS = 1024, 1 << 23
 
 

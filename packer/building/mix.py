@@ -249,7 +249,6 @@ class _Reader:
         self.batches = stream.chunks(first, size)  # from record `first`: those before it passed over by the stream
         self.batch: dict[str, list] = {}
         self.offset = 0
-        self.taken = first
 
     def take(self, n: int) -> dict[str, list]:
         parts: list[dict[str, list]] = []
@@ -266,12 +265,9 @@ class _Reader:
             self.offset += k
             n -= k
         if len(parts) == 1:  # within one batch (always, for a one-part mix): its columns as they are
-            self.taken += k
             return parts[0]
-        taken = {c: [x for p in parts for x in p.get(c, [None] * len(next(iter(p.values()))))]
-                 for c in dict.fromkeys(c for p in parts for c in p)}
-        self.taken += len(next(iter(taken.values()))) if taken else 0
-        return taken
+        return {c: [x for p in parts for x in p.get(c, [None] * len(next(iter(p.values()))))]
+                for c in dict.fromkeys(c for p in parts for c in p)}
 
 
 def in_runs(blocks: Iterator[tuple[np.ndarray, ...]], size: int) -> Iterator[tuple[np.ndarray, ...]]:
@@ -330,8 +326,9 @@ class MixStream:
     def chunks(self, start: int = 0, size: int = 1000) -> Iterator[tuple[int, MixChunk]]:
         """``(first position, chunk)`` of ``size`` positions each, from position ``start`` (a chunk boundary: an
         interrupted spill commits whole chunks). The draws before ``start`` are counted, not read: each part's
-        stream opens at its first record after them (its records before it passed over, unparsed where the
-        format allows), so a resumed build does not read its source again up to where it stopped."""
+        stream opens at its first record after them, so a resumed build does not make its records again up to
+        where it stopped (a local file's records before it are passed over as :func:`packer.building.readers.records`
+        says: JSON lines unparsed; a Hub part is skipped by `datasets`, which still reads them)."""
         _room_for_files(len(self.streams))
         readers: list[_Reader | None] = [None] * len(self.streams)  # each opened at its first draw from `start` on
         nexts = [0] * len(self.streams)  # each part's next record

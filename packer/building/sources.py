@@ -267,8 +267,8 @@ class Stream:
 
     def chunks(self, start: int = 0, size: int = BATCH) -> Iterator[tuple[int, dict[str, list]]]:
         """``(first record index, records as columns)`` of ``size`` records each (the last may be fewer),
-        from record ``start`` (records before it are passed over, not formatted, and for local JSON Lines, Parquet,
-        Arrow and CSV files not even parsed: :func:`packer.building.readers.records`)."""
+        from record ``start`` (records before it are passed over, not formatted; a local JSON line not even parsed,
+        a Parquet, Arrow or CSV batch before it not made into records: :func:`packer.building.readers.records`)."""
         if self.source.kind == "local" and self.source.builder in readers.OWN:
             return self._own_chunks(start, size)
         return self._datasets_chunks(start, size)
@@ -279,6 +279,9 @@ class Stream:
             left = start
             for f in self.files:
                 left -= yield from readers.records(self.source.builder, f, skip=left)
+            if left:  # only a run over these very bytes starts past record 0: it read them, so they were there
+                raise SourceError(f"{self.source.name}: holds {start - left:,} records, fewer than the {start:,} the "
+                                  "run this one resumes had read; the source changed: build again from the start")
 
         todo = itertools.islice(every(), None if self.limit is None else max(0, self.limit - start))
         done = start
