@@ -63,7 +63,7 @@ import numpy as np
 from .. import __version__, cache
 from ..contract.config import BuildConfig
 from ..fs import file_sha256
-from . import extension, kept_tokenizers, mix, redraw, spill
+from . import extension, image_entry, kept_tokenizers, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
 STORE_VERSION = 3  # bump when what an entry holds or means changes: entries of another version are never used
@@ -101,11 +101,17 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
         record = source if config.mix is None else {f: v for f, v in source["parts"][k].items() if f != "source"}
         if record.get("kind") == "hub" and record.get("revision") is None:
             return None
+        images = image_entry.identity(enc)
+        # a mix of image sources neither uses nor keeps entries: re-drawing, splitting and extending a part's
+        # image files is not done (image_entry), and a mix's parts are always re-drawn or split
+        if images is not None and config.mix is not None:
+            return None
         out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
                     "libraries": libraries,
                     "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
                     "format": dataclasses.asdict(getattr(enc, "spec", None) or enc.formatter.spec),
-                    "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record})
+                    "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record,
+                    **({} if images is None else {image_entry.KEY: images})})
     return out
 
 
@@ -202,11 +208,13 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         if src is None and len(set(names)) < len(names):  # a source given twice would be read twice beyond its entry
             return Restored(False)
         whole = src is not None and len(parts) == 1 and int(src.size) == metas[names[0]]["counts"]["records"]
+        if image_entry.KEY in idents[0] and not whole:  # an image entry is taken whole, or the build tokenizes
+            return Restored(False)
         _empty(into, keep=REST if src is None else None)  # an interrupted extension's spill is resumed
         for name, entry in held.items():
             where = into if whole else into / PARTS / name
             where.mkdir(parents=True, exist_ok=True)
-            for file in spill.FILES:
+            for file in metas[name]["files"]:
                 _link_or_copy(entry.path / file, where / file)
         for name in set(metas) - set(held):  # a part without an entry holds no records
             (into / PARTS / name).mkdir(parents=True, exist_ok=True)
@@ -222,6 +230,10 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         problem = _hash_problem(into if whole else into / PARTS / name, metas[name])
         if problem is not None:
             return _undo(store, into, name, problem)
+        if image_entry.LISTED in metas[name] and image_entry.changed(metas[name]) is not None:
+            _remove(store, name)  # an image file changed since: no damage (no warning), but never of use again
+            _empty(into)
+            return Restored(False)
     if src is None:
         return Restored(False, rest=Rest(names, {n: dict(m) for n, m in metas.items()}))
     _finish(into, spill_identity, src, names, metas, whole)
@@ -241,8 +253,10 @@ def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: 
     else:
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
+    # an image entry's image counts too: the spill's images are truncated to what its marker counts when it is opened
+    images = image_entry.progress(metas[names[0]]) if whole else {}
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
-                                               "skipped": skipped})
+                                               "skipped": skipped, **images})
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,7 +388,8 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
     if _canonical(meta.get("identity")) != _canonical(ident):
         return "it was made from another source, tokenizer or config"
     files, counts, skips = meta.get("files"), meta.get("counts"), meta.get("skips")
-    if (not isinstance(files, dict) or set(files) != set(spill.FILES) or not isinstance(counts, dict)
+    if (not isinstance(files, dict) or set(files) != set(image_entry.files(ident, spill.FILES))
+            or not isinstance(counts, dict)
             or not all(isinstance(counts.get(c), int) for c in ("records", "examples", "tokens"))
             or not isinstance(meta.get("complete"), bool) or not isinstance(skips, dict)
             or not isinstance(skips.get("at"), list) or not isinstance(skips.get("reasons"), list)
@@ -391,7 +406,7 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
             return f"{name} is missing"
         if size != files[name]["bytes"]:
             return f"{name} holds {size:,} bytes, not the {files[name]['bytes']:,} it was written with"
-    return None
+    return image_entry.size_problem(path, meta) if image_entry.KEY in ident else None
 
 
 def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
@@ -405,7 +420,7 @@ def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
 
 def _hash_problem(where: Path, meta: dict[str, Any]) -> str | None:
     """Which of the files in ``where`` differs from the size and sha256 ``meta`` lists (None: none)."""
-    for name in spill.FILES:
+    for name in meta["files"]:
         problem = cache.file_problem(where / name, meta["files"][name]["bytes"], meta["files"][name]["sha256"])
         if problem is not None:
             return f"{name}: {problem}"
@@ -493,6 +508,9 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
             if kept[name] != k or not mine[k].records:
                 continue
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
+            extra = _image_files(ident, stream, encoder, tokens, mine[k])  # an image part's: the files it read
+            if extra is None:
+                continue
 
             def prepare(k=k, where=where) -> list[str]:  # done only when the part is kept
                 reasons = mine[k].reasons
@@ -505,9 +523,9 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
                                  [split_at / str(j) if kept[names[j]] == j else None for j in range(len(parts))])
                 return reasons
 
-            size = (sum((tokens.folder / file).stat().st_size for file in spill.FILES) if len(parts) == 1 else
-                    _part_bytes(tokens, ex, src, k))
-            _keep(store, name, ident, where, mine[k], abouts[k], size, prepare)
+            size = (sum((tokens.folder / file).stat().st_size for file in image_entry.files(ident, spill.FILES))
+                    if len(parts) == 1 else _part_bytes(tokens, ex, src, k))
+            _keep(store, name, ident, where, mine[k], abouts[k], size, prepare, extra)
     except (OSError, cache.CacheError) as e:
         return _skipped(e)
     finally:
@@ -516,11 +534,12 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
 
 
 def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, part: _Part, about: dict[str, Any],
-          size: int, prepare=None) -> None:
+          size: int, prepare=None, extra: dict[str, Any] | None = None) -> None:
     """Make the files in ``where`` (``size`` bytes) entry ``name`` of identity ``ident``, holding ``part``'s
     records, unless a sound entry there holds as many already (one of fewer records is replaced) or the entry
     is larger than the cache's whole limit. ``prepare()``, when given, runs first and only if the entry is
-    made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``)."""
+    made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``).
+    ``extra``: what else its meta.json says (an image entry's image files read)."""
     if store.limit is not None and size > store.limit:
         return
 
@@ -528,14 +547,14 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
         reasons = part.reasons if prepare is None else prepare()
         temp.mkdir()
         files = {}
-        for file in spill.FILES:
+        for file in image_entry.files(ident, spill.FILES):
             _link_or_copy(where / file, temp / file)
             files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
         counts = {"records": part.records, "examples": files["lengths.bin"]["bytes"] // 4,
                   "tokens": files["ids.bin"]["bytes"] // 4}
         meta = {"identity": ident, "counts": counts, "complete": part.complete,
                 "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
-                "about": about, "created": time.time()}
+                "about": about, "created": time.time(), **(extra or {})}
         (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
 
     def check(path: Path, full: bool) -> str | None:
@@ -546,6 +565,20 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
 
     with store.open(name, make, check, full=True, size_hint=size):
         pass
+
+
+def _image_files(ident: dict[str, Any], stream: MixStream, encoder: MixEncoder, tokens: spill.Spill, part: _Part
+                 ) -> dict[str, Any] | None:
+    """What an entry's meta.json says beyond a text entry's: nothing for a text part; an image part's image files
+    read (:func:`packer.building.image_entry.read_files`); None when the part is not kept (an image part with
+    skipped records, or files it cannot pin). Image mixes keep no entries (:func:`identities`): one part."""
+    if image_entry.KEY not in ident:
+        return {}
+    if part.skipped_at:
+        return None
+    listed = image_entry.read_files(tokens.folder, stream.streams[0], encoder.encoders[0], part.records,
+                                    np.asarray(tokens.example_ids))
+    return None if listed is None else {image_entry.LISTED: listed}
 
 
 def _skipped(e: Exception) -> str:

@@ -1,0 +1,138 @@
+"""An image build's entry in the token store (:mod:`packer.building.token_store`): its image files, and the
+image files its records read.
+
+An image build's spill holds three files beside the token files (:mod:`packer.building.image_spill`); its entry
+keeps them too, listed in ``meta.json`` with their sizes and sha256s as the token files are, and checked alike
+(sizes on every lookup, sha256s on the build's own links). What the source's sha256 does not cover is an image
+given by path: a file beside the source, which may be rewritten, replaced or removed after the entry was made.
+So the entry lists every such file its records read (``image_files``), each with the size and sha256 of the very
+bytes the build stored (taken from ``images.bin``, not read again: a file changed during the build cannot slip
+in), and a build re-hashes those files before it re-plans from the entry: one that differs, or is gone, and the
+entry is not used (it is removed and the source tokenized again, which fails or skips as a ``--no-cache`` build
+would).
+
+What an image part's tokens depend on beyond a text part's (:func:`identity`): the processor (its fingerprint is
+in the manifest's tokenizer record, which the identity holds), the images field, the folder relative paths are
+read from, ``--max-len`` where the encoder drops an example whose cut would fall in an image (``--overlong
+truncate`` only), and Pillow's version (it reads each image's size and decides what decodes).
+
+Scope: an image entry is taken whole, by a build drawing as many records as it holds; a build drawing fewer or
+more (another ``--limit``), or a mix of image sources, tokenizes as before (the image files are not re-drawn,
+split or extended). An image part with skipped records is not kept: a skipped record's files decided its skip,
+and what they held then is in no stored byte that could pin it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import cache
+from . import image_spill
+from .image_encoder import ImageEncoder, image_values
+from .images import image_file
+
+FILES = (image_spill.DATA, image_spill.INDEX, image_spill.PER_EXAMPLE)
+KEY = "images"  # an image part's identity holds this (what identity() returns); a text part's never does
+LISTED = "image_files"  # in an image entry's meta.json: the image files its records read
+
+
+def identity(encoder) -> dict[str, Any] | None:
+    """What an image part's tokens depend on beyond what a text part's identity holds (None: a text encoder)."""
+    if not isinstance(encoder, ImageEncoder):
+        return None
+    base = encoder.formatter.base
+    try:
+        pillow = metadata.version("pillow")
+    except metadata.PackageNotFoundError:
+        pillow = None
+    return {"field": encoder.formatter.images_field, "base": None if base is None else str(Path(base).absolute()),
+            "max_len": encoder.max_len, "pillow": pillow}
+
+
+def files(ident: dict[str, Any], token_files: tuple[str, ...]) -> tuple[str, ...]:
+    """The files an entry of identity ``ident`` holds: the token files, and an image part's image files."""
+    return token_files + FILES if KEY in ident else token_files
+
+
+def size_problem(path: Path, meta: dict[str, Any]) -> str | None:
+    """What is wrong with an image entry's image files (in ``path``) or its list of read files, as ``meta`` and
+    the files' sizes show (None: nothing)."""
+    listed = meta.get(LISTED)
+    if not isinstance(listed, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+            and isinstance(f.get("sha256"), str) for f in listed):
+        return "its meta.json does not list the image files its records read"
+    sizes = {name: meta["files"][name]["bytes"] for name in FILES}
+    if (sizes[image_spill.PER_EXAMPLE] != 4 * meta["counts"]["examples"]
+            or sizes[image_spill.INDEX] % (8 * image_spill.INDEX_WIDTH)):
+        return "its meta.json's counts do not match its image files"
+    for name, size in sizes.items():
+        try:
+            found = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} holds {found:,} bytes, not the {size:,} it was written with"
+    return None
+
+
+def progress(meta: dict[str, Any]) -> dict[str, int]:
+    """What a finished spill's marker counts of the entry's images (image_spill's ``images``, ``image_bytes``:
+    its files are truncated to them when the spill is opened, and they are the entry's own, linked); {} for a
+    text entry."""
+    if image_spill.DATA not in meta["files"]:
+        return {}
+    return {"images": meta["files"][image_spill.INDEX]["bytes"] // (8 * image_spill.INDEX_WIDTH),
+            "image_bytes": meta["files"][image_spill.DATA]["bytes"]}
+
+
+def changed(meta: dict[str, Any]) -> str | None:
+    """Which image file the entry's records read differs now from the bytes the entry holds (None: none)."""
+    for f in meta[LISTED]:
+        problem = cache.file_problem(f["path"], f["bytes"], f["sha256"])
+        if problem is not None:
+            return f"image file {f['path']}: {problem}"
+    return None
+
+
+def read_files(folder: Path, stream, encoder: ImageEncoder, records: int, example_ids: np.ndarray
+               ) -> list[dict[str, Any]] | None:
+    """The image files the first ``records`` records of ``stream`` (one part's) read, each once, with the size
+    and sha256 of the bytes the finished spill in ``folder`` holds of it; None when they cannot be pinned (a
+    relative path read from the working folder: the source is no local file). The source's records are read
+    again for their images field (no image decoded). Raises ``cache.CacheError`` when the spill is not one
+    example a record in order (the part has skipped records), or a file gave two contents in one build."""
+    if len(example_ids) != records or not np.array_equal(example_ids, np.arange(records)):
+        raise cache.CacheError("an image part with skipped records is not kept")
+    counts = np.fromfile(folder / image_spill.PER_EXAMPLE, np.int32, count=records)
+    first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    index = np.fromfile(folder / image_spill.INDEX, np.int64).reshape(-1, image_spill.INDEX_WIDTH)
+    field, base = encoder.formatter.images_field, encoder.formatter.base
+    found: dict[str, dict[str, Any]] = {}
+    with open(folder / image_spill.DATA, "rb") as data:
+        for at, batch in stream.chunks(0, 1000):
+            column = batch.get(field) or [None] * len(next(iter(batch.values()), []))
+            for r, value in enumerate(column[:max(0, records - at)], start=at):
+                values = image_values(value)
+                if len(values) != first[r + 1] - first[r]:
+                    raise cache.CacheError(f"record {r + 1}'s images read again are not those its spill holds")
+                for v, row in zip(values, range(int(first[r]), int(first[r + 1])), strict=True):
+                    path = image_file(v, base)
+                    if path is None:
+                        continue
+                    if not path.is_absolute() and base is None:
+                        return None
+                    data.seek(int(index[row, 0]))
+                    held = data.read(int(index[row, 1]))
+                    listed = {"path": str(path.absolute()), "bytes": len(held),
+                              "sha256": hashlib.sha256(held).hexdigest()}
+                    if found.setdefault(listed["path"], listed) != listed:
+                        raise cache.CacheError(f"image file {listed['path']} changed during the build")
+            if at + len(column) >= records:
+                break
+    return sorted(found.values(), key=lambda f: f["path"])

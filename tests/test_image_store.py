@@ -1,0 +1,144 @@
+"""The token store for image builds (packer.building.image_entry): an image build keeps its tokens and images, a
+later build that differs only in what acts after tokenizing re-plans from them, byte-identical to a
+``--no-cache`` build; an image file changed, replaced or removed since is never served from the store; a
+damaged entry is found, removed and tokenized again with one warning; a mix of image sources keeps no entry.
+
+The processor and images are test_images.py's (a Qwen2.5-VL processor on the real Qwen3 tokenizer; real
+photographs and odd-mode images); each test builds on its own copy of the images, so it may change them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from store_tools import damage_entry, entry_dirs
+from test_images import _record, data, processor_dir  # noqa: F401 - the fixtures, shared
+
+from packer import BuildConfig, build
+from packer.building import image_entry
+from packer.checking.verify import verify
+from packer.errors import RecordError
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def own(data, tmp_path) -> Path:  # noqa: F811
+    """A copy of the image data, its gray image rewritten uncompressed (so other pixels keep its size)."""
+    folder = tmp_path / "images"
+    shutil.copytree(data, folder)
+    PIL.new("L", (80, 60), 128).save(folder / "gray.png", compress_level=0)
+    return folder
+
+
+def config(own: Path, processor_dir: Path, out: Path, **options) -> BuildConfig:  # noqa: F811
+    return BuildConfig(source=str(own / "data.jsonl"), out=str(out), processor=str(processor_dir), num_proc=1,
+                       overwrite=True, **{"pack": "bfd", "max_len": 2048, "overlong": "drop", **options})
+
+
+def cold(own: Path, processor_dir: Path, out: Path, **options) -> dict[str, str]:  # noqa: F811
+    build(config(own, processor_dir, out, cache=False, **options))
+    return digest(out)
+
+
+def test_an_image_build_replans_byte_identical_and_verifies(own, processor_dir, tmp_path):  # noqa: F811
+    first = build(config(own, processor_dir, tmp_path / "first"))
+    assert not first.replanned and len(entry_dirs()) == 1
+    entry = entry_dirs()[0]
+    meta = json.loads((entry / "meta.json").read_text())
+    assert set(image_entry.FILES) <= set(meta["files"]) and (entry / "images.bin").stat().st_size > 0
+    assert {Path(f["path"]).name for f in meta[image_entry.LISTED]} == {
+        "hopper.jpg", "hopper_wide.png", "hopper_tall.jpg", "gray.png", "cmyk.jpg", "alpha.png", "animated.gif",
+        "rotated.jpg"}
+    for changed in (dict(max_len=4096, seed=3, format_version=1), dict(pack="batch", epochs=2)):
+        result = build(config(own, processor_dir, tmp_path / "replan", **changed))
+        assert result.replanned and not result.warnings, changed
+        assert digest(tmp_path / "replan") == cold(own, processor_dir, tmp_path / "cold", **changed), changed
+    report = verify(str(tmp_path / "replan"), source=str(own / "data.jsonl"), progress=False)
+    assert report.ok, [str(p) for p in report.problems]
+    # under --overlong truncate the encoder drops an example whose cut falls in an image: --max-len is keyed
+    truncate = build(config(own, processor_dir, tmp_path / "truncate", overlong="truncate", max_len=1200))
+    assert not truncate.replanned
+    assert digest(tmp_path / "truncate") == cold(own, processor_dir, tmp_path / "cold", overlong="truncate",
+                                                 max_len=1200)
+
+
+@pytest.mark.parametrize("change", ["pixels", "size", "removed"])
+def test_an_image_file_changed_since_is_never_served(change, own, processor_dir, tmp_path):  # noqa: F811
+    build(config(own, processor_dir, tmp_path / "first"))
+    before = (own / "gray.png").stat().st_size
+    if change == "pixels":  # same size, other pixels
+        PIL.new("L", (80, 60), 129).save(own / "gray.png", compress_level=0)
+        assert (own / "gray.png").stat().st_size == before
+    elif change == "size":
+        PIL.new("L", (160, 90), 128).save(own / "gray.png")
+    else:
+        (own / "gray.png").unlink()
+        with pytest.raises(RecordError, match="'gray.png': cannot be read"):
+            build(config(own, processor_dir, tmp_path / "again", seed=5))
+        assert entry_dirs() == []  # the entry of the files as they were is gone
+        skip = build(config(own, processor_dir, tmp_path / "again", seed=5, on_error="skip"))
+        assert not skip.replanned
+        assert digest(tmp_path / "again") == cold(own, processor_dir, tmp_path / "cold", seed=5, on_error="skip")
+        return
+    again = build(config(own, processor_dir, tmp_path / "again", seed=5))
+    assert not again.replanned and not again.warnings
+    assert digest(tmp_path / "again") == cold(own, processor_dir, tmp_path / "cold", seed=5)
+    assert build(config(own, processor_dir, tmp_path / "third", seed=6)).replanned  # the new entry is used
+
+
+@pytest.mark.parametrize("damage", ["images", "index", "per_example", "no_meta"])
+def test_a_damaged_image_entry_is_removed_and_tokenized_again(damage, own, processor_dir, tmp_path):  # noqa: F811
+    build(config(own, processor_dir, tmp_path / "first"))
+    [entry] = entry_dirs()
+    if damage == "images":  # a bit flipped: the sha256 finds it
+        data = bytearray((entry / "images.bin").read_bytes())
+        data[len(data) // 2] ^= 1
+        (entry / "images.bin").write_bytes(bytes(data))
+    elif damage == "index":  # cut short: the size finds it
+        with open(entry / "image_index.bin", "r+b") as f:
+            f.truncate((entry / "image_index.bin").stat().st_size - 8)
+    elif damage == "per_example":
+        (entry / "example_images.bin").unlink()
+    else:
+        damage_entry(entry, damage)
+    result = build(config(own, processor_dir, tmp_path / "again", seed=2))
+    assert not result.replanned and len(result.warnings) == 1 and "was not used" in result.warnings[0]
+    assert digest(tmp_path / "again") == cold(own, processor_dir, tmp_path / "cold", seed=2)
+    assert build(config(own, processor_dir, tmp_path / "third", seed=4)).replanned
+
+
+def test_under_a_limit_an_entry_is_taken_whole_or_the_build_tokenizes(own, processor_dir, tmp_path):  # noqa: F811
+    assert not build(config(own, processor_dir, tmp_path / "a", limit=4)).replanned
+    more = build(config(own, processor_dir, tmp_path / "b", limit=6))  # beyond the entry: tokenized, not extended
+    assert not more.replanned and more.extended is None
+    assert digest(tmp_path / "b") == cold(own, processor_dir, tmp_path / "cold", limit=6)
+    fewer = build(config(own, processor_dir, tmp_path / "c", limit=4, seed=1))  # within it: tokenized too
+    assert not fewer.replanned
+    assert digest(tmp_path / "c") == cold(own, processor_dir, tmp_path / "cold", limit=4, seed=1)
+    assert build(config(own, processor_dir, tmp_path / "d", limit=6, seed=1)).replanned
+
+
+def test_a_mix_of_image_sources_builds_with_the_store_on_and_keeps_no_entry(own, processor_dir, tmp_path):  # noqa: F811
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copy(own / "hopper_wide.png", second / "w.png")
+    other = [{"messages": _record(10 + i, ["w.png"])["messages"][:2], "images": ["w.png"]} for i in range(4)]
+    (second / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
+    parts = ({"source": str(own / "data.jsonl"), "weight": 0.5}, {"source": str(second / "other.jsonl"), "weight": 0.5})
+
+    def mixed(out: Path, **options) -> BuildConfig:
+        return BuildConfig(source="mix", mix=parts, out=str(out), processor=str(processor_dir), pack="bfd",
+                           max_len=4096, num_proc=1, limit=8, overwrite=True, **options)
+
+    for seed in (0, 1):
+        assert not build(mixed(tmp_path / "mix", seed=seed)).replanned and entry_dirs() == []
+    build(mixed(tmp_path / "cold", seed=1, cache=False))
+    assert digest(tmp_path / "mix") == digest(tmp_path / "cold")
