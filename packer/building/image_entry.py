@@ -51,7 +51,8 @@ def identity(encoder) -> dict[str, Any] | None:
     except metadata.PackageNotFoundError:
         pillow = None
     return {"field": encoder.formatter.images_field, "base": None if base is None else str(Path(base).absolute()),
-            "max_len": encoder.max_len, "pillow": pillow}
+            "max_len": encoder.max_len, "pillow": pillow,  # and the processor's tokenizer's image token
+            "image_token": [encoder.image_token, encoder.image_token_id, encoder.model_token]}
 
 
 def files(ident: dict[str, Any], token_files: tuple[str, ...]) -> tuple[str, ...]:
