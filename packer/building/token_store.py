@@ -10,8 +10,10 @@ ids, trained flags, lengths, example ids, here the records' indices in the part)
 
     meta.json         the identity the tokens were made from; the records, examples and tokens held, whether
                       the records are all the part has (``complete``), each skipped record's index and reason,
-                      each file's size and sha256
+                      each file's size and sha256 (an image part's: and each image file its records read, with
+                      the size and sha256 of the bytes held)
     ids.bin trained.bin lengths.bin example_ids.bin
+    images.bin image_index.bin example_images.bin    an image part's images (:mod:`packer.building.image_spill`)
 
 keyed by everything the part's tokens depend on (:func:`identities`): its source's content (the sha256s, or
 the Hub revision, the manifest records), the tokenizer's fingerprint and special tokens, the chat template's
@@ -31,6 +33,13 @@ record names the files the build reads and their sha256s (under ``--limit``, the
 it reads), so an entry is found only by a build reading the very files it was made from, and reading on
 from its end stays in them; a build reading another file (a larger ``--limit`` reaching a source's next
 file) has another key and tokenizes.
+
+An image build's part (one source; a mix of image sources neither uses nor keeps entries) keeps its images
+too, and its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor,
+the images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image);
+its image files read are re-hashed before a re-plan, and an entry whose files changed is removed and the source
+tokenized. Such an entry is taken whole only: a build drawing fewer or more records than it holds tokenizes,
+and a part with skipped records is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
