@@ -16,15 +16,18 @@ in the manifest's tokenizer record, which the identity holds), the images field,
 read from, ``--max-len`` where the encoder drops an example whose cut would fall in an image (``--overlong
 truncate`` only), and Pillow's version (it reads each image's size and decides what decodes).
 
-Scope: an image entry is taken whole, by a build drawing as many records as it holds; a build drawing fewer or
-more (another ``--limit``), or a mix of image sources, tokenizes as before (the image files are not re-drawn,
-split or extended). An image part with skipped records is not kept: a skipped record's files decided its skip,
-and what they held then is in no stored byte that could pin it.
+Scope: one source. An image entry is taken whole, by a build drawing as many records as it holds, or extended
+by one drawing more (a larger ``--limit``: the records beyond it tokenized, their images appended, :func:`append`);
+a build drawing fewer, or a mix of image sources, tokenizes as before (the image files are not re-drawn or
+split). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
+held then is in no stored byte that could pin it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -82,14 +85,43 @@ def size_problem(path: Path, meta: dict[str, Any]) -> str | None:
     return None
 
 
-def progress(meta: dict[str, Any]) -> dict[str, int]:
-    """What a finished spill's marker counts of the entry's images (image_spill's ``images``, ``image_bytes``:
-    its files are truncated to them when the spill is opened, and they are the entry's own, linked); {} for a
-    text entry."""
-    if image_spill.DATA not in meta["files"]:
+def held(folder: Path) -> tuple[str, ...]:
+    """The image files in ``folder``, an entry's or a spill's (none: a text part's)."""
+    return FILES if (folder / image_spill.PER_EXAMPLE).is_file() else ()
+
+
+def progress(folder: Path) -> dict[str, int]:
+    """What a finished spill's marker counts of the images in ``folder`` (image_spill's ``images``, ``image_bytes``:
+    its files are truncated to them when the spill is opened, and here they are an entry's own, linked); {} for
+    a text spill."""
+    if not held(folder):
         return {}
-    return {"images": meta["files"][image_spill.INDEX]["bytes"] // (8 * image_spill.INDEX_WIDTH),
-            "image_bytes": meta["files"][image_spill.DATA]["bytes"]}
+    return {"images": (folder / image_spill.INDEX).stat().st_size // (8 * image_spill.INDEX_WIDTH),
+            "image_bytes": (folder / image_spill.DATA).stat().st_size}
+
+
+def append(where: Path, rest: Path) -> None:
+    """An image entry's image files in ``where`` (linked: never written) replaced by copies of them followed by
+    those of the records read beyond it (the finished spill in ``rest``, of this one part), the index's byte
+    offsets moved past the entry's images; nothing for a text entry."""
+    if not held(where):
+        return
+    shift = (where / image_spill.DATA).stat().st_size
+    for name in FILES:
+        with open(where / f"{name}.tmp", "wb") as out:
+            with open(where / name, "rb") as old:
+                shutil.copyfileobj(old, out, 1 << 20)
+            if name == image_spill.INDEX and (rest / name).is_file():
+                index = np.fromfile(rest / name, np.int64).reshape(-1, image_spill.INDEX_WIDTH)
+                index[:, 0] += shift
+                out.write(index.tobytes())
+            elif (rest / name).is_file():
+                with open(rest / name, "rb") as new:
+                    shutil.copyfileobj(new, out, 1 << 20)
+        os.replace(where / f"{name}.tmp", where / name)
+    if (where / image_spill.PER_EXAMPLE).stat().st_size != (where / "lengths.bin").stat().st_size:
+        raise ValueError(f"{where}: the images of {(where / image_spill.PER_EXAMPLE).stat().st_size // 4:,} examples "
+                         f"for {(where / 'lengths.bin').stat().st_size // 4:,} examples")  # never: a bug, said
 
 
 def changed(meta: dict[str, Any]) -> str | None:

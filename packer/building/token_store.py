@@ -38,8 +38,8 @@ An image build's part (one source; a mix of image sources neither uses nor keeps
 too, and its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor,
 the images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image);
 its image files read are re-hashed before a re-plan, and an entry whose files changed is removed and the source
-tokenized. Such an entry is taken whole only: a build drawing fewer or more records than it holds tokenizes,
-and a part with skipped records is not kept.
+tokenized. Such an entry is taken whole, or extended by a build drawing more records than it holds (their
+images appended); a build drawing fewer tokenizes, and a part with skipped records is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -217,7 +217,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         if src is None and len(set(names)) < len(names):  # a source given twice would be read twice beyond its entry
             return Restored(False)
         whole = src is not None and len(parts) == 1 and int(src.size) == metas[names[0]]["counts"]["records"]
-        if image_entry.KEY in idents[0] and not whole:  # an image entry is taken whole, or the build tokenizes
+        if image_entry.KEY in idents[0] and src is not None and not whole:  # whole or extended, else tokenized
             return Restored(False)
         _empty(into, keep=REST if src is None else None)  # an interrupted extension's spill is resumed
         for name, entry in held.items():
@@ -263,7 +263,7 @@ def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: 
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
     # an image entry's image counts too: the spill's images are truncated to what its marker counts when it is opened
-    images = image_entry.progress(metas[names[0]]) if whole else {}
+    images = image_entry.progress(into) if whole else {}
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
                                                "skipped": skipped, **images})
 
@@ -277,6 +277,7 @@ class Extended:
     more: tuple[int, ...]
     folders: tuple[Path | None, ...]
     parts: tuple[_Part | None, ...]
+    extras: tuple[dict[str, Any] | None, ...]  # what else each new entry's meta.json says (None: not kept)
 
 
 def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill_identity: dict[str, Any], *,
@@ -329,6 +330,7 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
                     with open(news[k] / file, "rb") as new:
                         shutil.copyfileobj(new, out, 1 << 20)
                 os.replace(where / f"{file}.tmp", where / file)
+            image_entry.append(where, into / REST)  # an image part's images too (one part: REST's are its)
         meta = metas[k]
         skips = {"at": meta["skips"]["at"] + at, "reasons": meta["skips"]["reasons"] + reasons}
         kept[k] = (_Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"])
@@ -339,12 +341,14 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
         folders[k] = where
     whole = n == 1 and int(src.size) == metas[0]["counts"]["records"]
     if whole:  # one part taken whole: its files are the spill
-        for file in spill.FILES:
+        for file in (*spill.FILES, *image_entry.held(into / PARTS / rest.names[0])):
             os.replace(into / PARTS / rest.names[0] / file, into / file)
         folders[0] = into if folders[0] is not None else None
     _finish(into, spill_identity, src, rest.names, rest.metas, whole)
     shutil.rmtree(into / REST, ignore_errors=True)
-    return Extended(tuple(more), tuple(folders), tuple(kept))
+    extras = tuple(_image_files(where is not None and bool(image_entry.held(where)), where, stream, encoder, part)
+                   if part is not None else None for part, where in zip(kept, folders, strict=True))
+    return Extended(tuple(more), tuple(folders), tuple(kept), extras)
 
 
 def keep(extended: Extended, idents: list[dict[str, Any]], abouts: list[dict[str, Any]], into: Path) -> str | None:
@@ -354,9 +358,9 @@ def keep(extended: Extended, idents: list[dict[str, Any]], abouts: list[dict[str
     try:
         store = cache.Cache(KIND)
         for k, (part, where) in enumerate(zip(extended.parts, extended.folders, strict=True)):
-            if part is None or where is None:
+            if part is None or where is None or extended.extras[k] is None:
                 continue
-            _keep(store, key(idents[k]), idents[k], where, part, abouts[k], _bytes(where))
+            _keep(store, key(idents[k]), idents[k], where, part, abouts[k], _bytes(where), extra=extended.extras[k])
     except (OSError, cache.CacheError) as e:
         return _skipped(e)
     finally:
@@ -517,7 +521,7 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
             if kept[name] != k or not mine[k].records:
                 continue
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
-            extra = _image_files(ident, stream, encoder, tokens, mine[k])  # an image part's: the files it read
+            extra = _image_files(image_entry.KEY in ident, tokens.folder, stream, encoder, mine[k])  # files read
             if extra is None:
                 continue
 
@@ -576,17 +580,18 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
         pass
 
 
-def _image_files(ident: dict[str, Any], stream: MixStream, encoder: MixEncoder, tokens: spill.Spill, part: _Part
+def _image_files(images: bool, folder: Path, stream: MixStream, encoder: MixEncoder, part: _Part
                  ) -> dict[str, Any] | None:
-    """What an entry's meta.json says beyond a text entry's: nothing for a text part; an image part's image files
-    read (:func:`packer.building.image_entry.read_files`); None when the part is not kept (an image part with
-    skipped records, or files it cannot pin). Image mixes keep no entries (:func:`identities`): one part."""
-    if image_entry.KEY not in ident:
+    """What an entry's meta.json says beyond a text entry's: nothing for a text part; for an image part (its
+    finished files in ``folder``), the image files its records read (:func:`packer.building.image_entry.read_files`);
+    None when the part is not kept (an image part with skipped records, or files it cannot pin). Image mixes keep
+    no entries (:func:`identities`): an image part is a build's one part."""
+    if not images:
         return {}
     if part.skipped_at:
         return None
-    listed = image_entry.read_files(tokens.folder, stream.streams[0], encoder.encoders[0], part.records,
-                                    np.asarray(tokens.example_ids))
+    listed = image_entry.read_files(folder, stream.streams[0], encoder.encoders[0], part.records,
+                                    np.fromfile(folder / "example_ids.bin", np.int64))
     return None if listed is None else {image_entry.LISTED: listed}
 
 
@@ -598,7 +603,7 @@ def _skipped(e: Exception) -> str:
 
 
 def _bytes(where: Path) -> int:
-    return sum((where / file).stat().st_size for file in spill.FILES)
+    return sum((where / file).stat().st_size for file in (*spill.FILES, *image_entry.held(where)))
 
 
 def _clear(folder: Path) -> None:
