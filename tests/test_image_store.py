@@ -126,7 +126,7 @@ def test_a_damaged_image_entry_is_removed_and_tokenized_again(own, processor_dir
     assert build(config(own, processor_dir, tmp_path / "third", seed=4)).replanned
 
 
-def test_under_a_limit_an_entry_is_extended_or_taken_whole_else_the_build_tokenizes(own, processor_dir, tmp_path):  # noqa: F811
+def test_under_a_limit_an_entry_is_extended_or_its_first_records_taken(own, processor_dir, tmp_path):  # noqa: F811
     assert not build(config(own, processor_dir, tmp_path / "a", limit=3)).replanned
     # beyond the entry: its records read and tokenized alone, their images appended, the entry replaced
     more = build(config(own, processor_dir, tmp_path / "b", limit=6))
@@ -136,8 +136,9 @@ def test_under_a_limit_an_entry_is_extended_or_taken_whole_else_the_build_tokeni
     [entry] = entry_dirs()
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["counts"]["records"] == 6 and len(meta[image_entry.LISTED]) == 7  # records 0-5 read 7 files
-    assert not build(config(own, processor_dir, tmp_path / "c", limit=4, seed=1)).replanned  # within it: tokenized
-    assert build(config(own, processor_dir, tmp_path / "d", limit=6, seed=1)).replanned
+    fewer = build(config(own, processor_dir, tmp_path / "c", limit=4, seed=1))  # within it: its first records'
+    assert fewer.replanned and fewer.extended is None
+    assert digest(tmp_path / "c") == cold(own, processor_dir, tmp_path / "cold", limit=4, seed=1)
     (own / "hopper_wide.png").write_bytes((own / "hopper.jpg").read_bytes())  # read by record 1: not extended
     again = build(config(own, processor_dir, tmp_path / "e", limit=8))
     assert not again.replanned and again.extended is None

@@ -16,10 +16,10 @@ in the manifest's tokenizer record, which the identity holds), the images field,
 read from, ``--max-len`` where the encoder drops an example whose cut would fall in an image (``--overlong
 truncate`` only), and Pillow's version (it reads each image's size and decides what decodes).
 
-Scope: one source. An image entry is taken whole, by a build drawing as many records as it holds, or extended
-by one drawing more (a larger ``--limit``: the records beyond it tokenized, their images appended, :func:`append`);
-a build drawing fewer, or a mix of image sources, tokenizes as before (the image files are not re-drawn or
-split). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
+Scope: one source. An image entry is taken whole by a build drawing as many records as it holds, its first
+records' by one drawing fewer (:func:`take`), or it is extended by one drawing more (a larger ``--limit``: the
+records beyond it tokenized, their images appended, :func:`append`); a mix of image sources tokenizes as before
+(a mix's images are not re-drawn or split). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
 held then is in no stored byte that could pin it.
 """
 
@@ -98,6 +98,27 @@ def progress(folder: Path) -> dict[str, int]:
         return {}
     return {"images": (folder / image_spill.INDEX).stat().st_size // (8 * image_spill.INDEX_WIDTH),
             "image_bytes": (folder / image_spill.DATA).stat().st_size}
+
+
+def take(where: Path, into: Path, examples: int) -> None:
+    """The images of the first ``examples`` examples of the image entry in ``where`` (linked: never written),
+    copied into ``into`` (a build drawing fewer records than the entry holds: its first ones); nothing for a
+    text entry."""
+    if not held(where):
+        return
+    counts = np.fromfile(where / image_spill.PER_EXAMPLE, np.int32, count=examples)
+    rows = int(counts.sum(dtype=np.int64))
+    index = np.fromfile(where / image_spill.INDEX, np.int64, count=rows * image_spill.INDEX_WIDTH)
+    size = int(index[-image_spill.INDEX_WIDTH] + index[-image_spill.INDEX_WIDTH + 1]) if rows else 0
+    counts.tofile(into / image_spill.PER_EXAMPLE)
+    index.tofile(into / image_spill.INDEX)
+    with open(where / image_spill.DATA, "rb") as src, open(into / image_spill.DATA, "wb") as out:
+        while size > 0:
+            block = src.read(min(size, 1 << 20))
+            if not block:
+                raise ValueError(f"{where / image_spill.DATA}: shorter than its index says")  # sizes were checked
+            out.write(block)
+            size -= len(block)
 
 
 def append(where: Path, rest: Path) -> None:

@@ -38,8 +38,8 @@ An image build's part (one source; a mix of image sources neither uses nor keeps
 too, and its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor,
 the images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image);
 its image files read are re-hashed before a re-plan, and an entry whose files changed is removed and the source
-tokenized. Such an entry is taken whole, or extended by a build drawing more records than it holds (their
-images appended); a build drawing fewer tokenizes, and a part with skipped records is not kept.
+tokenized. Such an entry is taken whole, its first records' images copied for a build drawing fewer, or it is
+extended by one drawing more (their images appended); a part with skipped records is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -217,8 +217,6 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         if src is None and len(set(names)) < len(names):  # a source given twice would be read twice beyond its entry
             return Restored(False)
         whole = src is not None and len(parts) == 1 and int(src.size) == metas[names[0]]["counts"]["records"]
-        if image_entry.KEY in idents[0] and src is not None and not whole:  # whole or extended, else tokenized
-            return Restored(False)
         _empty(into, keep=REST if src is None else None)  # an interrupted extension's spill is resumed
         for name, entry in held.items():
             where = into if whole else into / PARTS / name
@@ -262,8 +260,10 @@ def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: 
     else:
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
+        if len(names) == 1:  # an image part's images too: those of its first examples, as its first records
+            image_entry.take(into / PARTS / names[0], into, examples)
     # an image entry's image counts too: the spill's images are truncated to what its marker counts when it is opened
-    images = image_entry.progress(into) if whole else {}
+    images = image_entry.progress(into)
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
                                                "skipped": skipped, **images})
 
