@@ -145,19 +145,28 @@ def test_under_a_limit_an_entry_is_extended_or_its_first_records_taken(own, proc
     assert digest(tmp_path / "e") == cold(own, processor_dir, tmp_path / "cold", limit=8)
 
 
-def test_a_mix_of_image_sources_builds_with_the_store_on_and_keeps_no_entry(own, processor_dir, tmp_path):  # noqa: F811
+def test_a_mix_of_image_sources_is_redrawn_from_its_parts_entries(own, processor_dir, tmp_path):  # noqa: F811
+    """Each part's tokens and images kept apart (split out of the mix's spill), re-drawn under another seed, and
+    extended by a larger --limit: each build byte-identical to its --no-cache build, each image its example's."""
     second = tmp_path / "second"
     second.mkdir()
     shutil.copy(own / "hopper_wide.png", second / "w.png")
-    other = [{"messages": _record(10 + i, ["w.png"])["messages"][:2], "images": ["w.png"]} for i in range(4)]
+    shutil.copy(own / "gray.png", second / "g.png")
+    other = [{"messages": _record(10 + i, ["w.png"])["messages"][:2], "images": [["w.png"], ["g.png"]][i % 2]}
+             for i in range(6)]
     (second / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
     parts = ({"source": str(own / "data.jsonl"), "weight": 0.5}, {"source": str(second / "other.jsonl"), "weight": 0.5})
 
     def mixed(out: Path, **options) -> BuildConfig:
         return BuildConfig(source="mix", mix=parts, out=str(out), processor=str(processor_dir), pack="bfd",
-                           max_len=4096, num_proc=1, limit=8, overwrite=True, **options)
+                           max_len=4096, num_proc=1, overwrite=True, **options)
 
-    for seed in (0, 1):
-        assert not build(mixed(tmp_path / "mix", seed=seed)).replanned and entry_dirs() == []
-    build(mixed(tmp_path / "cold", seed=1, cache=False))
-    assert digest(tmp_path / "mix") == digest(tmp_path / "cold")
+    assert not build(mixed(tmp_path / "mix", limit=6)).replanned and len(entry_dirs()) == 2
+    for options in (dict(limit=6, seed=1), dict(limit=10, seed=1)):
+        result = build(mixed(tmp_path / "mix", **options))
+        assert result.replanned and not result.warnings, options
+        build(mixed(tmp_path / "cold", cache=False, **options))
+        assert digest(tmp_path / "mix") == digest(tmp_path / "cold"), options
+    assert result.extended is not None and sum(result.extended) > 0
+    report = verify(str(tmp_path / "mix"))
+    assert report.ok and report.checked["images"] > 0, [str(p) for p in report.problems]

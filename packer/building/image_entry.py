@@ -16,10 +16,10 @@ in the manifest's tokenizer record, which the identity holds), the images field,
 read from, ``--max-len`` where the encoder drops an example whose cut would fall in an image (``--overlong
 truncate`` only), and Pillow's version (it reads each image's size and decides what decodes).
 
-Scope: one source. An image entry is taken whole by a build drawing as many records as it holds, its first
-records' by one drawing fewer (:func:`take`), or it is extended by one drawing more (a larger ``--limit``: the
-records beyond it tokenized, their images appended, :func:`append`); a mix of image sources tokenizes as before
-(a mix's images are not re-drawn or split). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
+An image entry is used as a text entry is: taken whole, re-drawn into a mix or its first records taken
+(:func:`packer.building.image_spill.gather` carries each example's images wherever
+:mod:`packer.building.redraw` puts its tokens), split out of a mix's spill, or extended by the records a build
+draws beyond it (their images appended, :func:`append`). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
 held then is in no stored byte that could pin it.
 """
 
@@ -100,31 +100,10 @@ def progress(folder: Path) -> dict[str, int]:
             "image_bytes": (folder / image_spill.DATA).stat().st_size}
 
 
-def take(where: Path, into: Path, examples: int) -> None:
-    """The images of the first ``examples`` examples of the image entry in ``where`` (linked: never written),
-    copied into ``into`` (a build drawing fewer records than the entry holds: its first ones); nothing for a
-    text entry."""
-    if not held(where):
-        return
-    counts = np.fromfile(where / image_spill.PER_EXAMPLE, np.int32, count=examples)
-    rows = int(counts.sum(dtype=np.int64))
-    index = np.fromfile(where / image_spill.INDEX, np.int64, count=rows * image_spill.INDEX_WIDTH)
-    size = int(index[-image_spill.INDEX_WIDTH] + index[-image_spill.INDEX_WIDTH + 1]) if rows else 0
-    counts.tofile(into / image_spill.PER_EXAMPLE)
-    index.tofile(into / image_spill.INDEX)
-    with open(where / image_spill.DATA, "rb") as src, open(into / image_spill.DATA, "wb") as out:
-        while size > 0:
-            block = src.read(min(size, 1 << 20))
-            if not block:
-                raise ValueError(f"{where / image_spill.DATA}: shorter than its index says")  # sizes were checked
-            out.write(block)
-            size -= len(block)
-
-
 def append(where: Path, rest: Path) -> None:
     """An image entry's image files in ``where`` (linked: never written) replaced by copies of them followed by
-    those of the records read beyond it (the finished spill in ``rest``, of this one part), the index's byte
-    offsets moved past the entry's images; nothing for a text entry."""
+    those of the records read beyond it (its part's spill of them in ``rest``), the index's byte offsets moved
+    past the entry's images; nothing for a text entry."""
     if not held(where):
         return
     shift = (where / image_spill.DATA).stat().st_size
@@ -155,12 +134,12 @@ def changed(meta: dict[str, Any]) -> str | None:
 
 
 def read_files(folder: Path, stream, encoder: ImageEncoder, records: int, example_ids: np.ndarray
-               ) -> list[dict[str, Any]] | None:
+               ) -> list[dict[str, Any]]:
     """The image files the first ``records`` records of ``stream`` (one part's) read, each once, with the size
-    and sha256 of the bytes the finished spill in ``folder`` holds of it; None when they cannot be pinned (a
-    relative path read from the working folder: the source is no local file). The source's records are read
-    again for their images field (no image decoded). Raises ``cache.CacheError`` when the spill is not one
-    example a record in order (the part has skipped records), or a file gave two contents in one build."""
+    and sha256 of the bytes the finished spill in ``folder`` holds of it. The source's records are read again
+    for their images field (no image decoded). Raises ``cache.CacheError`` (the entry is not kept) when the spill
+    is not one example a record in order (the part has skipped records), a file gave two contents in one build,
+    or a path is relative to the working folder (the source is no local file): then it cannot be pinned."""
     if len(example_ids) != records or not np.array_equal(example_ids, np.arange(records)):
         raise cache.CacheError("an image part with skipped records is not kept")
     counts = np.fromfile(folder / image_spill.PER_EXAMPLE, np.int32, count=records)
@@ -180,7 +159,7 @@ def read_files(folder: Path, stream, encoder: ImageEncoder, records: int, exampl
                     if path is None:
                         continue
                     if not path.is_absolute() and base is None:
-                        return None
+                        raise cache.CacheError(f"image {v!r} is a path relative to the working folder")
                     data.seek(int(index[row, 0]))
                     held = data.read(int(index[row, 1]))
                     listed = {"path": str(path.absolute()), "bytes": len(held),

@@ -34,12 +34,12 @@ it reads), so an entry is found only by a build reading the very files it was ma
 from its end stays in them; a build reading another file (a larger ``--limit`` reaching a source's next
 file) has another key and tokenizes.
 
-An image build's part (one source; a mix of image sources neither uses nor keeps entries) keeps its images
-too, and its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor,
-the images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image);
-its image files read are re-hashed before a re-plan, and an entry whose files changed is removed and the source
-tokenized. Such an entry is taken whole, its first records' images copied for a build drawing fewer, or it is
-extended by one drawing more (their images appended); a part with skipped records is not kept.
+An image build's part keeps its images too (each example's carried with its tokens wherever they are re-drawn,
+split or extended: :func:`packer.building.image_spill.gather`, :func:`packer.building.image_entry.append`), and
+its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor, the
+images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image); the
+image files its records read are re-hashed before a re-plan, and an entry whose files changed is removed and the
+source tokenized. An image part with skipped records is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -111,10 +111,6 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
         if record.get("kind") == "hub" and record.get("revision") is None:
             return None
         images = image_entry.identity(enc)
-        # a mix of image sources neither uses nor keeps entries: re-drawing, splitting and extending a part's
-        # image files is not done (image_entry), and a mix's parts are always re-drawn or split
-        if images is not None and config.mix is not None:
-            return None
         out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
                     "libraries": libraries,
                     "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
@@ -225,7 +221,7 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
                 _link_or_copy(entry.path / file, where / file)
         for name in set(metas) - set(held):  # a part without an entry holds no records
             (into / PARTS / name).mkdir(parents=True, exist_ok=True)
-            for file in spill.FILES:
+            for file in image_entry.files(idents[names.index(name)], spill.FILES):
                 (into / PARTS / name / file).write_bytes(b"")
     except (OSError, ValueError, KeyError) as e:  # an entry replaced meanwhile by a build keeping more records
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -260,8 +256,6 @@ def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: 
     else:
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
-        if len(names) == 1:  # an image part's images too: those of its first examples, as its first records
-            image_entry.take(into / PARTS / names[0], into, examples)
     # an image entry's image counts too: the spill's images are truncated to what its marker counts when it is opened
     images = image_entry.progress(into)
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
@@ -277,7 +271,7 @@ class Extended:
     more: tuple[int, ...]
     folders: tuple[Path | None, ...]
     parts: tuple[_Part | None, ...]
-    extras: tuple[dict[str, Any] | None, ...]  # what else each new entry's meta.json says (None: not kept)
+    extras: tuple  # what else each new entry's meta.json says, by its folder (None: not kept): _image_meta
 
 
 def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill_identity: dict[str, Any], *,
@@ -330,7 +324,7 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
                     with open(news[k] / file, "rb") as new:
                         shutil.copyfileobj(new, out, 1 << 20)
                 os.replace(where / f"{file}.tmp", where / file)
-            image_entry.append(where, into / REST)  # an image part's images too (one part: REST's are its)
+            image_entry.append(where, news[k])  # an image part's images too
         meta = metas[k]
         skips = {"at": meta["skips"]["at"] + at, "reasons": meta["skips"]["reasons"] + reasons}
         kept[k] = (_Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"])
@@ -346,8 +340,9 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
         folders[0] = into if folders[0] is not None else None
     _finish(into, spill_identity, src, rest.names, rest.metas, whole)
     shutil.rmtree(into / REST, ignore_errors=True)
-    extras = tuple(_image_files(where is not None and bool(image_entry.held(where)), where, stream, encoder, part)
-                   if part is not None else None for part, where in zip(kept, folders, strict=True))
+    extras = tuple(None if part is None else _image_meta(where is not None and bool(image_entry.held(where)), k,
+                                                         stream, encoder, part)
+                   for k, (part, where) in enumerate(zip(kept, folders, strict=True)))
     return Extended(tuple(more), tuple(folders), tuple(kept), extras)
 
 
@@ -521,7 +516,7 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
             if kept[name] != k or not mine[k].records:
                 continue
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
-            extra = _image_files(image_entry.KEY in ident, tokens.folder, stream, encoder, mine[k])  # files read
+            extra = _image_meta(image_entry.KEY in ident, k, stream, encoder, mine[k])  # an image part's files read
             if extra is None:
                 continue
 
@@ -547,12 +542,12 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
 
 
 def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, part: _Part, about: dict[str, Any],
-          size: int, prepare=None, extra: dict[str, Any] | None = None) -> None:
+          size: int, prepare=None, extra=None) -> None:
     """Make the files in ``where`` (``size`` bytes) entry ``name`` of identity ``ident``, holding ``part``'s
     records, unless a sound entry there holds as many already (one of fewer records is replaced) or the entry
     is larger than the cache's whole limit. ``prepare()``, when given, runs first and only if the entry is
     made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``).
-    ``extra``: what else its meta.json says (an image entry's image files read)."""
+    ``extra(where)``, when given: what else its meta.json says (an image entry's image files read)."""
     if store.limit is not None and size > store.limit:
         return
 
@@ -567,7 +562,7 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
                   "tokens": files["ids.bin"]["bytes"] // 4}
         meta = {"identity": ident, "counts": counts, "complete": part.complete,
                 "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
-                "about": about, "created": time.time(), **(extra or {})}
+                "about": about, "created": time.time(), **({} if extra is None else extra(where))}
         (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
 
     def check(path: Path, full: bool) -> str | None:
@@ -580,19 +575,17 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
         pass
 
 
-def _image_files(images: bool, folder: Path, stream: MixStream, encoder: MixEncoder, part: _Part
-                 ) -> dict[str, Any] | None:
-    """What an entry's meta.json says beyond a text entry's: nothing for a text part; for an image part (its
-    finished files in ``folder``), the image files its records read (:func:`packer.building.image_entry.read_files`);
-    None when the part is not kept (an image part with skipped records, or files it cannot pin). Image mixes keep
-    no entries (:func:`identities`): an image part is a build's one part."""
+def _image_meta(images: bool, k: int, stream: MixStream, encoder: MixEncoder, part: _Part):
+    """What else part ``k``'s entry's meta.json says, as a function of the folder of its finished files (called
+    when the entry is made: a mix's part is split out only then): nothing for a text part; for an image part, the
+    image files its records read (:func:`packer.building.image_entry.read_files`). None: an image part with
+    skipped records, which is not kept."""
     if not images:
-        return {}
+        return lambda folder: {}
     if part.skipped_at:
         return None
-    listed = image_entry.read_files(folder, stream.streams[0], encoder.encoders[0], part.records,
-                                    np.fromfile(folder / "example_ids.bin", np.int64))
-    return None if listed is None else {image_entry.LISTED: listed}
+    return lambda folder: {image_entry.LISTED: image_entry.read_files(
+        folder, stream.streams[k], encoder.encoders[k], part.records, np.fromfile(folder / "example_ids.bin", np.int64))}
 
 
 def _skipped(e: Exception) -> str:
