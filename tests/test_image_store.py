@@ -74,10 +74,20 @@ def test_an_image_build_replans_byte_identical_and_verifies(own, processor_dir, 
         assert digest(tmp_path / "replan") == cold(own, processor_dir, tmp_path / "cold", **changed), changed
     report = verify(str(tmp_path / "replan"), source=str(own / "data.jsonl"), progress=False)
     assert report.ok, [str(p) for p in report.problems]
-    # under --overlong truncate the encoder drops an example whose cut falls in an image: --max-len is keyed
-    for max_len in (1200, 900):
-        assert not build(config(own, processor_dir, tmp_path / "truncate", overlong="truncate", max_len=max_len)).replanned
+    # under --overlong truncate the encoder drops an example whose cut falls in an image: --max-len is keyed, and
+    # the dropped records' images (not stored) are pinned by the bytes an encode of each alone reads
+    truncate = dict(overlong="truncate", max_len=100)
+    first = build(config(own, processor_dir, tmp_path / "truncate", **truncate))
+    assert not first.replanned and first.manifest.stats.dropped_by_reason == {"image_over_max_len": 2}
+    assert not build(config(own, processor_dir, tmp_path / "other", overlong="truncate", max_len=200)).replanned
     assert len(entry_dirs()) == 3  # --overlong drop's (no --max-len in it), and one for each --max-len truncated at
+    again = build(config(own, processor_dir, tmp_path / "truncate", seed=7, **truncate))
+    assert again.replanned and digest(tmp_path / "truncate") == cold(own, processor_dir, tmp_path / "cold", seed=7,
+                                                                      **truncate)
+    PIL.new("RGB", (28, 28), (0, 0, 0)).save(own / "hopper.jpg")  # record 1's, which dropped: now it fits
+    again = build(config(own, processor_dir, tmp_path / "truncate", seed=7, **truncate))
+    assert not again.replanned and again.manifest.stats.dropped_by_reason == {"image_over_max_len": 1}
+    assert digest(tmp_path / "truncate") == cold(own, processor_dir, tmp_path / "cold", seed=7, **truncate)
 
 
 def test_an_image_file_changed_since_is_never_served(own, processor_dir, tmp_path):  # noqa: F811
@@ -100,6 +110,7 @@ def test_an_image_file_changed_since_is_never_served(own, processor_dir, tmp_pat
     assert entry_dirs() == []  # the entry of the files as they were is gone
     skip = build(config(own, processor_dir, tmp_path / "again", seed=5, on_error="skip"))
     assert not skip.replanned and skip.manifest.stats.dropped_by_reason == {"image_missing": 3}
+    assert entry_dirs() == []  # what decided those skips (a file missing) is in no stored byte: no entry kept
     assert digest(tmp_path / "again") == cold(own, processor_dir, tmp_path / "cold", seed=5, on_error="skip")
 
 

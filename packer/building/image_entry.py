@@ -19,8 +19,9 @@ truncate`` only), and Pillow's version (it reads each image's size and decides w
 An image entry is used as a text entry is: taken whole, re-drawn into a mix or its first records taken
 (:func:`packer.building.image_spill.gather` carries each example's images wherever
 :mod:`packer.building.redraw` puts its tokens), split out of a mix's spill, or extended by the records a build
-draws beyond it (their images appended, :func:`append`). An image part with skipped records is not kept: a skipped record's files decided its skip, and what they
-held then is in no stored byte that could pin it.
+draws beyond it (their images appended, :func:`append`). A part is kept when its records were all kept or
+dropped because a ``--max-len`` cut would fall in an image (:func:`read_files` pins the images that decided
+each drop); one with records skipped for another reason is not (what decided a skip is in no stored byte).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from .. import cache
+from ..errors import PackerError
 from . import image_spill
-from .image_encoder import ImageEncoder, image_values
+from .image_encoder import CUT_IMAGE, ImageEncoder, image_values
 from .images import image_file
 
 FILES = (image_spill.DATA, image_spill.INDEX, image_spill.PER_EXAMPLE)
@@ -133,39 +135,76 @@ def changed(meta: dict[str, Any]) -> str | None:
     return None
 
 
+class Unpinned(Exception):
+    """The image files a part's records read cannot be pinned: the part keeps no entry (no warning: nothing failed)."""
+
+
 def read_files(folder: Path, stream, encoder: ImageEncoder, records: int, example_ids: np.ndarray
                ) -> list[dict[str, Any]]:
     """The image files the first ``records`` records of ``stream`` (one part's) read, each once, with the size
-    and sha256 of the bytes the finished spill in ``folder`` holds of it. The source's records are read again
-    for their images field (no image decoded). Raises ``cache.CacheError`` (the entry is not kept) when the spill
-    is not one example a record in order (the part has skipped records), a file gave two contents in one build,
-    or a path is relative to the working folder (the source is no local file): then it cannot be pinned."""
-    if len(example_ids) != records or not np.array_equal(example_ids, np.arange(records)):
-        raise cache.CacheError("an image part with skipped records is not kept")
-    counts = np.fromfile(folder / image_spill.PER_EXAMPLE, np.int32, count=records)
+    and sha256 of the bytes whose tokens the entry holds: a kept record's, the bytes its spill in ``folder``
+    holds (not read again: a file changed since cannot slip in); a record dropped because a ``--max-len`` cut
+    would fall in one of its images, the bytes an encode of it alone reads now, which drop it again (the drop is
+    what those bytes give). The source's records are read again for their images field. Raises
+    :class:`Unpinned` for a record skipped for another reason (what decided its skip is in no stored byte) or
+    a path relative to the working folder (the source is no local file); ``cache.CacheError`` (the store is
+    skipped, with its warning) for a file that gave two contents in one build."""
+    ids = np.asarray(example_ids, np.int64)
+    if ids.size and (np.any(np.diff(ids) <= 0) or ids[-1] >= records):
+        raise Unpinned("an image part's spill holds other than one example a record")
+    example_of = np.full(records, -1, np.int64)
+    example_of[ids] = np.arange(ids.size)
+    counts = np.fromfile(folder / image_spill.PER_EXAMPLE, np.int32, count=ids.size)
     first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
     index = np.fromfile(folder / image_spill.INDEX, np.int64).reshape(-1, image_spill.INDEX_WIDTH)
     field, base = encoder.formatter.images_field, encoder.formatter.base
     found: dict[str, dict[str, Any]] = {}
     with open(folder / image_spill.DATA, "rb") as data:
+
+        def row_bytes(row: int) -> bytes:
+            data.seek(int(index[row, 0]))
+            return data.read(int(index[row, 1]))
+
         for at, batch in stream.chunks(0, 1000):
-            column = batch.get(field) or [None] * len(next(iter(batch.values()), []))
-            for r, value in enumerate(column[:max(0, records - at)], start=at):
-                values = image_values(value)
-                if len(values) != first[r + 1] - first[r]:
+            n = len(next(iter(batch.values()), []))
+            column = batch.get(field) or [None] * n
+            for r in range(at, min(at + n, records)):
+                values, k = image_values(column[r - at]), int(example_of[r])
+                if k < 0:  # dropped: its images as an encode of it alone reads them
+                    dropped = _dropped(encoder, {c: v[r - at:r - at + 1] for c, v in batch.items()}, r)
+                    held = [lambda image=image: image.data for image in dropped]
+                else:
+                    held = [lambda row=row: row_bytes(row) for row in range(int(first[k]), int(first[k + 1]))]
+                if len(values) != len(held):
                     raise cache.CacheError(f"record {r + 1}'s images read again are not those its spill holds")
-                for v, row in zip(values, range(int(first[r]), int(first[r + 1])), strict=True):
-                    path = image_file(v, base)
-                    if path is None:
-                        continue
-                    if not path.is_absolute() and base is None:
-                        raise cache.CacheError(f"image {v!r} is a path relative to the working folder")
-                    data.seek(int(index[row, 0]))
-                    held = data.read(int(index[row, 1]))
-                    listed = {"path": str(path.absolute()), "bytes": len(held),
-                              "sha256": hashlib.sha256(held).hexdigest()}
-                    if found.setdefault(listed["path"], listed) != listed:
-                        raise cache.CacheError(f"image file {listed['path']} changed during the build")
-            if at + len(column) >= records:
+                for value, got in zip(values, held, strict=True):
+                    _list(found, image_file(value, base), base, value, got)
+            if at + n >= records:
                 break
     return sorted(found.values(), key=lambda f: f["path"])
+
+
+def _dropped(encoder: ImageEncoder, record: dict[str, list], r: int) -> list:
+    """The images of record ``r`` (``record``: it alone, as columns), encoded alone again: dropped because a
+    ``--max-len`` cut would fall in an image, as in the build (else :class:`Unpinned`)."""
+    try:
+        encoded = encoder.encode(record, r)
+    except PackerError as e:
+        raise Unpinned(f"record {r + 1} was skipped ({e})") from None
+    reasons = list(encoded.skipped)
+    if reasons != [CUT_IMAGE]:
+        raise Unpinned(f"record {r + 1} was skipped ({', '.join(reasons) or 'and now is not'})")
+    return encoder.formatter.last_images
+
+
+def _list(found: dict[str, dict[str, Any]], path: Path | None, base: Path | None, value: Any, held) -> None:
+    """Image file ``path`` (None: the image's bytes are the record's own) listed in ``found`` with the size and
+    sha256 of ``held()``, the bytes the entry's tokens were made from."""
+    if path is None:
+        return
+    if not path.is_absolute() and base is None:
+        raise Unpinned(f"image {value!r} is a path relative to the working folder")
+    got = held()
+    listed = {"path": str(path.absolute()), "bytes": len(got), "sha256": hashlib.sha256(got).hexdigest()}
+    if found.setdefault(listed["path"], listed) != listed:
+        raise cache.CacheError(f"image file {listed['path']} changed during the build")

@@ -39,7 +39,7 @@ split or extended: :func:`packer.building.image_spill.gather`, :func:`packer.bui
 its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor, the
 images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image); the
 image files its records read are re-hashed before a re-plan, and an entry whose files changed is removed and the
-source tokenized. An image part with skipped records is not kept.
+source tokenized. An image part with records skipped for another reason than an image cut is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -553,6 +553,7 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
 
     def make(temp: Path) -> None:
         reasons = part.reasons if prepare is None else prepare()
+        more = {} if extra is None else extra(where)  # before any file is hashed: it may decline the entry
         temp.mkdir()
         files = {}
         for file in image_entry.files(ident, spill.FILES):
@@ -562,7 +563,7 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
                   "tokens": files["ids.bin"]["bytes"] // 4}
         meta = {"identity": ident, "counts": counts, "complete": part.complete,
                 "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
-                "about": about, "created": time.time(), **({} if extra is None else extra(where))}
+                "about": about, "created": time.time(), **more}
         (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
 
     def check(path: Path, full: bool) -> str | None:
@@ -571,18 +572,19 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
             return "it holds fewer records than this build's"
         return problem
 
-    with store.open(name, make, check, full=True, size_hint=size):
-        pass
+    with suppress(image_entry.Unpinned), store.open(name, make, check, full=True, size_hint=size):
+        pass  # an image part whose files cannot be pinned keeps no entry
 
 
 def _image_meta(images: bool, k: int, stream: MixStream, encoder: MixEncoder, part: _Part):
     """What else part ``k``'s entry's meta.json says, as a function of the folder of its finished files (called
     when the entry is made: a mix's part is split out only then): nothing for a text part; for an image part, the
-    image files its records read (:func:`packer.building.image_entry.read_files`). None: an image part with
-    skipped records, which is not kept."""
+    image files its records read (:func:`packer.building.image_entry.read_files`: it raises ``Unpinned`` for a
+    part that is not kept). None: an image part with records known to be skipped for another reason than an
+    image cut (the entry would not be kept)."""
     if not images:
         return lambda folder: {}
-    if part.skipped_at:
+    if part.reasons is not None and any(reason != image_entry.CUT_IMAGE for reason in part.reasons):
         return None
     return lambda folder: {image_entry.LISTED: image_entry.read_files(
         folder, stream.streams[k], encoder.encoders[k], part.records, np.fromfile(folder / "example_ids.bin", np.int64))}
