@@ -1,7 +1,9 @@
 """The token store for image builds (packer.building.image_entry): an image build keeps its tokens and images, a
 later build that differs only in what acts after tokenizing re-plans from them, byte-identical to a
-``--no-cache`` build; an image file changed, replaced or removed since is never served from the store; a
-damaged entry is found, removed and tokenized again with one warning; a mix of image sources keeps no entry.
+``--no-cache`` build (whole, under another --limit, extended, and a mix re-drawn); --max-len is keyed where the
+encoder drops an example whose cut falls in an image, and a dropped record's images are pinned too; an image
+file changed, replaced or removed since is never served from the store; a damaged entry is found, removed and
+tokenized again with one warning.
 
 The processor and images are test_images.py's (a Qwen2.5-VL processor on the real Qwen3 tokenizer; real
 photographs and odd-mode images); each test builds on its own copy of the images, so it may change them."""
