@@ -102,6 +102,17 @@ def progress(folder: Path) -> dict[str, int]:
             "image_bytes": (folder / image_spill.DATA).stat().st_size}
 
 
+def examples_bytes(folder: Path, mine: np.ndarray) -> int:
+    """The bytes the image files of the examples ``mine`` selects (a mask) of the spill in ``folder`` take (0: a
+    text spill's)."""
+    if not held(folder):
+        return 0
+    counts = np.fromfile(folder / image_spill.PER_EXAMPLE, np.int32, count=mine.size)
+    sizes = np.fromfile(folder / image_spill.INDEX, np.int64).reshape(-1, image_spill.INDEX_WIDTH)[:, 1]
+    selected = np.repeat(mine, counts)
+    return int(sizes[:selected.size][selected].sum()) + 8 * image_spill.INDEX_WIDTH * int(selected.sum()) + 4 * int(mine.sum())
+
+
 def append(where: Path, rest: Path) -> None:
     """An image entry's image files in ``where`` (linked: never written) replaced by copies of them followed by
     those of the records read beyond it (its part's spill of them in ``rest``), the index's byte offsets moved

@@ -623,9 +623,10 @@ def _reasons(stream, encoder, where: str, at: list[int]) -> list[str]:
 
 
 def _part_bytes(tokens: spill.Spill, example_ids: np.ndarray, src: np.ndarray, k: int) -> int:
-    """The bytes part ``k``'s entry takes: 5 a token, 12 an example."""
+    """The bytes part ``k``'s entry takes: 5 a token, 12 an example, and an image build's its examples' images."""
     mine = src[example_ids] == k
-    return 5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
+    return (5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
+            + image_entry.examples_bytes(tokens.folder, mine))
 
 
 @dataclass(frozen=True, slots=True)
