@@ -213,8 +213,8 @@ def _list(found: dict[str, dict[str, Any]], path: Path | None, base: Path | None
     sha256 of ``held()``, the bytes the entry's tokens were made from."""
     if path is None:
         return
-    if not path.is_absolute() and base is None:
-        raise Unpinned(f"image {value!r} is a path relative to the working folder")
+    if not path.is_absolute() and (base is None or not isinstance(value, (str, dict))):  # not from the source's
+        raise Unpinned(f"image {value!r} is read relative to the working folder, which no key holds")  # folder
     got = held()
     listed = {"path": str(path.absolute()), "bytes": len(got), "sha256": hashlib.sha256(got).hexdigest()}
     if found.setdefault(listed["path"], listed) != listed:

@@ -68,8 +68,10 @@ def image_file(value: Any, base: Path | None) -> Path | None:
         return None if inner is None else image_file(inner, base)
     if isinstance(value, str):
         return _path_of(value, base)
+    # a PIL image is read from the file it came from where that is there (else encoded from its pixels): named
+    # either way, so that the file appearing or changing later is seen
     name = getattr(value, "filename", "") if hasattr(value, "getexif") and hasattr(value, "save") else ""
-    return Path(name) if name and Path(name).is_file() else None
+    return Path(name) if name else None
 
 
 def read_image(value: Any, base: Path | None, which: str) -> Image:
