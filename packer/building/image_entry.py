@@ -213,8 +213,10 @@ def _list(found: dict[str, dict[str, Any]], path: Path | None, base: Path | None
     sha256 of ``held()``, the bytes the entry's tokens were made from."""
     if path is None:
         return
-    if not path.is_absolute() and (base is None or not isinstance(value, (str, dict))):  # not from the source's
-        raise Unpinned(f"image {value!r} is read relative to the working folder, which no key holds")  # folder
+    # a relative path is pinned only where it is read from the source's folder (the key holds it), never from
+    # the working folder (no source folder, or a PIL image's own file name)
+    if not path.is_absolute() and (base is None or not isinstance(value, (str, dict))):
+        raise Unpinned(f"image {value!r} is read relative to the working folder, which no key holds")
     got = held()
     listed = {"path": str(path.absolute()), "bytes": len(got), "sha256": hashlib.sha256(got).hexdigest()}
     if found.setdefault(listed["path"], listed) != listed:
