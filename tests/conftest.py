@@ -206,7 +206,7 @@ def pytest_runtest_protocol(item, nextitem):
 # file missing from the list, or one grown slow, costs time, never a result. A run on one process keeps pytest's
 # order.
 SLOW_FIRST = ("test_crash.py", "test_ecosystem.py", "test_preference.py", "test_rebuild.py", "test_images.py",
-              "test_token_store.py", "test_store_mix.py", "test_chat_tokenizer.py", "test_parallel.py",
+              "test_image_store.py", "test_token_store.py", "test_store_mix.py", "test_chat_tokenizer.py", "test_parallel.py",
               "test_remote.py", "test_train.py", "test_build_guards.py", "test_chat_turns.py", "test_stream_bounds.py")
 
 

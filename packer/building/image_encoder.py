@@ -87,6 +87,13 @@ def llava_turn(turn: dict, i: int) -> dict:
     return {"role": role, "content": parts}
 
 
+def image_values(values: Any) -> list:
+    """A record's images field as the list of its images, in order."""
+    if values is None:
+        return []
+    return list(values) if isinstance(values, (list, tuple)) else [values]  # one given bare: LLaVA's `image`
+
+
 class ImageFormatter(Formatter):
     """A chat Formatter whose records keep their image parts and carry images; the images of the last
     record formatted are in ``last_images``."""
@@ -102,10 +109,7 @@ class ImageFormatter(Formatter):
         spec = self.spec
         tagged = getattr(self.template, "tagged", False)
         messages, parts = vision_messages(record.get(spec.messages_field), spec.messages_field, join_answers=not tagged)
-        values = record.get(self.images_field)
-        values = [] if values is None else values
-        if not isinstance(values, (list, tuple)):
-            values = [values]  # one image given bare (a LLaVA-style record's `image`)
+        values = image_values(record.get(self.images_field))
         if len(values) != parts:
             raise RecordError(f"has {len(values)} image(s) in {self.images_field!r} and {parts} image part(s) in its "
                               "messages; give one image per {'type': 'image'} part, in order", "image_count")

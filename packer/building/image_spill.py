@@ -9,7 +9,8 @@ Three more files in the spill folder (:mod:`packer.building.spill`), in source o
     example_images.bin  int32[examples]   images per example
 
 ``progress.json`` counts what of them its marker covers (``images``, ``image_bytes``), and a rerun
-truncates them there, as it does the token files. A text build never makes them.
+truncates them there, as it does the token files. A text build never makes them. The token store's re-draws and
+splits of a spill carry each example's images with it (:func:`gather`).
 """
 
 from __future__ import annotations
@@ -98,3 +99,41 @@ def open_images(folder: Path, examples: int) -> ImageStore | None:
     np.cumsum(counts, out=first[1:])
     index = np.fromfile(folder / INDEX, np.int64, count=int(first[-1]) * INDEX_WIDTH).reshape(-1, INDEX_WIDTH)
     return ImageStore(folder / DATA, index, first)
+
+
+def gather(sources: list[Path], which: np.ndarray, local: np.ndarray, into: Path) -> None:
+    """Write the image files of a spill in ``into`` whose example j is example ``local[j]`` of the finished spill
+    in ``sources[which[j]]`` (a mix's spill re-drawn from its parts', or a part's split out of a mix's): each
+    example's images in order, their bytes copied and the index's offsets made the new file's. Nothing when the
+    sources hold no images (a text build's)."""
+    if not all((source / PER_EXAMPLE).is_file() for source in sources):
+        return
+    which, local = np.asarray(which, np.int64), np.asarray(local, np.int64)
+    firsts, indexes = [], []
+    for source in sources:
+        counts = np.fromfile(source / PER_EXAMPLE, np.int32)
+        firsts.append(np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]))
+        indexes.append(np.fromfile(source / INDEX, np.int64).reshape(-1, INDEX_WIDTH))
+    starts, counts = np.zeros(which.size, np.int64), np.zeros(which.size, np.int64)
+    for k, first in enumerate(firsts):
+        mine = which == k
+        starts[mine], counts[mine] = first[local[mine]], first[local[mine] + 1] - first[local[mine]]
+    out_first = np.concatenate([[0], np.cumsum(counts)])
+    rows = np.repeat(starts - out_first[:-1], counts) + np.arange(int(out_first[-1]))  # each image's row in its source
+    row_source = np.repeat(which, counts)
+    index = np.zeros((rows.size, INDEX_WIDTH), np.int64)
+    for k, source_index in enumerate(indexes):
+        index[row_source == k] = source_index[rows[row_source == k]]
+    files = [open(source / DATA, "rb") for source in sources]  # noqa: SIM115 - closed below
+    try:
+        with open(into / DATA, "wb") as data:
+            for k, (offset, size) in zip(row_source.tolist(), index[:, :2].tolist(), strict=True):
+                files[k].seek(offset)
+                data.write(files[k].read(size))
+    finally:
+        for f in files:
+            f.close()
+    index[:, 0] = np.concatenate([[0], np.cumsum(index[:, 1])[:-1]]) if rows.size else index[:, 0]
+    index.tofile(into / INDEX)
+    counts.astype(np.int32).tofile(into / PER_EXAMPLE)
+

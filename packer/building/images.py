@@ -44,9 +44,7 @@ def _bytes_of(value: Any, base: Path | None, which: str) -> bytes:
         value.save(out, format=value.format or "PNG")
         return out.getvalue()
     if isinstance(value, str):
-        path = Path(value).expanduser()
-        if not path.is_absolute() and base is not None:
-            path = base / path
+        path = _path_of(value, base)
         try:
             return path.read_bytes()
         except OSError as e:
@@ -54,6 +52,26 @@ def _bytes_of(value: Any, base: Path | None, which: str) -> bytes:
                               "paths are from the source file's folder)", "image_missing") from None
     raise RecordError(f"{which} is {type(value).__name__}; give a path, encoded bytes or a {{'bytes', 'path'}} dict",
                       "wrong_type")
+
+
+def _path_of(value: str, base: Path | None) -> Path:
+    path = Path(value).expanduser()
+    return base / path if not path.is_absolute() and base is not None else path
+
+
+def image_file(value: Any, base: Path | None) -> Path | None:
+    """The file an image value is read from, as :func:`read_image` reads it (None: its bytes are the record's
+    own, or it is no image value and fails there): what the token store re-hashes before it serves the value's
+    tokens (:mod:`packer.building.image_entry`), since the source's sha256 covers only the record."""
+    if isinstance(value, dict):
+        inner = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+        return None if inner is None else image_file(inner, base)
+    if isinstance(value, str):
+        return _path_of(value, base)
+    # a PIL image is read from the file it came from where that is there (else encoded from its pixels): named
+    # either way, so that the file appearing or changing later is seen
+    name = getattr(value, "filename", "") if hasattr(value, "getexif") and hasattr(value, "save") else ""
+    return Path(name) if name else None
 
 
 def read_image(value: Any, base: Path | None, which: str) -> Image:

@@ -344,10 +344,9 @@ def _tokens(config: BuildConfig, opened: Opened, identity: dict[str, Any], stagi
     """The build's finished token spill in ``staging``: an interrupted run's (resumed), the token store's (re-drawn
     from its parts' entries, tokenizing only the records beyond them), or the source tokenized; what was tokenized
     is kept in the store."""
-    # an image build's images live beside its spill (image_spill), which the token store does not keep
     parts = source_parts(config)
     stored = (token_store.identities(config, identity["tokenizer"], parts, opened.source, opened.encoder)
-              if config.cache and config.processor is None else None)
+              if config.cache else None)
     # an interrupted run's finished spill is there already: reused as it is (a resume), else re-drawn from the
     # parts' entries in the store when they hold every record the draws take
     restored = (token_store.restore(stored, opened.stream, staging / schema.TOKENS_DIR, identity)

@@ -9,7 +9,8 @@ k-th draw of a part taking the part's k-th record, so the records a part gives a
 any mix whose every part's prefix is held is a re-draw of spills already made: its examples are the parts'
 examples of those prefixes, their ids mapped from record index to mix position, merged in position order.
 Records skipped under ``--on-error skip`` take a position and leave no example, as in a cold build; a
-part's spill lists their indices and each one's reason, so the re-drawn build counts them exactly.
+part's spill lists their indices and each one's reason, so the re-drawn build counts them exactly. An image
+build's examples take their images with them (:func:`packer.building.image_spill.gather`), both ways.
 
 Everything here is numpy over memory-mapped files, in blocks of examples: memory stays O(block + 12 bytes an
 example), as in planning.
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import mix
+from . import image_spill, mix
 from .spill import FILES
 
 BLOCK = 1 << 16  # examples per block when tokens are copied
@@ -105,7 +106,8 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def assemble(src: np.ndarray, parts: list[tuple[Path, int, int]], into: Path) -> tuple[int, int]:
-    """Write the spill of the mix whose positions' parts are ``src`` into ``into`` (its four token files) from
+    """Write the spill of the mix whose positions' parts are ``src`` into ``into`` (its four token files, and an
+    image build's image files) from
     the parts' spills (``parts[k]``: folder, examples and tokens it holds). Returns (examples, tokens)."""
     files = [_open(folder, examples, tokens) for folder, examples, tokens in parts]
     # each part's examples of the records it gives, their ids mapped to mix positions, merged in position order
@@ -146,6 +148,7 @@ def assemble(src: np.ndarray, parts: list[tuple[Path, int, int]], into: Path) ->
                 trained_out.write(np.concatenate(pieces_tr)[index].tobytes())
     lengths.tofile(into / "lengths.bin")
     merged.astype(np.int64).tofile(into / "example_ids.bin")
+    image_spill.gather([folder for folder, _, _ in parts], part, local, into)  # an image build's images too
     return int(order.size), int(lengths.sum(dtype=np.int64))
 
 
@@ -182,3 +185,9 @@ def split(folder: Path, lengths: np.ndarray, example_ids: np.ndarray, src: np.nd
                                ("example_ids.bin", index[example_ids[lo:hi][mine]])):
                 with open(into[k] / name, "ab") as f:
                     f.write(data.tobytes())
+    if (folder / image_spill.PER_EXAMPLE).is_file():  # an image build's images too: each part's examples', in order
+        part = src[example_ids]
+        for k, path in enumerate(into):
+            if path is not None:
+                mine = np.flatnonzero(part == k)
+                image_spill.gather([folder], np.zeros(mine.size, np.int64), mine, path)

@@ -10,8 +10,10 @@ ids, trained flags, lengths, example ids, here the records' indices in the part)
 
     meta.json         the identity the tokens were made from; the records, examples and tokens held, whether
                       the records are all the part has (``complete``), each skipped record's index and reason,
-                      each file's size and sha256
+                      each file's size and sha256 (an image part's: and each image file its records read, with
+                      the size and sha256 of the bytes held)
     ids.bin trained.bin lengths.bin example_ids.bin
+    images.bin image_index.bin example_images.bin    an image part's images (:mod:`packer.building.image_spill`)
 
 keyed by everything the part's tokens depend on (:func:`identities`): its source's content (the sha256s, or
 the Hub revision, the manifest records), the tokenizer's fingerprint and special tokens, the chat template's
@@ -31,6 +33,13 @@ record names the files the build reads and their sha256s (under ``--limit``, the
 it reads), so an entry is found only by a build reading the very files it was made from, and reading on
 from its end stays in them; a build reading another file (a larger ``--limit`` reaching a source's next
 file) has another key and tokenizes.
+
+An image build's part keeps its images too (each example's carried with its tokens wherever they are re-drawn,
+split or extended: :func:`packer.building.image_spill.gather`, :func:`packer.building.image_entry.append`), and
+its identity holds what its image tokens depend on (:mod:`packer.building.image_entry`: the processor, the
+images field and folder, ``--max-len`` where the encoder drops an example whose cut falls in an image); the
+image files its records read are re-hashed before a re-plan, and an entry whose files changed is removed and the
+source tokenized. An image part with records skipped for another reason than an image cut is not kept.
 
 Never trusted blindly: an entry is written under a temporary name and renamed into place whole (a rename
 cannot half-happen; of two builds writing the same entry at once, the second's rename fails and it keeps
@@ -63,7 +72,7 @@ import numpy as np
 from .. import __version__, cache
 from ..contract.config import BuildConfig
 from ..fs import file_sha256
-from . import extension, kept_tokenizers, mix, redraw, spill
+from . import extension, image_entry, kept_tokenizers, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
 STORE_VERSION = 3  # bump when what an entry holds or means changes: entries of another version are never used
@@ -101,11 +110,13 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
         record = source if config.mix is None else {f: v for f, v in source["parts"][k].items() if f != "source"}
         if record.get("kind") == "hub" and record.get("revision") is None:
             return None
+        images = image_entry.identity(enc)
         out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
                     "libraries": libraries,
                     "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
                     "format": dataclasses.asdict(getattr(enc, "spec", None) or enc.formatter.spec),
-                    "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record})
+                    "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record,
+                    **({} if images is None else {image_entry.KEY: images})})
     return out
 
 
@@ -206,11 +217,11 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         for name, entry in held.items():
             where = into if whole else into / PARTS / name
             where.mkdir(parents=True, exist_ok=True)
-            for file in spill.FILES:
+            for file in metas[name]["files"]:
                 _link_or_copy(entry.path / file, where / file)
         for name in set(metas) - set(held):  # a part without an entry holds no records
             (into / PARTS / name).mkdir(parents=True, exist_ok=True)
-            for file in spill.FILES:
+            for file in image_entry.files(idents[names.index(name)], spill.FILES):
                 (into / PARTS / name / file).write_bytes(b"")
     except (OSError, ValueError, KeyError) as e:  # an entry replaced meanwhile by a build keeping more records
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -222,6 +233,10 @@ def restore(idents: list[dict[str, Any]], stream: MixStream, into: Path, spill_i
         problem = _hash_problem(into if whole else into / PARTS / name, metas[name])
         if problem is not None:
             return _undo(store, into, name, problem)
+        if image_entry.LISTED in metas[name] and image_entry.changed(metas[name]) is not None:
+            _remove(store, name)  # an image file changed since: no damage (no warning), but never of use again
+            _empty(into)
+            return Restored(False)
     if src is None:
         return Restored(False, rest=Rest(names, {n: dict(m) for n, m in metas.items()}))
     _finish(into, spill_identity, src, names, metas, whole)
@@ -241,8 +256,10 @@ def _finish(into: Path, spill_identity: dict[str, Any], src: np.ndarray, names: 
     else:
         examples, tokens = redraw.assemble(src, [(into / PARTS / n, metas[n]["counts"]["examples"],
                                                   metas[n]["counts"]["tokens"]) for n in names], into)
+    # an image entry's image counts too: the spill's images are truncated to what its marker counts when it is opened
+    images = image_entry.progress(into)
     spill.mark_finished(into, spill_identity, {"records": int(src.size), "examples": examples, "tokens": tokens,
-                                               "skipped": skipped})
+                                               "skipped": skipped, **images})
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +271,7 @@ class Extended:
     more: tuple[int, ...]
     folders: tuple[Path | None, ...]
     parts: tuple[_Part | None, ...]
+    extras: tuple  # what else each new entry's meta.json says, by its folder (None: not kept): _image_meta
 
 
 def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill_identity: dict[str, Any], *,
@@ -306,6 +324,7 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
                     with open(news[k] / file, "rb") as new:
                         shutil.copyfileobj(new, out, 1 << 20)
                 os.replace(where / f"{file}.tmp", where / file)
+            image_entry.append(where, news[k])  # an image part's images too
         meta = metas[k]
         skips = {"at": meta["skips"]["at"] + at, "reasons": meta["skips"]["reasons"] + reasons}
         kept[k] = (_Part(held[k] + more[k], complete[k] or gone == k, skips["at"], skips["reasons"])
@@ -316,12 +335,15 @@ def extend(rest: Rest, stream: MixStream, encoder: MixEncoder, into: Path, spill
         folders[k] = where
     whole = n == 1 and int(src.size) == metas[0]["counts"]["records"]
     if whole:  # one part taken whole: its files are the spill
-        for file in spill.FILES:
+        for file in (*spill.FILES, *image_entry.held(into / PARTS / rest.names[0])):
             os.replace(into / PARTS / rest.names[0] / file, into / file)
         folders[0] = into if folders[0] is not None else None
     _finish(into, spill_identity, src, rest.names, rest.metas, whole)
     shutil.rmtree(into / REST, ignore_errors=True)
-    return Extended(tuple(more), tuple(folders), tuple(kept))
+    extras = tuple(None if part is None else _image_meta(where is not None and bool(image_entry.held(where)), k,
+                                                         stream, encoder, part)
+                   for k, (part, where) in enumerate(zip(kept, folders, strict=True)))
+    return Extended(tuple(more), tuple(folders), tuple(kept), extras)
 
 
 def keep(extended: Extended, idents: list[dict[str, Any]], abouts: list[dict[str, Any]], into: Path) -> str | None:
@@ -331,9 +353,9 @@ def keep(extended: Extended, idents: list[dict[str, Any]], abouts: list[dict[str
     try:
         store = cache.Cache(KIND)
         for k, (part, where) in enumerate(zip(extended.parts, extended.folders, strict=True)):
-            if part is None or where is None:
+            if part is None or where is None or extended.extras[k] is None:
                 continue
-            _keep(store, key(idents[k]), idents[k], where, part, abouts[k], _bytes(where))
+            _keep(store, key(idents[k]), idents[k], where, part, abouts[k], _bytes(where), extra=extended.extras[k])
     except (OSError, cache.CacheError) as e:
         return _skipped(e)
     finally:
@@ -374,7 +396,8 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
     if _canonical(meta.get("identity")) != _canonical(ident):
         return "it was made from another source, tokenizer or config"
     files, counts, skips = meta.get("files"), meta.get("counts"), meta.get("skips")
-    if (not isinstance(files, dict) or set(files) != set(spill.FILES) or not isinstance(counts, dict)
+    if (not isinstance(files, dict) or set(files) != set(image_entry.files(ident, spill.FILES))
+            or not isinstance(counts, dict)
             or not all(isinstance(counts.get(c), int) for c in ("records", "examples", "tokens"))
             or not isinstance(meta.get("complete"), bool) or not isinstance(skips, dict)
             or not isinstance(skips.get("at"), list) or not isinstance(skips.get("reasons"), list)
@@ -391,7 +414,7 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
             return f"{name} is missing"
         if size != files[name]["bytes"]:
             return f"{name} holds {size:,} bytes, not the {files[name]['bytes']:,} it was written with"
-    return None
+    return image_entry.size_problem(path, meta) if image_entry.KEY in ident else None
 
 
 def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
@@ -405,7 +428,7 @@ def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
 
 def _hash_problem(where: Path, meta: dict[str, Any]) -> str | None:
     """Which of the files in ``where`` differs from the size and sha256 ``meta`` lists (None: none)."""
-    for name in spill.FILES:
+    for name in meta["files"]:
         problem = cache.file_problem(where / name, meta["files"][name]["bytes"], meta["files"][name]["sha256"])
         if problem is not None:
             return f"{name}: {problem}"
@@ -493,6 +516,9 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
             if kept[name] != k or not mine[k].records:
                 continue
             where = tokens.folder if len(parts) == 1 else split_at / str(k)
+            extra = _image_meta(image_entry.KEY in ident, k, stream, encoder, mine[k])  # an image part's files read
+            if extra is None:
+                continue
 
             def prepare(k=k, where=where) -> list[str]:  # done only when the part is kept
                 reasons = mine[k].reasons
@@ -505,9 +531,9 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
                                  [split_at / str(j) if kept[names[j]] == j else None for j in range(len(parts))])
                 return reasons
 
-            size = (sum((tokens.folder / file).stat().st_size for file in spill.FILES) if len(parts) == 1 else
-                    _part_bytes(tokens, ex, src, k))
-            _keep(store, name, ident, where, mine[k], abouts[k], size, prepare)
+            size = (sum((tokens.folder / file).stat().st_size for file in image_entry.files(ident, spill.FILES))
+                    if len(parts) == 1 else _part_bytes(tokens, ex, src, k))
+            _keep(store, name, ident, where, mine[k], abouts[k], size, prepare, extra)
     except (OSError, cache.CacheError) as e:
         return _skipped(e)
     finally:
@@ -516,26 +542,28 @@ def save(idents: list[dict[str, Any]], stream: MixStream, encoder: MixEncoder, t
 
 
 def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, part: _Part, about: dict[str, Any],
-          size: int, prepare=None) -> None:
+          size: int, prepare=None, extra=None) -> None:
     """Make the files in ``where`` (``size`` bytes) entry ``name`` of identity ``ident``, holding ``part``'s
     records, unless a sound entry there holds as many already (one of fewer records is replaced) or the entry
     is larger than the cache's whole limit. ``prepare()``, when given, runs first and only if the entry is
-    made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``)."""
+    made: it puts the files in ``where`` and returns the skipped records' reasons (else ``part.reasons``).
+    ``extra(where)``, when given: what else its meta.json says (an image entry's image files read)."""
     if store.limit is not None and size > store.limit:
         return
 
     def make(temp: Path) -> None:
         reasons = part.reasons if prepare is None else prepare()
+        more = {} if extra is None else extra(where)  # before any file is hashed: it may decline the entry
         temp.mkdir()
         files = {}
-        for file in spill.FILES:
+        for file in image_entry.files(ident, spill.FILES):
             _link_or_copy(where / file, temp / file)
             files[file] = {"bytes": (temp / file).stat().st_size, "sha256": file_sha256(temp / file)}
         counts = {"records": part.records, "examples": files["lengths.bin"]["bytes"] // 4,
                   "tokens": files["ids.bin"]["bytes"] // 4}
         meta = {"identity": ident, "counts": counts, "complete": part.complete,
                 "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
-                "about": about, "created": time.time()}
+                "about": about, "created": time.time(), **more}
         (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
 
     def check(path: Path, full: bool) -> str | None:
@@ -544,8 +572,22 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
             return "it holds fewer records than this build's"
         return problem
 
-    with store.open(name, make, check, full=True, size_hint=size):
-        pass
+    with suppress(image_entry.Unpinned), store.open(name, make, check, full=True, size_hint=size):
+        pass  # an image part whose files cannot be pinned keeps no entry
+
+
+def _image_meta(images: bool, k: int, stream: MixStream, encoder: MixEncoder, part: _Part):
+    """What else part ``k``'s entry's meta.json says, as a function of the folder of its finished files (called
+    when the entry is made: a mix's part is split out only then): nothing for a text part; for an image part, the
+    image files its records read (:func:`packer.building.image_entry.read_files`: it raises ``Unpinned`` for a
+    part that is not kept). None: an image part with records known to be skipped for another reason than an
+    image cut (the entry would not be kept)."""
+    if not images:
+        return lambda folder: {}
+    if part.reasons is not None and any(reason != image_entry.CUT_IMAGE for reason in part.reasons):
+        return None
+    return lambda folder: {image_entry.LISTED: image_entry.read_files(
+        folder, stream.streams[k], encoder.encoders[k], part.records, np.fromfile(folder / "example_ids.bin", np.int64))}
 
 
 def _skipped(e: Exception) -> str:
@@ -556,7 +598,7 @@ def _skipped(e: Exception) -> str:
 
 
 def _bytes(where: Path) -> int:
-    return sum((where / file).stat().st_size for file in spill.FILES)
+    return sum((where / file).stat().st_size for file in (*spill.FILES, *image_entry.held(where)))
 
 
 def _clear(folder: Path) -> None:
@@ -581,9 +623,10 @@ def _reasons(stream, encoder, where: str, at: list[int]) -> list[str]:
 
 
 def _part_bytes(tokens: spill.Spill, example_ids: np.ndarray, src: np.ndarray, k: int) -> int:
-    """The bytes part ``k``'s entry takes: 5 a token, 12 an example."""
+    """The bytes part ``k``'s entry takes: 5 a token, 12 an example, and an image build's its examples' images."""
     mine = src[example_ids] == k
-    return 5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
+    return (5 * int(tokens.lengths[mine].sum(dtype=np.int64)) + 12 * int(mine.sum())
+            + image_entry.examples_bytes(tokens.folder, mine))
 
 
 @dataclass(frozen=True, slots=True)
