@@ -32,18 +32,22 @@ def test_a_source_that_changes_while_it_is_read_fails_the_build(tmp_path, monkey
     src = write_jsonl(tmp_path / "data.jsonl")
     real = readers.records
 
-    def records_then_change(builder, path):
-        for i, record in enumerate(real(builder, path)):
-            yield record
-            if i == 0 and path == str(src):
-                if change == "grows":
-                    with open(src, "a") as f:
-                        f.write(json.dumps({"prompt": "late?", "completion": "late."}) + "\n")
-                elif change == "replaced":
-                    write_jsonl(tmp_path / "new.jsonl", RECORDS[::-1])
-                    os.replace(tmp_path / "new.jsonl", src)
-                else:  # same size, other bytes
-                    src.write_text(src.read_text().replace("question", "Question"))
+    def records_then_change(builder, path, skip=0):
+        records = real(builder, path, skip)
+        try:
+            yield next(records)
+        except StopIteration as end:
+            return end.value
+        if path == str(src):
+            if change == "grows":
+                with open(src, "a") as f:
+                    f.write(json.dumps({"prompt": "late?", "completion": "late."}) + "\n")
+            elif change == "replaced":
+                write_jsonl(tmp_path / "new.jsonl", RECORDS[::-1])
+                os.replace(tmp_path / "new.jsonl", src)
+            else:  # same size, other bytes
+                src.write_text(src.read_text().replace("question", "Question"))
+        return (yield from records)  # what the real reader passed over, as it returns it
 
     monkeypatch.setattr(readers, "records", records_then_change)
     out = tmp_path / "out"

@@ -190,10 +190,10 @@ def test_a_mix_of_more_parts_than_int16_numbers_draws_each():
     assert sorted(mix.positions_sources(records, 0, 40_000).tolist()) == list(range(40_000))
 
 
-def _many_parts(tmp: Path, parts: int) -> Path:
+def _many_parts(tmp: Path, parts: int, records: int = 12) -> Path:
     lines = []
     for k in range(parts):
-        path = _jsonl(tmp / f"p{k}.jsonl", [{"prompt": f"q{k} {i}", "completion": f"a{i}"} for i in range(12)])
+        path = _jsonl(tmp / f"p{k}.jsonl", [{"prompt": f"q{k} {i}", "completion": f"a{i}"} for i in range(records)])
         lines.append(f"- {{source: {path}, weight: 1}}")
     mix = tmp / "mix.yaml"
     mix.write_text("\n".join(lines) + "\n")
@@ -204,11 +204,16 @@ def test_a_mix_of_more_parts_than_open_files_raises_the_soft_limit_or_says_so(tm
     import subprocess
     import sys
 
-    mix = _many_parts(tmp_path, 160)
+    # parts of more records than a batch: each part's file stays open while the mix reads on (a part whose records
+    # under --limit are all read is closed at once, so --limit would not need the files); the mix ends early, when
+    # its one small part of weight 20 runs out, every other part opened by then
+    mix = _many_parts(tmp_path, 160, records=1001)
+    small = _jsonl(tmp_path / "small.jsonl", [{"prompt": f"q {i}", "completion": f"a{i}"} for i in range(40)])
+    mix.write_text(mix.read_text() + f"- {{source: {small}, weight: 20}}\n")
     results = {}
     for flag in ("-n", "-Sn"):  # hard and soft limit 128; soft limit 128 only
         out = tmp_path / f"out{flag}"
-        command = f"ulimit {flag} 128 && {sys.executable} -m packer build --mix {mix} --limit 1500 -q --out {out}"
+        command = f"ulimit {flag} 128 && {sys.executable} -m packer build --mix {mix} -q --out {out}"
         results[flag] = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                                        cwd=Path(__file__).resolve().parent.parent)
     assert results["-Sn"].returncode == 0, results["-Sn"].stderr
