@@ -3,10 +3,12 @@ processor over every image: decode and checks; its tokens and images kept) again
 another ``--max-len`` (every image file the records read re-hashed, nothing decoded), wall seconds, one run each,
 imports warm and the processor loaded before either.
 
-    python benchmarks/bench_image_store.py [--records 400]
+    python benchmarks/bench_image_store.py [--records 400] [--shell]
 
 The records are bench_images.py's (four real photographs, one or two a record), and the same records with each
-image its own file (every file then re-hashed by the re-plan). Needs what bench_images.py needs.
+image its own file (every file then re-hashed by the re-plan). Needs what bench_images.py needs. ``--shell``: each
+build a ``packer build -j 1 -q`` process of its own (the 4-file records only): the first build, a re-plan with
+another ``--max-len``, and a ``--no-cache`` build, each process's start, imports and processor included.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,10 +47,36 @@ def timed(source: Path, processor: Path, out: Path, max_len: int) -> tuple[float
     return time.perf_counter() - started, result.replanned
 
 
+def shell(source: Path, processor: Path, out: Path, max_len: int, *options: str) -> float:
+    """Wall seconds of one ``packer build`` process."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "packer", "build", str(source), "--out", str(out), "--processor",
+                    str(processor), "--pack", "bfd", "--max-len", str(max_len), "--overlong", "drop", "-j", "1", "-q",
+                    "--overwrite", *options], check=True)
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=400)
+    parser.add_argument("--shell", action="store_true", help="each build a process of its own (the 4-file records)")
     args = parser.parse_args()
+    if args.shell:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            os.environ["PACKER_CACHE"] = str(root / "cache")
+            processor = processor_folder(root / "processor")
+            (root / "shared").mkdir()
+            data(root / "shared", args.records)
+            source = root / "shared" / "data.jsonl"
+            print(f"load average before: {os.getloadavg()[0]:.2f}")
+            first = shell(source, processor, root / "out", 4096)
+            replan = shell(source, processor, root / "out", 8192)
+            cold = shell(source, processor, root / "cold", 8192, "--no-cache")
+            print(f"shell ({args.records} records, 4 image files): first build {first:.2f} s, re-plan with another "
+                  f"--max-len {replan:.2f} s ({replan / first:.0%}), --no-cache build {cold:.2f} s")
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["PACKER_CACHE"] = str(root / "cache")
