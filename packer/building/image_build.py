@@ -1,21 +1,25 @@
 """Where an image build differs from a text build, in the pipeline's terms: the encoder of its records and
-what the manifest records of its processor (the pipeline calls these; docs/images.md)."""
+what the manifest records of its processor, both from the processor's facts (the pipeline calls these;
+docs/images.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..contract.config import BuildConfig
-from ..contract.vision import PROCESSOR_FILES, PROCESSOR_KEY, load_processor, processor_folder, processor_info
+from ..contract.vision import PROCESSOR_FILES, PROCESSOR_KEY, processor_folder
 from ..errors import ConfigError, PackerError
-from . import hub, sources
+from . import hub, processor_facts, sources
 from .image_encoder import ImageEncoder
 
 DEFAULT_IMAGES_FIELDS = ("images", "image")
 
 
-def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) -> ImageEncoder:
-    """The encoder of one source's image+text records (TRL's vision format: messages and images)."""
+def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool,
+            memo: processor_facts.Memo | None = None) -> ImageEncoder:
+    """The encoder of one source's image+text records (TRL's vision format: messages and images), made from the
+    processor's facts (kept in ``memo`` for a processor folder met before: the processor is then loaded only if
+    the build tokenizes)."""
     if spec.kind != "chat":
         raise ConfigError(f"--processor: image+text records are chat records (messages with image parts); this "
                           f"data is {spec.kind} data: give --messages-field")
@@ -27,7 +31,8 @@ def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool) 
     if not Path(config.processor).expanduser().is_dir():  # a Hub id: its files fetched into the cache, if the Hub answers
         processor_folder(config.processor, download=hub.reachable())
     base = Path(stream.files[0]).parent if stream.source.kind == "local" and stream.files else None
-    return ImageEncoder(tokenizer, spec, processor=config.processor, images_field=field, base=base,
+    facts = processor_facts.facts(config.processor, memo)
+    return ImageEncoder(tokenizer, spec, facts=facts, images_field=field, base=base,
                         max_len=config.max_len if config.overlong == "truncate" else None, skip_errors=skip_errors,
                         template_given=config.chat_template is not None)
 
@@ -63,8 +68,7 @@ def for_columns(config: BuildConfig, columns: list[str]) -> BuildConfig:
     return config.replace(messages_field="conversations")
 
 
-def tokenizer_record(config: BuildConfig, record: dict) -> dict:
-    """The manifest's tokenizer record, with the processor's (its class and fingerprint) in an image build."""
-    if config.processor is None:
-        return record
-    return {**record, PROCESSOR_KEY: processor_info(load_processor(config.processor), config.processor)}
+def tokenizer_record(record: dict, facts: processor_facts.Facts | None) -> dict:
+    """The manifest's tokenizer record, with the processor's (its class and fingerprint: ``facts``') in an image
+    build."""
+    return record if facts is None else {**record, PROCESSOR_KEY: facts.record}

@@ -17,12 +17,13 @@ example longer than ``--max-len`` whose cut would fall inside or before one of i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..contract.vision import decode, family_of, image_token_id, images_kwargs, load_processor
+from ..contract.vision import decode, images_kwargs, load_processor
 from ..errors import RecordError
 from .chat import checked_turns, normalize_tools, require_answer
 from .formatting import Formatter, Segments
@@ -154,25 +155,39 @@ def reordered(encoded: Encoded, parts: list[EncodedImages], order: np.ndarray) -
 
 
 class ImageEncoder(Encoder):
-    """Encoder of image+text chat records (see the module's docstring). Holds the processor by name; each
-    process loads it once (``load_processor`` caches it)."""
+    """Encoder of image+text chat records (see the module's docstring), made from the processor's facts
+    (:mod:`packer.building.processor_facts`). What it needs only to encode, it makes at first use: the processor
+    (loaded then, once) and the formatter (its chat template compiled: transformers' renderer), so that a build
+    re-planned from the token store imports neither transformers nor torch."""
 
-    def __init__(self, tokenizer, spec, *, processor: str, images_field: str, base: Path | None,
-                 max_len: int | None = None, skip_errors: bool = False, template_given: bool = False):
-        self.processor_name = processor
-        proc = load_processor(processor)
-        self.family = family_of(proc)  # an unknown family is refused before any record is read
+    def __init__(self, tokenizer, spec, *, facts, images_field: str, base: Path | None, max_len: int | None = None,
+                 skip_errors: bool = False, template_given: bool = False):
+        self.facts, self.processor_name, self.family = facts, facts.name, facts.family
         if not template_given:  # the processor's template renders the records (--chat-template: its tagged twin)
-            tokenizer.chat_template = proc.chat_template
-            tokenizer.chat_template_name = f"--processor {processor}'s chat template"
-        super().__init__(tokenizer, spec, skip_errors=skip_errors)
-        self.image_token = proc.image_token  # what the template writes for an image
-        self.image_token_id = image_token_id(proc)  # what an image's span is made of in the ids
-        self.model_token = proc.tokenizer.convert_ids_to_tokens(self.image_token_id)
-        replace = self._replace if self.family.rule == "replace" else None
-        self.formatter = ImageFormatter(spec, tokenizer, images_field, base, self.image_token, replace)
+            tokenizer.chat_template = facts.chat_template
+            tokenizer.chat_template_name = f"--processor {facts.name}'s chat template"
+        # the Encoder's fields but its formatter (below)
+        self.tokenizer, self.spec, self.skip_errors = tokenizer, spec, skip_errors
+        self.backend, self.eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+        self.add_special_tokens = spec.kind != "chat"
+        self.images_field, self.base = images_field, base
+        self.image_token = facts.image_token  # what the template writes for an image
+        self.image_token_id = facts.image_token_id  # what an image's span is made of in the ids
+        self.model_token = facts.model_token
         self.max_len = max_len
         self._pending: list[tuple[list[Image], list[int] | None]] = []
+
+    @cached_property
+    def formatter(self) -> ImageFormatter:
+        replace = self._replace if self.family.rule == "replace" else None
+        return ImageFormatter(self.spec, self.tokenizer, self.images_field, self.base, self.image_token, replace)
+
+    @cached_property
+    def processor(self):
+        return load_processor(self.processor_name)
+
+    def __getstate__(self) -> dict[str, Any]:  # a spawned worker loads the processor itself
+        return {k: v for k, v in self.__dict__.items() if k != "processor"}
 
     def example(self, record: dict[str, Any]):
         out = super().example(record)
@@ -184,7 +199,7 @@ class ImageEncoder(Encoder):
         """The "replace" rule: the processor's own replacement text for each image in place of its placeholder
         (its ``_process_images`` and ``get_text_with_replacements``, as ``processor.__call__`` runs them), the
         trained spans moved with it; and each image's count of image tokens."""
-        proc = load_processor(self.processor_name)
+        proc = self.processor
         _, replacements = proc._process_images([[decode(im.data) for im in images]], **images_kwargs(proc))
         texts, offsets = proc.get_text_with_replacements([text], replacements)
         moved = []
@@ -214,7 +229,7 @@ class ImageEncoder(Encoder):
         """The "count" rule: each image's placeholder count, by the processor's own rule for its size."""
         if not images:
             return []
-        data = load_processor(self.processor_name)._get_num_multimodal_tokens(
+        data = self.processor._get_num_multimodal_tokens(
             image_sizes=[(im.height, im.width) for im in images])
         return [int(n) for n in data["num_image_tokens"]]
 

@@ -50,12 +50,12 @@ def identity(encoder) -> dict[str, Any] | None:
     """What an image part's tokens depend on beyond what a text part's identity holds (None: a text encoder)."""
     if not isinstance(encoder, ImageEncoder):
         return None
-    base = encoder.formatter.base
+    base = encoder.base
     try:
         pillow = metadata.version("pillow")
     except metadata.PackageNotFoundError:
         pillow = None
-    return {"field": encoder.formatter.images_field, "base": None if base is None else str(Path(base).absolute()),
+    return {"field": encoder.images_field, "base": None if base is None else str(Path(base).absolute()),
             "max_len": encoder.max_len, "pillow": pillow,  # and the processor's tokenizer's image token
             "image_token": [encoder.image_token, encoder.image_token_id, encoder.model_token]}
 

@@ -1,4 +1,4 @@
-"""Tokenizers met before, kept in the cache so that a later build does not load them by transformers.
+"""Tokenizers and processors met before, kept in the cache so that a later build does not load them by transformers.
 
 Loading a tokenizer by its transformers class imports transformers: most of a small build's start, and most of a
 re-plan's. So a build that loads a tokenizer folder keeps its parts (``Tokenizer.parts``: the Rust tokenizer
@@ -6,6 +6,11 @@ transformers built, serialised whole, its special tokens and chat templates) in 
 keyed by the content of every file of the folder (transformers reads several) and the versions of packer,
 transformers and tokenizers; a later build of a folder whose files hash to that key rebuilds the same tokenizer
 from them with the Rust library alone. The parts' own sha256 is kept beside them and checked on every use.
+
+A processor folder's facts (:mod:`packer.building.processor_facts`: what an image build reads of its processor
+even when it tokenizes nothing) are kept alike in ``<cache root>/processors/<key>`` (:data:`PROCESSORS`), keyed
+also by the versions of the libraries that load a processor and read its images (Pillow; torch and torchvision,
+whose presence decides which image processor class loads).
 """
 
 from __future__ import annotations
@@ -22,23 +27,16 @@ from ..contract.config import ROW_LIMIT
 from ..fs import file_sha256
 
 FACTS = "tokenizers"  # their kind in the cache root (each a JSON file, evicted as any entry)
+PROCESSOR_FACTS = "processors"  # the processors' kind
 _HASHED_UP_TO = 64 << 20  # larger files of a tokenizer folder (a model's weights beside it) count by size and mtime
 
 
-def _tokenizer_key(base: Path) -> str | None:
-    """The key of tokenizer folder ``base`` as its files are now (None when it cannot be read)."""
+def _version(distribution: str) -> str | None:
+    """The installed version, read from its metadata (importing the library is what this spares); None: absent."""
     try:
-        # the installed versions, read from their metadata: importing transformers is what this spares
-        versions = [__version__, *(metadata.version(d) for d in ("transformers", "tokenizers"))]
-        digest = hashlib.sha256(_canonical(versions).encode())
-        for path in sorted(base.rglob("*")):
-            if path.is_file():
-                st = path.stat()
-                what = file_sha256(path) if st.st_size <= _HASHED_UP_TO else f"{st.st_size}:{st.st_mtime_ns}"
-                digest.update(_canonical([path.relative_to(base).as_posix(), what]).encode())
-    except (OSError, metadata.PackageNotFoundError):
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
         return None
-    return digest.hexdigest()[:32] + ".json"
 
 
 def _read_parts(path: Path) -> dict[str, Any]:
@@ -58,15 +56,33 @@ def _parts_problem(path: Path, full: bool) -> str | None:
     return None
 
 
-class _Tokenizers:
-    """The tokenization.Memo of the cache: each tokenizer folder's parts."""
+class Kept:
+    """JSON values kept in the cache's ``kind``, one a folder: keyed by the folder's files as they are now and
+    the versions of packer and of ``libraries``; a value's sha256 is checked on every use."""
 
-    def get(self, folder: Path) -> dict[str, Any] | None:
-        name = _tokenizer_key(folder)
+    def __init__(self, kind: str, libraries: tuple[str, ...]):
+        self.kind, self.libraries = kind, libraries
+
+    def key(self, base: Path) -> str | None:
+        """The key of folder ``base`` as its files are now (None when it cannot be read)."""
+        try:
+            digest = hashlib.sha256(_canonical([__version__, *map(_version, self.libraries)]).encode())
+            for path in sorted(base.rglob("*")):
+                if path.is_file():
+                    st = path.stat()
+                    what = file_sha256(path) if st.st_size <= _HASHED_UP_TO else f"{st.st_size}:{st.st_mtime_ns}"
+                    digest.update(_canonical([path.relative_to(base).as_posix(), what]).encode())
+        except OSError:
+            return None
+        return digest.hexdigest()[:32] + ".json"
+
+    def get(self, folder: Path) -> Any:
+        """The value kept for ``folder`` as it is now (None: none, or one found damaged)."""
+        name = self.key(folder)
         if name is None:
             return None
         try:
-            entry = cache.Cache(FACTS).find(name, _parts_problem)
+            entry = cache.Cache(self.kind).find(name, _parts_problem)
             if entry is None:
                 return None
             with entry:
@@ -74,20 +90,37 @@ class _Tokenizers:
         except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
             return None
 
-    def put(self, folder: Path, tokenizer) -> None:
-        """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
-        below it, which the build refuses first). A failure only means the next build loads it again."""
-        name = _tokenizer_key(folder)
-        if name is None or tokenizer.top_id() > ROW_LIMIT:
+    def keep(self, folder: Path, value: Any) -> None:
+        """Keep ``value`` for ``folder``. A failure only means the next build loads it again."""
+        name = self.key(folder)
+        if name is None:
             return
-        body = json.dumps(tokenizer.parts()).encode()
+        body = json.dumps(value).encode()
         data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
-        with suppress(OSError, cache.CacheError), cache.Cache(FACTS).open(name, lambda tmp: tmp.write_bytes(data),
-                                                                           _parts_problem):
+        with suppress(OSError, cache.CacheError), cache.Cache(self.kind).open(name, lambda tmp: tmp.write_bytes(data),
+                                                                               _parts_problem):
             pass
 
+    def clear(self) -> None:
+        """Remove every value kept, each once no build has it open."""
+        facts = cache.Cache(self.kind)
+        for path in facts.folder.glob("*.json"):
+            with suppress(OSError):
+                facts._evict(facts.path(path.name))
 
-TOKENIZERS = _Tokenizers()
+
+class _Tokenizers(Kept):
+    """The tokenization.Memo of the cache: each tokenizer folder's parts."""
+
+    def put(self, folder: Path, tokenizer) -> None:
+        """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
+        below it, which the build refuses first)."""
+        if tokenizer.top_id() <= ROW_LIMIT:
+            self.keep(folder, tokenizer.parts())
+
+
+TOKENIZERS = _Tokenizers(FACTS, ("transformers", "tokenizers"))
+PROCESSORS = Kept(PROCESSOR_FACTS, ("transformers", "tokenizers", "pillow", "torch", "torchvision"))
 
 
 def _canonical(value: Any) -> str:
@@ -95,8 +128,6 @@ def _canonical(value: Any) -> str:
 
 
 def clear() -> None:
-    """Remove every tokenizer kept, each once no build has it open."""
-    facts = cache.Cache(FACTS)
-    for path in facts.folder.glob("*.json"):
-        with suppress(OSError):
-            facts._evict(facts.path(path.name))
+    """Remove every tokenizer and processor kept, each once no build has it open."""
+    TOKENIZERS.clear()
+    PROCESSORS.clear()

@@ -30,7 +30,7 @@ from ..planning.context_parallel import pad_token_id, pad_up
 from ..planning.pairs import plan_pairs, prompt_lengths
 from ..planning.plan import Plan, answer_lengths
 from ..planning.plan import plan_epochs as make_plan
-from . import engines, image_build, kept_tokenizers, mix, output, sources, spill, token_store
+from . import engines, image_build, kept_tokenizers, mix, output, processor_facts, sources, spill, token_store
 from .formatting import make_spec
 from .preference import PairEncoder
 from .tokenization import Encoder, load_tokenizer, tokenizer_info
@@ -90,12 +90,15 @@ class Opened:
     source: dict  # the manifest's source record
     read: dict[str, tuple[int, ...]]  # the local files read, as they were before they were hashed (`_signature`)
     pairs: bool = False  # preference data: two examples a record, planned as pairs (packer.planning.pairs)
+    processor: processor_facts.Facts | None = None  # an image build's: what it reads of its processor
 
 
-def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
+def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool, processors: processor_facts.Memo | None = None
+                ) -> Opened:
     """Open each part of the config's mix (its one source, for a one-source build) as a stream of its
     first records (under ``--limit``, as far as the draws take it; a part with a records count: that
-    many), each with its encoder made from the config and the part's fields."""
+    many), each with its encoder made from the config and the part's fields (an image build's from its
+    processor's facts, kept in ``processors`` for a folder met before)."""
     parts = source_parts(config)
     resolved = [sources.resolve(part["source"], recipe=part.get("recipe"), split=part.get("split"),
                                 from_hub=config.from_hub, files=part.get("files")) for part in parts]
@@ -120,7 +123,7 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
                               "packed into one build (pairs train with a DPO loss); build them apart")
         streams.append(stream)
         if config.processor is not None:  # image+text records (packer.building.image_build)
-            encoders.append(image_build.encoder(config, tokenizer, spec, stream, skip_errors=skip_errors))
+            encoders.append(image_build.encoder(config, tokenizer, spec, stream, skip_errors=skip_errors, memo=processors))
         else:
             encoders.append((PairEncoder if spec.kind == "preference" else Encoder)(tokenizer, spec, skip_errors=skip_errors))
         wheres.append(f"{stream.files[0]} record" if len(stream.files) == 1 else f"{source.name} record")
@@ -128,7 +131,7 @@ def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool) -> Opened:
     record = infos[0] if config.mix is None else {
         "kind": "mix", "parts": [{"source": part["source"], **info} for part, info in zip(parts, infos, strict=True)]}
     return Opened(mix.MixStream(parts, tuple(streams), config.seed, config.limit), mix.MixEncoder(encoders, wheres),
-                  record, read, isinstance(encoders[0], PairEncoder))
+                  record, read, isinstance(encoders[0], PairEncoder), getattr(encoders[0], "facts", None))
 
 
 def _signatures(stream: sources.Stream) -> dict[str, tuple[int, ...]]:
@@ -379,10 +382,13 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     tokenizer = load_tokenizer(tokenizer_path(config.tokenizer), config.chat_template,
                                memo=kept_tokenizers.TOKENIZERS if config.cache else None)
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
-    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip")
+    # and a processor folder's facts are kept: an image build loads its processor only if it tokenizes
+    opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip",
+                         processors=kept_tokenizers.PROCESSORS if config.cache else None)
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
     identity = {"config": config.identity(),
-                "tokenizer": image_build.tokenizer_record(config, tokenizer_info(tokenizer, config.tokenizer or BUNDLED)),
+                "tokenizer": image_build.tokenizer_record(tokenizer_info(tokenizer, config.tokenizer or BUNDLED),
+                                                          opened.processor),
                 "source": opened.source}
     previous = output.check(out, identity, config.overwrite)
     if previous is not None:

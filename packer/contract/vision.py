@@ -86,8 +86,11 @@ FAMILIES = {
 
 
 def family_of(processor) -> Family:
-    """The family of a processor (or of a processor class); a ConfigError naming it when packer has none."""
-    name = (processor if isinstance(processor, type) else type(processor)).__name__.removesuffix(_NO_VIDEO)
+    """The family of a processor (or of a processor class, or its name); a ConfigError naming it when packer has
+    none."""
+    if not isinstance(processor, str):
+        processor = (processor if isinstance(processor, type) else type(processor)).__name__
+    name = processor.removesuffix(_NO_VIDEO)
     family = FAMILIES.get(name)
     if family is None:
         known = ", ".join(sorted({f.name for f in FAMILIES.values()}))
@@ -181,10 +184,26 @@ def processor_folder(name: str, *, download: bool = False) -> Path:
                           "where there is network and pass the folder") from None
 
 
-@cache
 def load_processor(name: str):
     """The processor ``name`` (a folder, or a Hub id in the local cache) as ``AutoProcessor`` loads it, or
-    assembled without its video processor where that needs torchvision; a ConfigError in one line otherwise."""
+    assembled without its video processor where that needs torchvision; a ConfigError in one line otherwise.
+    Loaded once a process, and again once a folder's files change (a process building twice, the folder edited
+    between: the second build's record is the folder's as it is then)."""
+    folder = Path(name).expanduser()
+    return _load_processor(name, _files_state(folder) if folder.is_dir() else None)
+
+
+def _files_state(folder: Path) -> tuple:
+    """What changes when a file of ``folder`` is added, removed, written to or replaced."""
+    try:
+        return tuple((str(p), st.st_size, st.st_mtime_ns, st.st_ino) for p in sorted(folder.rglob("*"))
+                     if p.is_file() and (st := p.stat()))
+    except OSError:
+        return ()
+
+
+@cache
+def _load_processor(name: str, state: tuple | None):
     import transformers
 
     folder = processor_folder(name)
