@@ -13,14 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from store_tools import damage_entry, entry_dirs
 from test_images import _record, data, processor_dir  # noqa: F401 - the fixtures, shared
 
-from packer import BuildConfig, build
-from packer.building import image_entry
+from packer import BuildConfig, build, cache
+from packer.building import image_entry, kept_tokenizers
 from packer.checking.verify import verify
 from packer.errors import RecordError
 
@@ -181,3 +183,45 @@ def test_a_mix_of_image_sources_is_redrawn_from_its_parts_entries(own, processor
     report = verify(str(tmp_path / "mix"))
     assert report.ok and report.checked["images"] > 0, [str(p) for p in report.problems]
 
+
+
+def test_a_replan_from_a_processor_met_before_imports_neither_transformers_nor_torch(own, processor_dir, tmp_path):  # noqa: F811
+    """The processor's facts kept by the first build: a re-plan from the shell loads no processor (nor imports
+    transformers, whose processing modules import torch), byte-identical to a --no-cache build."""
+    build(config(own, processor_dir, tmp_path / "first"))
+    code = ("import sys; from packer.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\nprint(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    args = [str(own / "data.jsonl"), "--out", str(tmp_path / "replan"), "--processor", str(processor_dir), "--pack",
+            "bfd", "--max-len", "4096", "--overlong", "drop", "-j", "1", "-q"]
+    done = subprocess.run([sys.executable, "-c", code, "build", *args], capture_output=True, text=True, check=True)
+    assert "re-planned from cached tokens" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert digest(tmp_path / "replan") == cold(own, processor_dir, tmp_path / "cold", max_len=4096)
+
+
+def test_processor_facts_damaged_or_of_a_changed_folder_are_not_used(own, processor_dir, tmp_path):  # noqa: F811
+    """Facts kept damaged (their JSON edited) or of another shape: the processor is loaded, the build re-plans
+    byte-identical and the facts are kept sound again. The folder's preprocessor_config.json edited (a smaller
+    size limit): the facts kept are not its, the build's identity differs and it tokenizes."""
+    processor = tmp_path / "processor"
+    shutil.copytree(processor_dir, processor)
+    build(config(own, processor, tmp_path / "first"))
+    [kept] = (cache.Cache(kept_tokenizers.PROCESSOR_FACTS).folder).glob("*.json")
+    sound = kept.read_bytes()
+    digest_line, _, body = sound.partition(b"\n")
+    reshaped = json.dumps({"record": {}}).encode()
+    build(config(own, processor, tmp_path / "cold", seed=2, cache=False))
+    for damage in (digest_line + b"\n" + body.replace(b"<|image_pad|>", b"<|video_pad|>"),
+                   hashlib.sha256(reshaped).hexdigest().encode() + b"\n" + reshaped):
+        kept.write_bytes(damage)
+        again = build(config(own, processor, tmp_path / "again", seed=2))
+        assert again.replanned and not again.warnings
+        assert digest(tmp_path / "again") == digest(tmp_path / "cold")
+        assert kept.read_bytes() == sound
+    settings = json.loads((processor / "preprocessor_config.json").read_text())
+    settings["size"]["longest_edge"] = 128 * 28 * 28
+    (processor / "preprocessor_config.json").write_text(json.dumps(settings))
+    changed = build(config(own, processor, tmp_path / "changed", seed=2))
+    assert not changed.replanned and len(list(kept.parent.glob("*.json"))) == 2
+    assert changed.manifest.tokenizer["processor"]["fingerprint"] != again.manifest.tokenizer["processor"]["fingerprint"]
+    build(config(own, processor, tmp_path / "cold", seed=2, cache=False))
+    assert digest(tmp_path / "changed") == digest(tmp_path / "cold")

@@ -16,7 +16,7 @@ DEFAULT_IMAGES_FIELDS = ("images", "image")
 
 
 def encoder(config: BuildConfig, tokenizer, spec, stream, *, skip_errors: bool,
-            memo: processor_facts.Memo | None = None) -> ImageEncoder:
+            memo: processor_facts.Kept | None = None) -> ImageEncoder:
     """The encoder of one source's image+text records (TRL's vision format: messages and images), made from the
     processor's facts (kept in ``memo`` for a processor folder met before: the processor is then loaded only if
     the build tokenizes)."""

@@ -8,15 +8,14 @@ transformers and tokenizers; a later build of a folder whose files hash to that 
 from them with the Rust library alone. The parts' own sha256 is kept beside them and checked on every use.
 
 A processor folder's facts (:mod:`packer.building.processor_facts`: what an image build reads of its processor
-even when it tokenizes nothing) are kept alike in ``<cache root>/processors/<key>`` (:data:`PROCESSORS`), keyed
-also by the versions of the libraries that load a processor and read its images (Pillow; torch and torchvision,
-whose presence decides which image processor class loads).
+even when it tokenizes nothing) are kept alike (:class:`Kept`) in ``<cache root>/processors/<key>``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from contextlib import suppress
 from importlib import metadata
 from pathlib import Path
@@ -48,20 +47,20 @@ def _read_parts(path: Path) -> dict[str, Any]:
     return json.loads(body)
 
 
-def _parts_problem(path: Path, full: bool) -> str | None:
-    try:
-        _read_parts(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable or damaged"
-    return None
-
-
 class Kept:
     """JSON values kept in the cache's ``kind``, one a folder: keyed by the folder's files as they are now and
-    the versions of packer and of ``libraries``; a value's sha256 is checked on every use."""
+    the versions of packer and of ``libraries``; a value's sha256 is checked on every use, and ``sound`` (if
+    given) says whether a value is of the shape its reader takes: one that is not is made again."""
 
-    def __init__(self, kind: str, libraries: tuple[str, ...]):
-        self.kind, self.libraries = kind, libraries
+    def __init__(self, kind: str, libraries: tuple[str, ...], sound: Callable[[Any], bool] | None = None):
+        self.kind, self.libraries, self.sound = kind, libraries, sound
+
+    def _problem(self, path: Path, full: bool) -> str | None:
+        try:
+            value = _read_parts(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return "unreadable or damaged"
+        return None if self.sound is None or self.sound(value) else "not of its shape"
 
     def key(self, base: Path) -> str | None:
         """The key of folder ``base`` as its files are now (None when it cannot be read)."""
@@ -82,7 +81,7 @@ class Kept:
         if name is None:
             return None
         try:
-            entry = cache.Cache(self.kind).find(name, _parts_problem)
+            entry = cache.Cache(self.kind).find(name, self._problem)
             if entry is None:
                 return None
             with entry:
@@ -98,15 +97,9 @@ class Kept:
         body = json.dumps(value).encode()
         data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
         with suppress(OSError, cache.CacheError), cache.Cache(self.kind).open(name, lambda tmp: tmp.write_bytes(data),
-                                                                               _parts_problem):
+                                                                               self._problem):
             pass
 
-    def clear(self) -> None:
-        """Remove every value kept, each once no build has it open."""
-        facts = cache.Cache(self.kind)
-        for path in facts.folder.glob("*.json"):
-            with suppress(OSError):
-                facts._evict(facts.path(path.name))
 
 
 class _Tokenizers(Kept):
@@ -120,7 +113,6 @@ class _Tokenizers(Kept):
 
 
 TOKENIZERS = _Tokenizers(FACTS, ("transformers", "tokenizers"))
-PROCESSORS = Kept(PROCESSOR_FACTS, ("transformers", "tokenizers", "pillow", "torch", "torchvision"))
 
 
 def _canonical(value: Any) -> str:
@@ -129,5 +121,8 @@ def _canonical(value: Any) -> str:
 
 def clear() -> None:
     """Remove every tokenizer and processor kept, each once no build has it open."""
-    TOKENIZERS.clear()
-    PROCESSORS.clear()
+    for kind in (FACTS, PROCESSOR_FACTS):
+        facts = cache.Cache(kind)
+        for path in facts.folder.glob("*.json"):
+            with suppress(OSError):
+                facts._evict(facts.path(path.name))

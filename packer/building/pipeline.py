@@ -93,7 +93,7 @@ class Opened:
     processor: processor_facts.Facts | None = None  # an image build's: what it reads of its processor
 
 
-def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool, processors: processor_facts.Memo | None = None
+def open_source(config: BuildConfig, tokenizer, *, skip_errors: bool, processors: processor_facts.Kept | None = None
                 ) -> Opened:
     """Open each part of the config's mix (its one source, for a one-source build) as a stream of its
     first records (under ``--limit``, as far as the draws take it; a part with a records count: that
@@ -384,7 +384,7 @@ def _build(config: BuildConfig, engine: engines.Engine, out: Path, staging: Path
     id_bound = _check_id_range(tokenizer, config.tokenizer or BUNDLED)
     # and a processor folder's facts are kept: an image build loads its processor only if it tokenizes
     opened = open_source(config, tokenizer, skip_errors=config.on_error == "skip",
-                         processors=kept_tokenizers.PROCESSORS if config.cache else None)
+                         processors=processor_facts.PROCESSORS if config.cache else None)
     config = config.for_pairs() if opened.pairs else config  # a row holds a pair: its budget, before it is recorded
     identity = {"config": config.identity(),
                 "tokenizer": image_build.tokenizer_record(tokenizer_info(tokenizer, config.tokenizer or BUNDLED),

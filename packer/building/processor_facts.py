@@ -4,29 +4,22 @@ chat template and its image token; read from the processor, or kept in the cache
 A build needs them even when it tokenizes nothing (a re-plan from the token store: the build's identity holds the
 record and the image token, and the template is the tokenizer's), and loading the processor to read them imports
 transformers and torch: most of a re-plan's time from the shell. So a build that loads a processor folder keeps
-its facts (:data:`packer.building.kept_tokenizers.PROCESSORS`: keyed by the content of every file of the folder and
-the versions of packer, transformers, tokenizers, Pillow, torch and torchvision; their sha256 checked on use), and
-a later build of a folder whose files hash to that key takes them from there; its encoder loads the processor only
-when it tokenizes. Facts kept damaged, or of another shape, are not used: the processor is loaded. A Hub id's
-processor is always loaded.
+its facts (:data:`PROCESSORS`: keyed by the content of every file of the folder and the versions of packer,
+transformers, tokenizers, Pillow, torch and torchvision, whose presence decides which image processor class loads;
+their sha256 and shape checked on use), and a later build of a folder whose files hash to that key takes them
+from there; its encoder loads the processor only when it tokenizes. Facts kept damaged, or of another shape, are
+not used: the processor is loaded (and they are kept again). A Hub id's processor is always loaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..contract.vision import Family, family_of, image_token_id, load_processor, processor_info
 from ..errors import ConfigError
-
-
-class Memo(Protocol):
-    """Where the facts of processor folders met before are kept (``kept_tokenizers.PROCESSORS``)."""
-
-    def get(self, folder: Path) -> Any: ...
-
-    def keep(self, folder: Path, value: Any) -> None: ...
+from .kept_tokenizers import PROCESSOR_FACTS, Kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +44,7 @@ def of(processor, name: str) -> Facts:
                  processor.tokenizer.convert_ids_to_tokens(token_id))
 
 
-def facts(name: str, memo: Memo | None = None) -> Facts:
+def facts(name: str, memo: Kept | None = None) -> Facts:
     """The facts of processor ``name``: kept in ``memo`` for its folder as it is now, else read from the processor
     loaded (and kept there)."""
     folder = Path(name).expanduser()
@@ -87,3 +80,8 @@ def _from_kept(value: Any, name: str) -> Facts | None:
     except ConfigError:
         return None
     return facts
+
+
+# where the pipeline keeps them (a value not of their shape, though its sha256 holds, is made again)
+PROCESSORS = Kept(PROCESSOR_FACTS, ("transformers", "tokenizers", "pillow", "torch", "torchvision"),
+                  lambda value: _from_kept(value, "") is not None)
