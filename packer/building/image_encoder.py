@@ -186,6 +186,9 @@ class ImageEncoder(Encoder):
     def processor(self):
         return load_processor(self.processor_name)
 
+    def ready(self) -> None:
+        self.formatter, self.processor  # noqa: B018 - each made once, here
+
     def __getstate__(self) -> dict[str, Any]:  # a spawned worker loads the processor itself
         return {k: v for k, v in self.__dict__.items() if k != "processor"}
 

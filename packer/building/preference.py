@@ -68,6 +68,9 @@ class PairEncoder:
         self.skip_errors = skip_errors
         self.template = tokenizer.chat() if getattr(tokenizer, "chat_template", None) else None
 
+    def ready(self) -> None:
+        """Nothing made at first use (``Encoder.ready``)."""
+
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.backend.encode(text, add_special_tokens=special).ids
 

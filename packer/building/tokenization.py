@@ -307,6 +307,10 @@ class Encoder:
         self.add_special_tokens = spec.kind != "chat"
         self.skip_errors = skip_errors
 
+    def ready(self) -> None:
+        """Make now what this encoder makes at first use (nothing: an image encoder's processor), before worker
+        processes are forked to share it."""
+
     def example(self, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
         """One record as the build tokenizes it: its text, the [start, end) character spans trained, and whether
         the EOS packer appends (where the text's tokens do not end with it) is trained: it takes the flag of the
