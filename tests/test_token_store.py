@@ -164,7 +164,8 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
 PLANNING = st.sampled_from([{}, {"pack": "bfd", "seed": 1}, {"max_len": 256, "overlong": "split", "epochs": 2},
                             {"pack": "bfd", "max_len": 512, "format_version": 1}])  # few: each needs its cold build
 TOKENS = st.sampled_from([{"limit": LIMITS[0]}, {"limit": LIMITS[1]}, {"limit": LIMITS[0], "train_on": "all"}])
-DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "torn_meta", "foreign", "killed_writer", "killed_restore"])
+DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "torn_meta", "edited_meta", "foreign", "killed_writer",
+                         "killed_restore"])
 STEP = st.one_of(st.tuples(st.just("build"), TOKENS, PLANNING), st.tuples(st.just("damage"), DAMAGE, st.integers(0, 9)))
 
 
@@ -281,3 +282,31 @@ def test_two_builds_at_once_share_the_store(tmp_path):
     os.environ["PACKER_CACHE"] = str(cache)
     assert len(entry_dirs()) == 1
     assert build(config(tmp_path / "after", limit=LIMITS[0], pack="bfd")).replanned
+
+
+def test_the_same_files_by_another_path_replan(tmp_path, monkeypatch):
+    """An entry is keyed by its source's content, not by the path it was given by: the file given relative, absolute,
+    or copied into another folder re-plans (byte-identical to a cold build of that path); other bytes under the same
+    name tokenize."""
+    import gzip
+
+    from packer.contract.recipes import RECIPES
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "s.jsonl").write_bytes(gzip.decompress(RECIPES["flan"].local.read_bytes())[:200_000].rsplit(b"\n", 1)[0] + b"\n")
+    monkeypatch.chdir(data)
+
+    def one(source: str, out: str, **options) -> tuple[bool, dict[str, str]]:
+        result = build(BuildConfig(source=source, recipe="flan", out=str(tmp_path / out), num_proc=1, **options))
+        return result.replanned, digest(tmp_path / out)
+
+    assert one("s.jsonl", "a") == (False, one("s.jsonl", "a-cold", cache=False)[1])
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    shutil.copy(data / "s.jsonl", elsewhere / "s.jsonl")
+    for source, out in ((str(data / "s.jsonl"), "b"), (f"./{'s.jsonl'}", "c"), (str(elsewhere / "s.jsonl"), "d")):
+        replanned, got = one(source, out, max_len=512)
+        assert replanned and got == one(source, out + "-cold", max_len=512, cache=False)[1], source
+    (elsewhere / "s.jsonl").write_bytes((elsewhere / "s.jsonl").read_bytes().replace(b"the", b"teh", 1))
+    assert not one(str(elsewhere / "s.jsonl"), "e")[0]
