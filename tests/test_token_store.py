@@ -141,7 +141,12 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     path = ROOT / "packer" / "data" / "tokenizer" if folder == "bundled" else need_shared(folder)
     loaded = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)  # loaded by transformers, its parts kept
     rebuilt = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)
+    # what a build reads of it before it tokenizes comes from the kept facts: no Rust tokenizer made for it
+    assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t") and len(rebuilt) == len(loaded)
+    assert rebuilt.control_tokens() == loaded.control_tokens() and rebuilt.top_id() == loaded.top_id()
+    assert rebuilt._backend is None
     assert type(rebuilt.backend_tokenizer) is type(loaded.backend_tokenizer) and rebuilt is not loaded
+    rebuilt._facts = None  # now read from the Rust tokenizer made at first use: the same
     assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t")
     # what the rebuilt one records (kept, not made again) is what it is: its own serialisation and ids
     assert rebuilt.backend_tokenizer.to_str() == rebuilt.serialized() == loaded.backend_tokenizer.to_str()
@@ -157,6 +162,21 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     data[len(data) // 2] ^= 1  # one bit of the serialised tokenizer
     kept.write_bytes(bytes(data))
     assert kept_tokenizers.TOKENIZERS.get(path) is None
+
+
+def test_a_replan_makes_no_rust_tokenizer(tmp_path, monkeypatch):
+    """A build re-planned from the store never tokenizes, so a tokenizer rebuilt from its kept parts is not made (0.4 s
+    for a large vocabulary); one that tokenizes makes it once, before any worker starts (they share it)."""
+    import tokenizers
+
+    made = []
+    real = tokenizers.Tokenizer.from_str
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str", lambda text: made.append(1) or real(text))
+    build(config(tmp_path / "first", limit=LIMITS[0]))  # the tokenizer's parts kept, its tokens kept
+    made.clear()
+    assert build(config(tmp_path / "replan", limit=LIMITS[0], pack="bfd")).replanned and made == []
+    assert not build(config(tmp_path / "tokenizes", limit=LIMITS[0], train_on="all")).replanned
+    assert made == [1]
 
 
 # -- never trusted blindly: the property ------------------------------------------------------------------

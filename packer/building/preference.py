@@ -62,11 +62,15 @@ class PairEncoder:
     def __init__(self, tokenizer, spec, *, skip_errors: bool = False):
         self.tokenizer = tokenizer
         self.spec = spec
-        self.backend = tokenizer.backend_tokenizer
         self.eos = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token
         self.skip_errors = skip_errors
         self.template = tokenizer.chat() if getattr(tokenizer, "chat_template", None) else None
+
+    @property
+    def backend(self):
+        """The Rust tokenizer, made at first use where the tokenizer was rebuilt from kept parts."""
+        return self.tokenizer.backend_tokenizer
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.backend.encode(text, add_special_tokens=special).ids
