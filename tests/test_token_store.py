@@ -330,3 +330,22 @@ def test_the_same_files_by_another_path_replan(tmp_path, monkeypatch):
         assert replanned and got == one(source, out + "-cold", max_len=512, cache=False)[1], source
     (elsewhere / "s.jsonl").write_bytes((elsewhere / "s.jsonl").read_bytes().replace(b"the", b"teh", 1))
     assert not one(str(elsewhere / "s.jsonl"), "e")[0]
+
+
+def test_a_chat_replan_imports_no_transformers(tmp_path):
+    """A chat build re-planned from the store reads no record, so it compiles no chat template (which imports
+    transformers: half a second) and makes no Rust tokenizer; byte-identical to a --no-cache build all the same."""
+    records = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                             {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(40)]
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    build(BuildConfig(source=str(source), out=str(tmp_path / "first"), num_proc=1))  # tokens and tokenizer kept
+    code = ("import sys; from packer.cli import main\ntry:\n    main(['build', sys.argv[1], '--out', sys.argv[2], "
+            "'--pack', 'bfd', '-q'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / "replan")], capture_output=True,
+                          text=True, check=True, env={**os.environ})
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert json.loads((tmp_path / "replan" / "manifest.json").read_text())["stats"]["examples_read"] == 40
+    build(BuildConfig(source=str(source), out=str(tmp_path / "cold"), pack="bfd", num_proc=1, cache=False))
+    assert digest(tmp_path / "replan") == digest(tmp_path / "cold")

@@ -381,10 +381,11 @@ class MixEncoder:
 
     def ready(self) -> MixEncoder:
         """Make now, in this process, what encoding needs and its parts defer (a tokenizer rebuilt from kept parts
-        makes its Rust tokenizer at first use, 0.4 s for a large vocabulary): workers forked after it share it,
-        rather than each making its own."""
+        makes its Rust tokenizer at first use, 0.4 s for a large vocabulary; a chat template is compiled at first
+        use, and a broken one fails here, before any record is read): workers forked after it share them, rather
+        than each making its own."""
         for encoder in self.encoders:
-            encoder.backend  # noqa: B018
+            encoder.ready()
         return self
 
     def encode(self, chunk: MixChunk) -> Encoded:

@@ -21,6 +21,7 @@ Cost: three tokenizer calls (and for chat three renders) per record.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,16 @@ class PairEncoder:
         self.eos = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token
         self.skip_errors = skip_errors
-        self.template = tokenizer.chat() if getattr(tokenizer, "chat_template", None) else None
+
+    @cached_property
+    def template(self):
+        """The chat template, compiled at first use (``ready``; never in a re-plan, which reads no record)."""
+        return self.tokenizer.chat() if getattr(self.tokenizer, "chat_template", None) else None
+
+    def ready(self) -> None:
+        """As ``Encoder.ready``: the Rust tokenizer and the chat template made now, before any record is read."""
+        self.backend  # noqa: B018
+        self.template  # noqa: B018
 
     @property
     def backend(self):

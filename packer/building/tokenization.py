@@ -333,6 +333,13 @@ class Encoder:
         """The Rust tokenizer, made at first use where the tokenizer was rebuilt from kept parts."""
         return self.tokenizer.backend_tokenizer
 
+    def ready(self) -> None:
+        """Make now what encoding defers (a build that re-plans from the token store never needs them): the Rust
+        tokenizer of one rebuilt from kept parts, and the chat template, compiled (a broken one fails here, before
+        any record is read)."""
+        self.backend  # noqa: B018
+        self.formatter.template  # noqa: B018
+
     def example(self, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
         """One record as the build tokenizes it: its text, the [start, end) character spans trained, and whether
         the EOS packer appends (where the text's tokens do not end with it) is trained: it takes the flag of the
