@@ -14,7 +14,7 @@ from pathlib import Path
 from packer.building import token_store
 
 # what damage_entry does to an entry already there
-ENTRY_DAMAGE = ("truncate", "flip", "no_meta", "torn_meta", "foreign")
+ENTRY_DAMAGE = ("truncate", "flip", "no_meta", "torn_meta", "edited_meta", "foreign")
 
 
 def entry_dirs() -> list[Path]:
@@ -45,7 +45,8 @@ def killed_writer() -> None:
 
 def damage_entry(entry: Path, kind: str) -> None:
     """Damage ``entry`` in one of the ``ENTRY_DAMAGE`` ways: a file cut short or a bit flipped (sizes and hashes
-    find it), its meta.json gone or torn, or the meta of another identity under this key (never used)."""
+    find it), its meta.json gone, torn or edited (its own sha256 finds it), or the meta of another identity under
+    this key (never used)."""
     if kind == "truncate":
         with open(entry / "ids.bin", "r+b") as f:
             f.truncate(max(0, (entry / "ids.bin").stat().st_size - 4))
@@ -58,9 +59,16 @@ def damage_entry(entry: Path, kind: str) -> None:
     elif kind == "torn_meta":
         text = (entry / "meta.json").read_text()
         (entry / "meta.json").write_text(text[: len(text) // 2])
+    elif kind == "edited_meta":  # what it says of its files changed, as JSON still well formed
+        meta = json.loads((entry / "meta.json").read_text())
+        meta["skips"] = {"at": [0], "reasons": ["malformed_json"]}
+        (entry / "meta.json").write_text(json.dumps(meta))
     elif kind == "foreign":
         meta = json.loads((entry / "meta.json").read_text())
         meta["identity"]["config"]["train_on"] = "another"
+        from packer.building.token_store import _meta_sha256
+
+        meta["sha256"] = _meta_sha256(meta)  # an entry written so: sound, of another identity
         (entry / "meta.json").write_text(json.dumps(meta))
     else:
         raise ValueError(kind)

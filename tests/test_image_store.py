@@ -116,13 +116,36 @@ def test_an_image_file_changed_since_is_never_served(own, processor_dir, tmp_pat
     assert not skip.replanned and skip.manifest.stats.dropped_by_reason == {"image_missing": 3}
     assert entry_dirs() == []  # what decided those skips (a file missing) is in no stored byte: no entry kept
     assert digest(tmp_path / "again") == cold(own, processor_dir, tmp_path / "cold", seed=5, on_error="skip")
+    # a file that cannot be read now (a symlink to itself: not missing, an OSError of its own) is changed too
+    PIL.new("L", (80, 60), 128).save(own / "gray.png", compress_level=0)
+    assert not build(config(own, processor_dir, tmp_path / "fourth", on_error="skip")).replanned and entry_dirs()
+    (own / "gray.png").unlink()
+    (own / "gray.png").symlink_to("gray.png")
+    loop = build(config(own, processor_dir, tmp_path / "loop", seed=5, on_error="skip"))
+    assert not loop.replanned and digest(tmp_path / "loop") == cold(own, processor_dir, tmp_path / "cold", seed=5,
+                                                                   on_error="skip")
+
+
+def test_a_processor_whose_configuration_changed_is_another_build(own, processor_dir, tmp_path):  # noqa: F811
+    """The processor's fingerprint holds its configuration files (a processor_config.json setting decides Gemma 3's
+    and LLaVA's image tokens): one edited since the entry was made is another build, tokenized, never re-planned."""
+    mine = tmp_path / "processor"
+    shutil.copytree(processor_dir, mine)
+    first = build(config(own, mine, tmp_path / "first"))
+    settings = json.loads((mine / "processor_config.json").read_text())
+    (mine / "processor_config.json").write_text(json.dumps({**settings, "image_seq_length": 64}))
+    again = build(config(own, mine, tmp_path / "again", seed=3))
+    assert not again.replanned
+    assert again.manifest.tokenizer["processor"]["fingerprint"] != first.manifest.tokenizer["processor"]["fingerprint"]
+    assert build(config(own, mine, tmp_path / "third", seed=4)).replanned  # the entry of the processor as it is now
 
 
 def test_a_damaged_image_entry_is_removed_and_tokenized_again(own, processor_dir, tmp_path):  # noqa: F811
-    """Its images altered, its image index cut short, or its meta.json gone: found (sha256s, sizes), the
-    entry removed and the source tokenized again with one warning, the new entry used after."""
+    """Its images altered, its image index cut short, its meta.json gone, or the image files it lists edited (a file
+    dropped from the listing, then changed: the meta's own sha256 finds it): found, the entry removed and the
+    source tokenized again with one warning, the new entry used after."""
     build(config(own, processor_dir, tmp_path / "first"))
-    for damage in ("images", "index", "no_meta"):
+    for damage in ("images", "index", "no_meta", "listing"):
         [entry] = entry_dirs()
         if damage == "images":  # a bit flipped: the sha256 finds it
             data = bytearray((entry / "images.bin").read_bytes())
@@ -131,6 +154,11 @@ def test_a_damaged_image_entry_is_removed_and_tokenized_again(own, processor_dir
         elif damage == "index":  # cut short: the size finds it
             with open(entry / "image_index.bin", "r+b") as f:
                 f.truncate((entry / "image_index.bin").stat().st_size - 8)
+        elif damage == "listing":
+            meta = json.loads((entry / "meta.json").read_text())
+            meta[image_entry.LISTED] = [f for f in meta[image_entry.LISTED] if not f["path"].endswith("gray.png")]
+            (entry / "meta.json").write_text(json.dumps(meta))
+            PIL.new("L", (80, 60), 131).save(own / "gray.png", compress_level=0)
         else:
             damage_entry(entry, damage)
         result = build(config(own, processor_dir, tmp_path / "again", **CHANGED[0]))

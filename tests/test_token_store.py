@@ -141,7 +141,12 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     path = ROOT / "packer" / "data" / "tokenizer" if folder == "bundled" else need_shared(folder)
     loaded = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)  # loaded by transformers, its parts kept
     rebuilt = load_tokenizer(str(path), memo=kept_tokenizers.TOKENIZERS)
+    # what a build reads of it before it tokenizes comes from the kept facts: no Rust tokenizer made for it
+    assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t") and len(rebuilt) == len(loaded)
+    assert rebuilt.control_tokens() == loaded.control_tokens() and rebuilt.top_id() == loaded.top_id()
+    assert rebuilt._backend is None
     assert type(rebuilt.backend_tokenizer) is type(loaded.backend_tokenizer) and rebuilt is not loaded
+    rebuilt._facts = None  # now read from the Rust tokenizer made at first use: the same
     assert tokenizer_info(rebuilt, "t") == tokenizer_info(loaded, "t")
     # what the rebuilt one records (kept, not made again) is what it is: its own serialisation and ids
     assert rebuilt.backend_tokenizer.to_str() == rebuilt.serialized() == loaded.backend_tokenizer.to_str()
@@ -159,12 +164,28 @@ def test_a_tokenizer_rebuilt_from_its_parts_is_the_same_tokenizer(folder):
     assert kept_tokenizers.TOKENIZERS.get(path) is None
 
 
+def test_a_replan_makes_no_rust_tokenizer(tmp_path, monkeypatch):
+    """A build re-planned from the store never tokenizes, so a tokenizer rebuilt from its kept parts is not made (0.4 s
+    for a large vocabulary); one that tokenizes makes it once, before any worker starts (they share it)."""
+    import tokenizers
+
+    made = []
+    real = tokenizers.Tokenizer.from_str
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str", lambda text: made.append(1) or real(text))
+    build(config(tmp_path / "first", limit=LIMITS[0]))  # the tokenizer's parts kept, its tokens kept
+    made.clear()
+    assert build(config(tmp_path / "replan", limit=LIMITS[0], pack="bfd")).replanned and made == []
+    assert not build(config(tmp_path / "tokenizes", limit=LIMITS[0], train_on="all")).replanned
+    assert made == [1]
+
+
 # -- never trusted blindly: the property ------------------------------------------------------------------
 
 PLANNING = st.sampled_from([{}, {"pack": "bfd", "seed": 1}, {"max_len": 256, "overlong": "split", "epochs": 2},
                             {"pack": "bfd", "max_len": 512, "format_version": 1}])  # few: each needs its cold build
 TOKENS = st.sampled_from([{"limit": LIMITS[0]}, {"limit": LIMITS[1]}, {"limit": LIMITS[0], "train_on": "all"}])
-DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "torn_meta", "foreign", "killed_writer", "killed_restore"])
+DAMAGE = st.sampled_from(["truncate", "flip", "no_meta", "torn_meta", "edited_meta", "foreign", "killed_writer",
+                         "killed_restore"])
 STEP = st.one_of(st.tuples(st.just("build"), TOKENS, PLANNING), st.tuples(st.just("damage"), DAMAGE, st.integers(0, 9)))
 
 
@@ -281,3 +302,50 @@ def test_two_builds_at_once_share_the_store(tmp_path):
     os.environ["PACKER_CACHE"] = str(cache)
     assert len(entry_dirs()) == 1
     assert build(config(tmp_path / "after", limit=LIMITS[0], pack="bfd")).replanned
+
+
+def test_the_same_files_by_another_path_replan(tmp_path, monkeypatch):
+    """An entry is keyed by its source's content, not by the path it was given by: the file given relative, absolute,
+    or copied into another folder re-plans (byte-identical to a cold build of that path); other bytes under the same
+    name tokenize."""
+    import gzip
+
+    from packer.contract.recipes import RECIPES
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "s.jsonl").write_bytes(gzip.decompress(RECIPES["flan"].local.read_bytes())[:200_000].rsplit(b"\n", 1)[0] + b"\n")
+    monkeypatch.chdir(data)
+
+    def one(source: str, out: str, **options) -> tuple[bool, dict[str, str]]:
+        result = build(BuildConfig(source=source, recipe="flan", out=str(tmp_path / out), num_proc=1, **options))
+        return result.replanned, digest(tmp_path / out)
+
+    assert one("s.jsonl", "a") == (False, one("s.jsonl", "a-cold", cache=False)[1])
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    shutil.copy(data / "s.jsonl", elsewhere / "s.jsonl")
+    for source, out in ((str(data / "s.jsonl"), "b"), (f"./{'s.jsonl'}", "c"), (str(elsewhere / "s.jsonl"), "d")):
+        replanned, got = one(source, out, max_len=512)
+        assert replanned and got == one(source, out + "-cold", max_len=512, cache=False)[1], source
+    (elsewhere / "s.jsonl").write_bytes((elsewhere / "s.jsonl").read_bytes().replace(b"the", b"teh", 1))
+    assert not one(str(elsewhere / "s.jsonl"), "e")[0]
+
+
+def test_a_chat_replan_imports_no_transformers(tmp_path):
+    """A chat build re-planned from the store reads no record, so it compiles no chat template (which imports
+    transformers: half a second) and makes no Rust tokenizer; byte-identical to a --no-cache build all the same."""
+    records = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                             {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(40)]
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    build(BuildConfig(source=str(source), out=str(tmp_path / "first"), num_proc=1))  # tokens and tokenizer kept
+    code = ("import sys; from packer.cli import main\ntry:\n    main(['build', sys.argv[1], '--out', sys.argv[2], "
+            "'--pack', 'bfd', '-q'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / "replan")], capture_output=True,
+                          text=True, check=True, env={**os.environ})
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert json.loads((tmp_path / "replan" / "manifest.json").read_text())["stats"]["examples_read"] == 40
+    build(BuildConfig(source=str(source), out=str(tmp_path / "cold"), pack="bfd", num_proc=1, cache=False))
+    assert digest(tmp_path / "replan") == digest(tmp_path / "cold")

@@ -163,8 +163,6 @@ def _pool_chunks(chunks: Iterator[MixChunk], encoder: MixEncoder, num_proc: int)
     parent needs: on any exit of this generator (end, error, Ctrl-C, close) the parent kills them and
     reaps them, which cannot block.
     """
-    for e in encoder.encoders:  # what an encoder makes at first use, made once for the workers forked
-        e.ready()
     workers = _Workers(num_proc, encoder)
     chunks = iter(chunks)
     size = TASK if _splittable(encoder) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..errors import ConfigError, RecordError, TokenizerError
@@ -175,7 +176,13 @@ class Formatter:
                 f"{name} has no chat template, so chat data cannot be formatted; use a tokenizer with one "
                 "(e.g. the bundled tokenizer), pass --chat-template FILE, or give --prompt-field/--completion-field"
             )
-        self.template = tokenizer.chat() if spec.kind == "chat" else None
+
+    @cached_property
+    def template(self):
+        """The chat template, compiled at first use (a broken one fails then): at the start of tokenizing
+        (``Encoder.ready``), before any record is read, and never in a build that re-plans from the token store,
+        which reads no record (compiling imports transformers: half a second)."""
+        return self.tokenizer.chat() if self.spec.kind == "chat" else None
 
     def __call__(self, record: dict[str, Any]) -> Segments:
         if record.get(UNREADABLE) is not None:  # a record its reader could not make (readers.unreadable)

@@ -156,9 +156,8 @@ def reordered(encoded: Encoded, parts: list[EncodedImages], order: np.ndarray) -
 
 class ImageEncoder(Encoder):
     """Encoder of image+text chat records (see the module's docstring), made from the processor's facts
-    (:mod:`packer.building.processor_facts`). What it needs only to encode, it makes at first use: the processor
-    (loaded then, once) and the formatter (its chat template compiled: transformers' renderer), so that a build
-    re-planned from the token store imports neither transformers nor torch."""
+    (:mod:`packer.building.processor_facts`). The processor itself is loaded at first use (``ready``: when the
+    build tokenizes), so that a build re-planned from the token store imports neither transformers nor torch."""
 
     def __init__(self, tokenizer, spec, *, facts, images_field: str, base: Path | None, max_len: int | None = None,
                  skip_errors: bool = False, template_given: bool = False):
@@ -166,28 +165,23 @@ class ImageEncoder(Encoder):
         if not template_given:  # the processor's template renders the records (--chat-template: its tagged twin)
             tokenizer.chat_template = facts.chat_template
             tokenizer.chat_template_name = f"--processor {facts.name}'s chat template"
-        # the Encoder's fields but its formatter (below)
-        self.tokenizer, self.spec, self.skip_errors = tokenizer, spec, skip_errors
-        self.backend, self.eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
-        self.add_special_tokens = spec.kind != "chat"
-        self.images_field, self.base = images_field, base
+        super().__init__(tokenizer, spec, skip_errors=skip_errors)
         self.image_token = facts.image_token  # what the template writes for an image
         self.image_token_id = facts.image_token_id  # what an image's span is made of in the ids
         self.model_token = facts.model_token
+        replace = self._replace if self.family.rule == "replace" else None
+        self.formatter = ImageFormatter(spec, tokenizer, images_field, base, self.image_token, replace)
         self.max_len = max_len
         self._pending: list[tuple[list[Image], list[int] | None]] = []
-
-    @cached_property
-    def formatter(self) -> ImageFormatter:
-        replace = self._replace if self.family.rule == "replace" else None
-        return ImageFormatter(self.spec, self.tokenizer, self.images_field, self.base, self.image_token, replace)
 
     @cached_property
     def processor(self):
         return load_processor(self.processor_name)
 
     def ready(self) -> None:
-        self.formatter, self.processor  # noqa: B018 - each made once, here
+        """As ``Encoder.ready``, and the processor loaded (once, before the workers fork)."""
+        super().ready()
+        self.processor  # noqa: B018
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned worker loads the processor itself
         return {k: v for k, v in self.__dict__.items() if k != "processor"}

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +49,11 @@ def identity(encoder) -> dict[str, Any] | None:
     """What an image part's tokens depend on beyond what a text part's identity holds (None: a text encoder)."""
     if not isinstance(encoder, ImageEncoder):
         return None
-    base = encoder.base
-    try:
-        pillow = metadata.version("pillow")
-    except metadata.PackageNotFoundError:
-        pillow = None
-    return {"field": encoder.images_field, "base": None if base is None else str(Path(base).absolute()),
+    import PIL  # the module's own version: a fork installed under another name (pillow-simd) has it too
+
+    base = encoder.formatter.base
+    pillow = getattr(PIL, "__version__", None)
+    return {"field": encoder.formatter.images_field, "base": None if base is None else str(Path(base).absolute()),
             "max_len": encoder.max_len, "pillow": pillow,  # and the processor's tokenizer's image token
             "image_token": [encoder.image_token, encoder.image_token_id, encoder.model_token]}
 
@@ -140,7 +138,10 @@ def append(where: Path, rest: Path) -> None:
 def changed(meta: dict[str, Any]) -> str | None:
     """Which image file the entry's records read differs now from the bytes the entry holds (None: none)."""
     for f in meta[LISTED]:
-        problem = cache.file_problem(f["path"], f["bytes"], f["sha256"])
+        try:
+            problem = cache.file_problem(f["path"], f["bytes"], f["sha256"])
+        except OSError as e:  # not a file now, unreadable, a symlink loop: changed all the same; tokenizing says how
+            problem = f"cannot be read ({e.strerror or e})"
         if problem is not None:
             return f"image file {f['path']}: {problem}"
     return None

@@ -5,7 +5,9 @@ re-plan's. So a build that loads a tokenizer folder keeps its parts (``Tokenizer
 transformers built, serialised whole, its special tokens and chat templates) in ``<cache root>/tokenizers/<key>``,
 keyed by the content of every file of the folder (transformers reads several) and the versions of packer,
 transformers and tokenizers; a later build of a folder whose files hash to that key rebuilds the same tokenizer
-from them with the Rust library alone. The parts' own sha256 is kept beside them and checked on every use.
+from them with the Rust library alone, at the first use of the Rust tokenizer (a build that re-plans from the token
+store never tokenizes: it reads only the facts kept with the parts, its special ids, size and added tokens). The
+parts' own sha256 is kept beside them and checked on every use.
 
 A processor folder's facts (:mod:`packer.building.processor_facts`: what an image build reads of its processor
 even when it tokenizes nothing) are kept alike (:class:`Kept`) in ``<cache root>/processors/<key>``.

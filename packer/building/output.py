@@ -544,7 +544,7 @@ def _is_output_failure(e: OSError, out: Path) -> bool:
         if name is not None:
             try:
                 return Path(name).resolve().is_relative_to(out.resolve())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RuntimeError):  # RuntimeError: a symlink loop (Python before 3.13)
                 return False
     # pyarrow's write errors carry neither filename nor errno; the text says what failed
     text = str(e).lower()

@@ -21,6 +21,7 @@ Cost: three tokenizer calls (and for chat three renders) per record.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -62,14 +63,24 @@ class PairEncoder:
     def __init__(self, tokenizer, spec, *, skip_errors: bool = False):
         self.tokenizer = tokenizer
         self.spec = spec
-        self.backend = tokenizer.backend_tokenizer
         self.eos = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token
         self.skip_errors = skip_errors
-        self.template = tokenizer.chat() if getattr(tokenizer, "chat_template", None) else None
+
+    @cached_property
+    def template(self):
+        """The chat template, compiled at first use (``ready``; never in a re-plan, which reads no record)."""
+        return self.tokenizer.chat() if getattr(self.tokenizer, "chat_template", None) else None
 
     def ready(self) -> None:
-        """Nothing made at first use (``Encoder.ready``)."""
+        """As ``Encoder.ready``: the Rust tokenizer and the chat template made now, before any record is read."""
+        self.backend  # noqa: B018
+        self.template  # noqa: B018
+
+    @property
+    def backend(self):
+        """The Rust tokenizer, made at first use where the tokenizer was rebuilt from kept parts."""
+        return self.tokenizer.backend_tokenizer
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.backend.encode(text, add_special_tokens=special).ids

@@ -11,7 +11,7 @@ ids, trained flags, lengths, example ids, here the records' indices in the part)
     meta.json         the identity the tokens were made from; the records, examples and tokens held, whether
                       the records are all the part has (``complete``), each skipped record's index and reason,
                       each file's size and sha256 (an image part's: and each image file its records read, with
-                      the size and sha256 of the bytes held)
+                      the size and sha256 of the bytes held), and its own sha256 (of the rest of it)
     ids.bin trained.bin lengths.bin example_ids.bin
     images.bin image_index.bin example_images.bin    an image part's images (:mod:`packer.building.image_spill`)
 
@@ -75,7 +75,9 @@ from ..fs import file_sha256
 from . import extension, image_entry, kept_tokenizers, mix, redraw, spill
 from .mix import MixEncoder, MixStream
 
-STORE_VERSION = 3  # bump when what an entry holds or means changes: entries of another version are never used
+# bump when what an entry holds or means changes: entries of another version are never used (4: a local source keyed
+# by its files' content and order, not their paths)
+STORE_VERSION = 4
 KIND = "tokens"  # the store's folder in the cache root
 META = "meta.json"
 PARTS = ".parts"  # in a build's spill folder: the parts' files while they are linked in, re-drawn or split out
@@ -96,7 +98,8 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
     fields), its format as resolved (``FormatSpec``: the options, the recipe and the columns decide it, and so
     can ``--pack``: wrap reads a ``text`` column where another mode reads a prompt/completion pair beside it),
     the chat template by content (``tokenizer``'s sha256, not the file's path), the tokenizer by content (its
-    name is where it lies), the part's source by content (its record in the manifest's ``source``). Not the
+    name is where it lies), the part's source by content (its record in the manifest's ``source``; a local one
+    without its path, as given or as its files lie: the same files read from another place are the same tokens). Not the
     weights, seed, ``--limit`` nor the other parts: those decide how many of the part's records a build takes,
     which the entry's counts answer (:mod:`packer.building.redraw`). The versions of the libraries that make the
     tokens (tokenizers, transformers' chat renderer, jinja2) count too.
@@ -111,9 +114,16 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
         if record.get("kind") == "hub" and record.get("revision") is None:
             return None
         images = image_entry.identity(enc)
+        given = {f: v for f, v in part.items() if f not in ("weight", "records")}
+        if record.get("kind") == "local":
+            # by content alone: the same bytes read by another path (relative or absolute, from another folder, a
+            # copy) are the same tokens (an image part's relative image paths are read from its source's folder,
+            # which image_entry's identity holds)
+            given.pop("source", None)
+            record = {**record, "files": [{f: v for f, v in file.items() if f != "path"} for file in record["files"]]}
         out.append({"store_version": STORE_VERSION, "spill_version": spill.STAGE_VERSION, "packer": __version__,
                     "libraries": libraries,
-                    "config": fields, "part": {f: v for f, v in part.items() if f not in ("weight", "records")},
+                    "config": fields, "part": given,
                     "format": dataclasses.asdict(getattr(enc, "spec", None) or enc.formatter.spec),
                     "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record,
                     **({} if images is None else {image_entry.KEY: images})})
@@ -393,6 +403,8 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
         return "its meta.json is missing or unreadable"
     if not isinstance(meta, dict):
         return "its meta.json is not an entry's"
+    if meta.get("sha256") != _meta_sha256(meta):  # what it says of the files (counts, skips, image files) is checked too
+        return "its meta.json was changed since it was written (its sha256 differs)"
     if _canonical(meta.get("identity")) != _canonical(ident):
         return "it was made from another source, tokenizer or config"
     files, counts, skips = meta.get("files"), meta.get("counts"), meta.get("skips")
@@ -415,6 +427,11 @@ def _meta_problem(path: Path, ident: dict[str, Any]) -> str | None:
         if size != files[name]["bytes"]:
             return f"{name} holds {size:,} bytes, not the {files[name]['bytes']:,} it was written with"
     return image_entry.size_problem(path, meta) if image_entry.KEY in ident else None
+
+
+def _meta_sha256(meta: dict[str, Any]) -> str:
+    """The sha256 a meta.json holds of the rest of itself."""
+    return hashlib.sha256(_canonical({k: v for k, v in meta.items() if k != "sha256"}).encode()).hexdigest()
 
 
 def _entry_problem(path: Path, ident: dict[str, Any], full: bool) -> str | None:
@@ -564,7 +581,8 @@ def _keep(store: cache.Cache, name: str, ident: dict[str, Any], where: Path, par
         meta = {"identity": ident, "counts": counts, "complete": part.complete,
                 "skips": {"at": part.skipped_at, "reasons": reasons}, "files": files,
                 "about": about, "created": time.time(), **more}
-        (temp / META).write_text(json.dumps(meta, sort_keys=True, default=str, indent=1))
+        meta = json.loads(json.dumps(meta, default=str))  # as it is read back: its sha256 is of that
+        (temp / META).write_text(json.dumps({**meta, "sha256": _meta_sha256(meta)}, sort_keys=True, indent=1))
 
     def check(path: Path, full: bool) -> str | None:
         problem = _entry_problem(path, ident, full)

@@ -42,24 +42,41 @@ class Tokenizer:
 
     def __init__(self, folder: Path, name_or_path: str):
         hf = _tokenizer_class(folder).from_pretrained(str(folder), local_files_only=True)
-        self._take(name_or_path, hf.backend_tokenizer, dict(hf.special_tokens_map), hf.chat_template)
+        self._backend = hf.backend_tokenizer
+        self._take(name_or_path, dict(hf.special_tokens_map), hf.chat_template)
 
-    def _take(self, name_or_path: str, backend, special_tokens_map: dict, chat_template) -> None:
+    def _take(self, name_or_path: str, special_tokens_map: dict, chat_template, facts: dict | None = None) -> None:
+        """The tokenizer's names and ids, from its Rust tokenizer, or from ``facts`` (``parts``' own) without it."""
         self.name_or_path = name_or_path
-        self.backend_tokenizer = backend
         self.special_tokens_map = special_tokens_map
         for role in ("bos", "eos", "pad", "unk"):
             token = self.special_tokens_map.get(f"{role}_token")
             setattr(self, f"{role}_token", token)
-            setattr(self, f"{role}_token_id", self.backend_tokenizer.token_to_id(token) if token else None)
+            token_id = facts["ids"][role] if facts is not None else (
+                self._backend.token_to_id(token) if token else None)
+            setattr(self, f"{role}_token_id", token_id)
         self.chat_template = chat_template  # a dict when the tokenizer has named ones
         self.chat_template_name = f"{name_or_path}'s chat template"
+        self._facts = facts
+
+    @property
+    def backend_tokenizer(self):
+        """The Rust tokenizer (``tokenizers.Tokenizer``); one rebuilt from kept parts is made at first use: a build
+        that re-plans from the token store never tokenizes, and a large vocabulary takes 0.4 s to rebuild."""
+        if self._backend is None:
+            from tokenizers import Tokenizer as Backend
+
+            self._backend = Backend.from_str(self._serialized)
+        return self._backend
 
     def parts(self) -> dict[str, Any]:
         """What this tokenizer is made of, as JSON: the Rust tokenizer transformers built (serialised whole: its
-        fingerprint is this text's sha256), the named special tokens and the chat template(s)."""
+        fingerprint is this text's sha256), the named special tokens and the chat template(s), and the facts a build
+        that does not tokenize reads of it (its special ids, size and control tokens: no Rust tokenizer made)."""
+        facts = {"ids": {role: getattr(self, f"{role}_token_id") for role in ("bos", "eos", "pad", "unk")},
+                 "size": len(self), "control": self.control_tokens()}
         return {"backend": self.serialized(), "special_tokens_map": self.special_tokens_map,
-                "chat_template": self.chat_template, "top_id": self.top_id()}
+                "chat_template": self.chat_template, "top_id": self.top_id(), "facts": facts}
 
     # A large vocabulary's serialisation and id map each take 0.1-0.4 s, and a build asks for each twice or more (its
     # fingerprint and the kept parts; the id range and the kept parts): made once per tokenizer, which packer never
@@ -80,16 +97,19 @@ class Tokenizer:
     def from_parts(cls, name_or_path: str, parts: dict[str, Any]) -> Tokenizer:
         """The tokenizer ``parts`` describes, rebuilt by the Rust library alone (``tokenizers.Tokenizer.from_str``)
         without importing transformers: the same tokenizer, by its fingerprint."""
-        from tokenizers import Tokenizer as Backend
-
         self = cls.__new__(cls)
-        self._take(name_or_path, Backend.from_str(parts["backend"]), dict(parts["special_tokens_map"]),
-                   parts["chat_template"])
         self._serialized = parts["backend"]  # what the cold load serialised: the same fingerprint, not made again
         self._top_id = parts.get("top_id")  # likewise (parts kept before it was: found again)
+        self._backend = None  # made from _serialized at first use (backend_tokenizer)
+        facts = parts.get("facts")
+        if facts is None:  # parts kept before they held their facts: the Rust tokenizer is read for them
+            self.backend_tokenizer  # noqa: B018
+        self._take(name_or_path, dict(parts["special_tokens_map"]), parts["chat_template"], facts)
         return self
 
     def __len__(self) -> int:
+        if self._facts is not None:
+            return self._facts["size"]
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def __call__(self, text: str) -> dict[str, list[int]]:
@@ -101,6 +121,8 @@ class Tokenizer:
     def control_tokens(self) -> list[str]:
         """The tokenizer's added tokens that are not whitespace (special or not): what a chat template's
         turn markers are when the tokenizer is the template's own."""
+        if self._facts is not None:
+            return list(self._facts["control"])
         return [t.content for t in self.backend_tokenizer.get_added_tokens_decoder().values() if t.content.strip()]
 
     def chat(self):
@@ -300,16 +322,23 @@ class Encoder:
 
     def __init__(self, tokenizer, spec: FormatSpec, *, skip_errors: bool = False):
         self.tokenizer = tokenizer
-        self.backend = tokenizer.backend_tokenizer
         self.formatter = Formatter(spec, tokenizer)
         self.eos = tokenizer.eos_token_id
         # Chat templates write their own BOS; other text gets the tokenizer's special tokens.
         self.add_special_tokens = spec.kind != "chat"
         self.skip_errors = skip_errors
 
+    @property
+    def backend(self):
+        """The Rust tokenizer, made at first use where the tokenizer was rebuilt from kept parts."""
+        return self.tokenizer.backend_tokenizer
+
     def ready(self) -> None:
-        """Make now what this encoder makes at first use (nothing: an image encoder's processor), before worker
-        processes are forked to share it."""
+        """Make now what encoding defers (a build that re-plans from the token store never needs them): the Rust
+        tokenizer of one rebuilt from kept parts, and the chat template, compiled (a broken one fails here, before
+        any record is read)."""
+        self.backend  # noqa: B018
+        self.formatter.template  # noqa: B018
 
     def example(self, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
         """One record as the build tokenizes it: its text, the [start, end) character spans trained, and whether

@@ -269,14 +269,25 @@ def _assemble(folder: Path, name: str):
 
 
 def processor_info(processor, name: str) -> dict[str, Any]:
-    """What the manifest records of the processor: its class and a fingerprint of its image processor's
-    configuration and chat template (the tokenizer has its own record)."""
-    config = json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)
+    """What the manifest records of the processor: its class and a fingerprint of what decides its image tokens: its
+    own configuration (``to_dict``: Gemma 3's ``image_seq_length``, LLaVA's ``patch_size`` and feature strategy
+    beside its image processor's), its chat template, and the configuration files its folder holds (the tokens its
+    tokenizer names for an image's start and end are in them). The build's identity holds it, so a processor
+    changed in any of them is another build (the tokenizer has its own record)."""
+    own = json.dumps(processor.to_dict(), sort_keys=True, default=str)
     template = processor.chat_template if isinstance(processor.chat_template, str) else json.dumps(
         processor.chat_template, sort_keys=True)
+    folder = processor_folder(name)
+    files = json.dumps([[f, hashlib.sha256((folder / f).read_bytes()).hexdigest()] for f in CONFIG_FILES
+                        if (folder / f).is_file()])
     return {
         "name_or_path": name,
         "class": type(processor).__name__.removesuffix(_NO_VIDEO),
         "image_processor": type(processor.image_processor).__name__,
-        "fingerprint": hashlib.sha256((config + "\0" + (template or "")).encode()).hexdigest(),
+        "fingerprint": hashlib.sha256("\0".join((own, template or "", files)).encode()).hexdigest(),
     }
+
+
+# the configuration files a processor's folder may hold (the tokenizer's vocabulary is in its own fingerprint)
+CONFIG_FILES = (*PROCESSOR_FILES, "video_preprocessor_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "chat_template.jinja", "chat_template.json")
