@@ -83,5 +83,5 @@ def _from_kept(value: Any, name: str) -> Facts | None:
 
 
 # where the pipeline keeps them (a value not of their shape, though its sha256 holds, is made again)
-PROCESSORS = Kept(PROCESSOR_FACTS, ("transformers", "tokenizers", "pillow", "torch", "torchvision"),
+PROCESSORS = Kept(PROCESSOR_FACTS, ("transformers", "tokenizers", "pillow", "pillow-simd", "torch", "torchvision"),
                   lambda value: _from_kept(value, "") is not None)
