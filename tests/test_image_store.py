@@ -253,3 +253,26 @@ def test_processor_facts_damaged_or_of_a_changed_folder_are_not_used(own, proces
     assert changed.manifest.tokenizer["processor"]["fingerprint"] != again.manifest.tokenizer["processor"]["fingerprint"]
     build(config(own, processor, tmp_path / "cold", seed=2, cache=False))
     assert digest(tmp_path / "changed") == digest(tmp_path / "cold")
+
+
+def test_a_processor_changed_while_the_build_runs_is_refused(own, processor_dir, tmp_path):  # noqa: F811
+    """The build reads its processor's facts (its identity, its manifest record) when it opens the source and loads
+    the processor only when it tokenizes: a folder changed between the two is refused in one line, never tokenized
+    by another processor than the one recorded; facts read while the folder changes are not kept."""
+    from packer.building import pipeline, processor_facts
+    from packer.building.tokenization import load_tokenizer
+    from packer.errors import ConfigError
+
+    mine = tmp_path / "processor"
+    shutil.copytree(processor_dir, mine)
+    cfg = config(own, mine, tmp_path / "out")
+    opened = pipeline.open_source(cfg, load_tokenizer(str(mine)), skip_errors=False,
+                                  processors=processor_facts.PROCESSORS)
+    settings = json.loads((mine / "preprocessor_config.json").read_text())
+    (mine / "preprocessor_config.json").write_text(json.dumps({**settings, "merge_size": 4}))
+    with pytest.raises(ConfigError, match="its files changed while the build ran"):
+        opened.encoder.ready()
+    before = processor_facts.PROCESSORS.key(mine)
+    (mine / "processor_config.json").write_text((mine / "processor_config.json").read_text() + " ")
+    processor_facts.PROCESSORS.keep(mine, {"any": 1}, before)  # read under another key than the folder's now
+    assert processor_facts.PROCESSORS.get(mine) is None

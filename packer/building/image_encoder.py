@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.vision import decode, images_kwargs, load_processor
-from ..errors import RecordError
+from ..contract.vision import decode, image_token_id, images_kwargs, load_processor, processor_info
+from ..errors import ConfigError, RecordError
 from .chat import checked_turns, normalize_tools, require_answer
 from .formatting import Formatter, Segments
 from .images import Image, read_image
@@ -176,7 +176,14 @@ class ImageEncoder(Encoder):
 
     @cached_property
     def processor(self):
-        return load_processor(self.processor_name)
+        """The processor, loaded at first use; it must be the one the build's facts (its identity, its manifest
+        record) were read from: a folder changed since (while the build hashed its source) is refused."""
+        processor = load_processor(self.processor_name)
+        if (processor_info(processor, self.processor_name)["fingerprint"] != self.facts.record["fingerprint"]
+                or image_token_id(processor) != self.image_token_id):
+            raise ConfigError(f"--processor {self.processor_name}: its files changed while the build ran; rerun once "
+                              "they no longer change")
+        return processor
 
     def ready(self) -> None:
         """As ``Encoder.ready``, and the processor loaded (once, before the workers fork)."""

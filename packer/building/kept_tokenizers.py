@@ -49,6 +49,11 @@ def _read_parts(path: Path) -> dict[str, Any]:
     return json.loads(body)
 
 
+# bump when what a kept value holds or means changes (the facts a tokenizer's parts hold, a processor record's
+# fingerprint): values of another version are never found
+FACTS_VERSION = 2
+
+
 class Kept:
     """JSON values kept in the cache's ``kind``, one a folder: keyed by the folder's files as they are now and
     the versions of packer and of ``libraries``; a value's sha256 is checked on every use, and ``sound`` (if
@@ -67,7 +72,7 @@ class Kept:
     def key(self, base: Path) -> str | None:
         """The key of folder ``base`` as its files are now (None when it cannot be read)."""
         try:
-            digest = hashlib.sha256(_canonical([__version__, *map(_version, self.libraries)]).encode())
+            digest = hashlib.sha256(_canonical([__version__, FACTS_VERSION, *map(_version, self.libraries)]).encode())
             for path in sorted(base.rglob("*")):
                 if path.is_file():
                     st = path.stat()
@@ -91,10 +96,12 @@ class Kept:
         except (OSError, ValueError, KeyError, TypeError, cache.CacheError):
             return None
 
-    def keep(self, folder: Path, value: Any) -> None:
-        """Keep ``value`` for ``folder``. A failure only means the next build loads it again."""
+    def keep(self, folder: Path, value: Any, before: str | None) -> None:
+        """Keep ``value``, read from ``folder`` whose key was ``before`` when the reading began: under that key, and
+        only if the folder's files are still what they were (changed meanwhile: not kept, the next build reads them
+        again). A failure only means the next build loads it again."""
         name = self.key(folder)
-        if name is None:
+        if name is None or name != before:
             return
         body = json.dumps(value).encode()
         data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
@@ -107,11 +114,11 @@ class Kept:
 class _Tokenizers(Kept):
     """The tokenization.Memo of the cache: each tokenizer folder's parts."""
 
-    def put(self, folder: Path, tokenizer) -> None:
-        """Keep ``tokenizer``'s parts (not one with an id beyond a row's int32: serialising it walks every id
-        below it, which the build refuses first)."""
+    def put(self, folder: Path, tokenizer, before: str | None) -> None:
+        """Keep ``tokenizer``'s parts, loaded from ``folder`` whose key was ``before`` (not one with an id beyond a
+        row's int32: serialising it walks every id below it, which the build refuses first)."""
         if tokenizer.top_id() <= ROW_LIMIT:
-            self.keep(folder, tokenizer.parts())
+            self.keep(folder, tokenizer.parts(), before)
 
 
 TOKENIZERS = _Tokenizers(FACTS, ("transformers", "tokenizers"))

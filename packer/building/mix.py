@@ -379,14 +379,13 @@ class MixEncoder:
     def __init__(self, encoders: list[Encoder], wheres: list[str]):
         self.encoders, self.wheres = encoders, wheres  # wheres: how an error names a part's record
 
-    def ready(self) -> MixEncoder:
+    def ready(self) -> None:
         """Make now, in this process, what encoding needs and its parts defer (a tokenizer rebuilt from kept parts
         makes its Rust tokenizer at first use, 0.4 s for a large vocabulary; a chat template is compiled at first
         use, and a broken one fails here, before any record is read): workers forked after it share them, rather
         than each making its own."""
         for encoder in self.encoders:
             encoder.ready()
-        return self
 
     def encode(self, chunk: MixChunk) -> Encoded:
         done: list[Encoded] = []

@@ -53,12 +53,13 @@ def facts(name: str, memo: Kept | None = None) -> Facts:
         kept = _from_kept(memo.get(folder), name)
         if kept is not None:
             return kept
+    before = memo.key(folder) if local else None  # the folder as the load begins: kept only if it is so after it
     out = of(load_processor(name), name)
     if local:
         value = asdict(out)
         del value["name"]
         value["record"] = {k: v for k, v in out.record.items() if k != "name_or_path"}  # the folder's, not its path's
-        memo.keep(folder, value)
+        memo.keep(folder, value, before)
     return out
 
 

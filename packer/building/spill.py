@@ -204,7 +204,9 @@ def tokenize(
     done, earlier = _open_spill(folder, identity)
     start = int(done["records"])
     skipped = Skipped(tuple(done["skipped"])) if done["skipped"] else Skipped.none(len(stream.parts))
-    chunks = engine.encode_chunks(stream, encoder.ready(), start) if not done.get("finished") else iter(())
+    if not done.get("finished"):
+        encoder.ready()  # what encoding defers made now, before any record is read (and shared by forked workers)
+    chunks = engine.encode_chunks(stream, encoder, start) if not done.get("finished") else iter(())
     # the records the source holds where it knows them cheaply (metadata, line breaks within a budget, else
     # estimated), --limit if it is given: counted only for a bar that shows, and not again for a finished spill;
     # once the first chunk is in, not before the first record is read: the workers tokenize meanwhile (counting

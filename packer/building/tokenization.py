@@ -162,7 +162,9 @@ class Memo(Protocol):
 
     def get(self, folder: Path) -> dict[str, Any] | None: ...
 
-    def put(self, folder: Path, tokenizer: Tokenizer) -> None: ...
+    def key(self, folder: Path) -> str | None: ...
+
+    def put(self, folder: Path, tokenizer: Tokenizer, before: str | None) -> None: ...
 
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None, *, memo: Memo | None = None) -> Tokenizer:
@@ -186,6 +188,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, *, memo:
             "with a recent transformers (`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
         )
     parts = memo.get(folder) if memo is not None else None
+    before = memo.key(folder) if memo is not None and parts is None else None  # the folder as the load begins
     try:
         tokenizer = Tokenizer(folder, name_or_path) if parts is None else Tokenizer.from_parts(name_or_path, parts)
     except Exception as e:  # tokenizers raises bare Exception on a malformed tokenizer.json
@@ -197,7 +200,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, *, memo:
             "tokenizer_config.json"
         )
     if memo is not None and parts is None:
-        memo.put(folder, tokenizer)  # before --chat-template: the folder's own tokenizer
+        memo.put(folder, tokenizer, before)  # before --chat-template: the folder's own tokenizer
     if chat_template is not None:
         try:
             tokenizer.chat_template = expand_user(chat_template, "--chat-template", TokenizerError).read_text()
