@@ -143,7 +143,12 @@ def test_a_shard_that_keeps_failing_is_one_line_without_credentials(served, tmp_
     message = str(e.value)
     assert name in message and "sha256" in message and "4 tries" in message and "\n" not in message
     assert "hunter2" not in message and "alice" not in message and f"{url}/{name}" in message
-    assert len(_entries(tmp_path / "c")) <= 1 and not [p for p in (tmp_path / "c" / "shards").iterdir()
+    # nothing half-made stays: a shard the prefetcher was fetching when the error came finishes in the background
+    # (Prefetcher.close: a whole entry or none), which a loaded machine shows for a moment; a leak stays for good
+    deadline = time.monotonic() + 10
+    while [p for p in (tmp_path / "c" / "shards").iterdir() if p.name.startswith(".tmp")] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_entries(tmp_path / "c")) <= 2 and not [p for p in (tmp_path / "c" / "shards").iterdir()
                                                      if p.name.startswith(".tmp")]
     server.faults = {name: ["503"] * 50}
     with pytest.raises(RemoteError, match=rf"{name} at .*503.*4 tries"):
