@@ -136,4 +136,3 @@ def gather(sources: list[Path], which: np.ndarray, local: np.ndarray, into: Path
     index[:, 0] = np.concatenate([[0], np.cumsum(index[:, 1])[:-1]]) if rows.size else index[:, 0]
     index.tofile(into / INDEX)
     counts.astype(np.int32).tofile(into / PER_EXAMPLE)
-

@@ -32,7 +32,7 @@ PROCESSOR_FACTS = "processors"  # the processors' kind
 _HASHED_UP_TO = 64 << 20  # larger files of a tokenizer folder (a model's weights beside it) count by size and mtime
 
 
-def _version(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
     """The installed version, read from its metadata (importing the library is what this spares); None: absent."""
     try:
         return metadata.version(distribution)
@@ -72,7 +72,7 @@ class Kept:
     def key(self, base: Path) -> str | None:
         """The key of folder ``base`` as its files are now (None when it cannot be read)."""
         try:
-            digest = hashlib.sha256(_canonical([__version__, FACTS_VERSION, *map(_version, self.libraries)]).encode())
+            digest = hashlib.sha256(_canonical([__version__, FACTS_VERSION, *map(installed_version, self.libraries)]).encode())
             for path in sorted(base.rglob("*")):
                 if path.is_file():
                     st = path.stat()
@@ -108,7 +108,6 @@ class Kept:
         with suppress(OSError, cache.CacheError), cache.Cache(self.kind).open(name, lambda tmp: tmp.write_bytes(data),
                                                                                self._problem):
             pass
-
 
 
 class _Tokenizers(Kept):

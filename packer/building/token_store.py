@@ -63,7 +63,6 @@ import shutil
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +106,7 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
     None when a part's content cannot be pinned: a Hub source read offline has no revision, so a refreshed local
     copy would reuse (or extend) tokens of an older version of it. Such a build neither uses nor keeps entries."""
     fields = {k: v for k, v in config.identity().items() if k not in AFTER_TOKENIZING | _NOT_A_PARTS}
-    libraries = {name: _version(name) for name in ("tokenizers", "transformers", "jinja2")}
+    libraries = {name: kept_tokenizers.installed_version(name) for name in ("tokenizers", "transformers", "jinja2")}
     out = []
     for k, (part, enc) in enumerate(zip(parts, encoder.encoders, strict=True)):
         record = source if config.mix is None else {f: v for f, v in source["parts"][k].items() if f != "source"}
@@ -128,13 +127,6 @@ def identities(config: BuildConfig, tokenizer: dict[str, Any], parts: tuple[dict
                     "tokenizer": {f: v for f, v in tokenizer.items() if f != "name_or_path"}, "source": record,
                     **({} if images is None else {image_entry.KEY: images})})
     return out
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _canonical(value: Any) -> str:
